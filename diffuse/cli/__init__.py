@@ -1,0 +1,44 @@
+"""`diffuse`: a thin command line over the library; each command group lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from diffuse.errors import DiffuseError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffuse.cli import ask, model
+
+    parser = argparse.ArgumentParser(prog="diffuse", description=__doc__)
+    parser.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
+    parser.add_argument("--client-only", action="store_true",
+                        help="consume the swarm without serving any block")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model.register(sub)
+    ask.register(sub)
+    try:
+        from diffuse.cli import net
+    except ImportError:  # the control plane is optional at this layer
+        net = None
+    if net is not None:
+        net.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle OpenMP threads must not steal cores
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * args.verbose, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args) or 0
+    except DiffuseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

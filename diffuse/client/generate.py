@@ -1,0 +1,99 @@
+"""The generation loop: prefill, then one token per step, streamed as text as it comes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from diffuse.client.pipeline import Pipeline
+from diffuse.client.sampling import Sampler, SamplingParams
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    prompt_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
+                  eos_ids: set[int]) -> Iterator[int]:
+    """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens."""
+    context = torch.tensor(prompt)
+    logits = pipeline.forward(context[None], rows=slice(-1, None))[0, -1]
+    for _ in range(sampler.p.max_tokens):
+        token = sampler.sample(logits, context)
+        if token in eos_ids:
+            return
+        yield token
+        context = torch.cat([context, torch.tensor([token])])
+        logits = pipeline.forward(torch.tensor([[token]]))[0, -1]
+
+
+class StopText:
+    """Cuts the text at the first stop string, holding back what could still become one."""
+
+    def __init__(self, stop: list[str]):
+        self.stop, self.buf, self.hit = [s for s in stop if s], "", False
+
+    def push(self, text: str) -> str:
+        self.buf += text
+        for s in self.stop:
+            i = self.buf.find(s)
+            if i >= 0:
+                out, self.buf, self.hit = self.buf[:i], "", True
+                return out
+        hold = max((k for s in self.stop for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
+        out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
+             on_text: Callable[[str], None] | None = None) -> Completion:
+    """Run one answer to the end, calling on_text with each new piece of text."""
+    from diffuse.model.tokenizer import StreamDecoder
+
+    sampler, decoder, stopper = Sampler(params), StreamDecoder(tokenizer), StopText(params.stop)
+    ids: list[int] = []
+    pieces: list[str] = []
+    t0 = time.perf_counter()
+    t_first = None
+    finish = "length"
+
+    def emit(piece: str) -> None:
+        if piece:
+            pieces.append(piece)
+            if on_text:
+                on_text(piece)
+
+    tokens = stream_tokens(pipeline, prompt, sampler, tokenizer.eos_ids)
+    for token in tokens:
+        t_first = t_first or time.perf_counter()
+        ids.append(token)
+        emit(stopper.push(decoder.push(token)))
+        if stopper.hit:
+            finish = "stop"
+            break
+    else:
+        if len(ids) < params.max_tokens:
+            finish = "stop"
+    if not stopper.hit:
+        emit(stopper.push(decoder.flush()))
+        emit(stopper.flush())
+    t_end = time.perf_counter()
+    t_first = t_first or t_end
+    decode_s = t_end - t_first
+    return Completion(
+        text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(prompt),
+        timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
+                 "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
+    )

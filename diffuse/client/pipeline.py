@@ -1,0 +1,97 @@
+"""A generation session as a chain of stages between the client's embeddings and its LM head.
+
+The client always holds the head (embeddings, final norm, LM head), so token ids never leave it.
+Between embedding and head run stages: block spans computed locally, or (data plane) remote
+peers. Every stage speaks the same three verbs, so the generation loop and speculative decoding
+do not care where a block runs: forward (with commit=False for candidates), commit, rollback.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from diffuse.model.llama import BlockSpan, Head, KVCache
+
+
+class Stage(Protocol):
+    start: int
+    end: int
+
+    def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor: ...
+    def commit(self, keep: Sequence[int] | None) -> None: ...
+    def rollback(self, length: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalStage:
+    """A block span computed in this process, with its own KV cache for one session."""
+
+    def __init__(self, span: BlockSpan, max_len: int, batch: int = 1):
+        self.span, self.start, self.end = span, span.start, span.end
+        self.cache: KVCache = span.new_cache(max_len, batch)
+
+    def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
+        return self.span(h.to(self.cache.k.dtype), positions, self.cache, tree_mask, commit)
+
+    def commit(self, keep: Sequence[int] | None) -> None:
+        self.cache.commit(keep)
+
+    def rollback(self, length: int) -> None:
+        self.cache.rollback(length)
+
+    def close(self) -> None:
+        self.cache.wipe()
+
+
+class Pipeline:
+    """One session: embed -> stages -> logits, tracking how many tokens are committed."""
+
+    def __init__(self, head: Head, stages: list[Stage]):
+        self.head, self.stages = head, stages
+        self.length = 0  # committed tokens, identical in every stage's cache
+        self.pending = 0  # candidate tokens of the last forward(commit=False)
+
+    @torch.inference_mode()
+    def forward(self, ids: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
+                commit: bool = True, rows: Tensor | slice | None = None) -> Tensor:
+        """Logits [B, T', V] for ids [B, T]; `rows` picks which of the T positions need logits
+        (the LM head is the costliest matmul of a small model, so prefill asks only for the last)."""
+        if positions is None:
+            positions = torch.arange(self.length, self.length + ids.shape[1])
+        h = self.head.embed_tokens(ids)
+        for stage in self.stages:
+            h = stage.forward(h, positions, tree_mask, commit)
+        if commit:
+            self.length += ids.shape[1]
+        else:
+            self.pending = ids.shape[1]
+        h = h.to(self.head.norm.weight.dtype)
+        return self.head.logits(h if rows is None else h[:, rows])
+
+    def commit(self, keep: Sequence[int] | None = None) -> None:
+        for stage in self.stages:
+            stage.commit(keep)
+        self.length += len(keep) if keep is not None else self.pending
+        self.pending = 0
+
+    def rollback(self, length: int) -> None:
+        for stage in self.stages:
+            stage.rollback(length)
+        self.length, self.pending = length, 0
+
+    def close(self) -> None:
+        for stage in self.stages:
+            stage.close()
+
+
+class LocalModel:
+    """The whole model in one process: the reference every distributed answer must equal."""
+
+    def __init__(self, head: Head, spans: list[BlockSpan]):
+        self.head, self.spans = head, spans
+
+    def session(self, max_len: int, batch: int = 1) -> Pipeline:
+        return Pipeline(self.head, [LocalStage(s, max_len, batch) for s in self.spans])

@@ -1,0 +1,56 @@
+"""Build engine modules from a model directory, reading only the tensors they need."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffuse.errors import ModelError
+from diffuse.model.llama import BlockSpan, Head
+from diffuse.model.weights import ModelFiles, block_hash, load_manifest
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelError(f"unknown dtype {name!r}: choose fp32, bf16 or fp16") from None
+
+
+def _materialise(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    # Built on the meta device, so no memory is spent on a random init that is overwritten.
+    return module.to(dtype).to_empty(device=device)
+
+
+def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.float32,
+              device: str = "cpu", verify: bool = True) -> BlockSpan:
+    """Blocks [start, end), reading only their tensors; verify checks them against the manifest."""
+    files = ModelFiles(model_dir)
+    cfg = files.config
+    if not 0 <= start < end <= cfg.num_layers:
+        raise ModelError(f"blocks {start}:{end} are outside {files.dir.name}'s {cfg.num_layers} blocks")
+    manifest = load_manifest(model_dir) if verify else None
+    with torch.device("meta"):
+        span = BlockSpan(cfg, start, end)
+    _materialise(span, dtype, device)
+    for block, i in zip(span.blocks, range(start, end)):
+        tensors = files.read_block(i)
+        if manifest is not None and block_hash(tensors) != manifest.block_hashes[i]:
+            raise ModelError(f"block {i} of {files.dir.name} does not match its manifest: "
+                             "the weights are damaged or altered; re-import the model")
+        block.load_hf(tensors)
+        del tensors
+    return span.eval()
+
+
+def load_head(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Head:
+    files = ModelFiles(model_dir)
+    with torch.device("meta"):
+        head = Head(files.config)
+    _materialise(head, dtype, device)
+    head.load_hf(files.read_head())
+    return head.eval()

@@ -1,0 +1,27 @@
+"""Shared fixtures: the tiny-model helpers are importable, the real model is converted once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> Path:
+    """A data directory holding the embedded SmolLM2, converted once per test run (~5 s)."""
+    from diffuse.model import store
+
+    home = tmp_path_factory.mktemp("home")
+    store.pull(home, None)
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm2(home) -> Path:
+    from diffuse.home import DEFAULT_MODEL, models_dir
+
+    return models_dir(home) / DEFAULT_MODEL
