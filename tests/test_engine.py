@@ -8,7 +8,7 @@ import torch
 from diffuse.client.pipeline import LocalModel
 from diffuse.errors import ModelError
 from diffuse.model.load import load_head, load_span
-from tiny import load_reference, make_tiny
+from tiny import Sync, load_reference, make_tiny
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -29,7 +29,7 @@ def whole(path, dtype=torch.float32):
 def test_prefill_logits_match_transformers(tiny):
     path, ref = tiny
     ids = torch.randint(0, 300, (2, 11))
-    pipe = whole(path).session(32, batch=2)
+    pipe = Sync(whole(path).session(32, batch=2))
     assert (pipe.forward(ids) - ref_logits(ref, ids)).abs().max() < 1e-4
 
 
@@ -38,15 +38,15 @@ def test_chained_slices_equal_whole_model(tiny):
     ids = torch.randint(0, 300, (1, 7))
     head = load_head(path)
     split = LocalModel(head, [load_span(path, 0, 1), load_span(path, 1, 3), load_span(path, 3, 4)])
-    a = whole(path).session(16).forward(ids)
-    b = split.session(16).forward(ids)
+    a = Sync(whole(path).session(16)).forward(ids)
+    b = Sync(split.session(16)).forward(ids)
     assert torch.equal(a, b)
 
 
 def test_cached_decode_equals_full_recompute(tiny):
     path, ref = tiny
     ids = torch.randint(0, 300, (1, 12))
-    pipe = whole(path).session(32)
+    pipe = Sync(whole(path).session(32))
     steps = [pipe.forward(ids[:, :5])[:, -1]]
     for i in range(5, 12):
         steps.append(pipe.forward(ids[:, i:i + 1])[:, -1])
@@ -78,11 +78,11 @@ def test_tree_verification_equals_separate_branches(tiny):
     prefix = torch.randint(0, 300, (1, 6))
     cand = torch.randint(0, 300, (1, 5))  # r, a, b, c, d
     mask, depth = tree()
-    pipe = model.session(32)
+    pipe = Sync(model.session(32))
     pipe.forward(prefix)
     tree_logits = pipe.forward(cand, positions=6 + depth, tree_mask=mask, commit=False)
     for branch in ([0, 1, 2], [0, 3], [0, 1, 4]):
-        ref = model.session(32)
+        ref = Sync(model.session(32))
         ref.forward(prefix)
         branch_logits = ref.forward(cand[:, branch])
         assert (tree_logits[:, branch] - branch_logits).abs().max() < 1e-5, branch
@@ -96,36 +96,36 @@ def test_rollback_leaves_no_trace(tiny):
     nxt = torch.randint(0, 300, (1, 3))
     mask, depth = tree()
     # Accept branch r -> c (tree indices 0, 3), then decode more tokens.
-    pipe = model.session(32)
+    pipe = Sync(model.session(32))
     pipe.forward(prefix)
     pipe.forward(cand, positions=6 + depth, tree_mask=mask, commit=False)
     pipe.commit([0, 3])
     after = pipe.forward(nxt)
-    clean = model.session(32)
+    clean = Sync(model.session(32))
     clean.forward(prefix)
     clean.forward(cand[:, [0, 3]])
     assert (after - clean.forward(nxt)).abs().max() < 1e-5
     # Rolling back committed tokens equals never having seen them.
     pipe.rollback(6)
     again = pipe.forward(nxt)
-    fresh = model.session(32)
+    fresh = Sync(model.session(32))
     fresh.forward(prefix)
     assert (again - fresh.forward(nxt)).abs().max() < 1e-5
 
 
 def test_pending_candidates_must_be_resolved(tiny):
     path, _ = tiny
-    pipe = whole(path).session(16)
+    pipe = Sync(whole(path).session(16))
     pipe.forward(torch.tensor([[1, 2, 3]]), commit=False)
     with pytest.raises(ValueError, match="commit or roll back"):
         pipe.forward(torch.tensor([[4]]))
     with pytest.raises(ValueError, match="increasing"):
-        pipe.stages[0].commit([2, 0])
+        pipe.stages[0].cache.commit([2, 0])
 
 
 def test_cache_capacity_is_enforced(tiny):
     path, _ = tiny
-    pipe = whole(path).session(4)
+    pipe = Sync(whole(path).session(4))
     with pytest.raises(ValueError, match="exceed"):
         pipe.forward(torch.tensor([[1, 2, 3, 4, 5]]))
 
@@ -134,14 +134,14 @@ def test_cache_capacity_is_enforced(tiny):
 def test_low_precision_tracks_fp32(tiny, dtype):
     path, ref = tiny
     ids = torch.randint(0, 300, (1, 9))
-    low = whole(path, dtype).session(16).forward(ids)
+    low = Sync(whole(path, dtype).session(16)).forward(ids)
     assert low.dtype == torch.float32
     assert (low - ref_logits(ref, ids)).abs().max() < 0.1
 
 
 def test_wipe_zeroes_cache(tiny):
     path, _ = tiny
-    pipe = whole(path).session(8)
+    pipe = Sync(whole(path).session(8))
     pipe.forward(torch.tensor([[5, 6, 7]]))
     cache = pipe.stages[0].cache
     assert cache.k.abs().sum() > 0

@@ -37,3 +37,21 @@ def load_reference(path: Path, dtype=torch.float32):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+class Sync:
+    """Drive an async Pipeline from synchronous test code, one trio.run per call."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+
+    def __getattr__(self, name):
+        import functools
+        import inspect
+
+        import trio
+
+        attr = getattr(self.pipe, name)
+        if inspect.iscoroutinefunction(attr):
+            return lambda *a, **k: trio.run(functools.partial(attr, *a, **k))
+        return attr

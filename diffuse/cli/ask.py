@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+
+import trio
 
 from diffuse.client.sampling import SamplingParams
 from diffuse.errors import DiffuseError
@@ -60,12 +61,16 @@ def cmd_ask(args) -> int:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     prompt = tokenizer.encode_chat(messages)
-    pipeline = model.session(len(prompt) + params.max_tokens)
-    try:
-        on_text = None if args.json else (lambda s: print(s, end="", flush=True))
-        result = complete(pipeline, tokenizer, prompt, params, on_text)
-    finally:
-        pipeline.close()
+    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+
+    async def run():
+        pipeline = model.session(len(prompt) + params.max_tokens)
+        try:
+            return await complete(pipeline, tokenizer, prompt, params, on_text)
+        finally:
+            await pipeline.close()
+
+    result = trio.run(run)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,

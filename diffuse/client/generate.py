@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable
 
 import torch
 
@@ -21,18 +21,18 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
-                  eos_ids: set[int]) -> Iterator[int]:
+async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
+                        eos_ids: set[int]) -> AsyncIterator[int]:
     """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens."""
     context = torch.tensor(prompt)
-    logits = pipeline.forward(context[None], rows=slice(-1, None))[0, -1]
+    logits = (await pipeline.forward(context[None], rows=slice(-1, None)))[0, -1]
     for _ in range(sampler.p.max_tokens):
         token = sampler.sample(logits, context)
         if token in eos_ids:
             return
         yield token
         context = torch.cat([context, torch.tensor([token])])
-        logits = pipeline.forward(torch.tensor([[token]]))[0, -1]
+        logits = (await pipeline.forward(torch.tensor([[token]])))[0, -1]
 
 
 class StopText:
@@ -57,7 +57,7 @@ class StopText:
         return out
 
 
-def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
+async def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
              on_text: Callable[[str], None] | None = None) -> Completion:
     """Run one answer to the end, calling on_text with each new piece of text."""
     from diffuse.model.tokenizer import StreamDecoder
@@ -75,8 +75,7 @@ def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingP
             if on_text:
                 on_text(piece)
 
-    tokens = stream_tokens(pipeline, prompt, sampler, tokenizer.eos_ids)
-    for token in tokens:
+    async for token in stream_tokens(pipeline, prompt, sampler, tokenizer.eos_ids):
         t_first = t_first or time.perf_counter()
         ids.append(token)
         emit(stopper.push(decoder.push(token)))

@@ -4,6 +4,7 @@ The client always holds the head (embeddings, final norm, LM head), so token ids
 Between embedding and head run stages: block spans computed locally, or (data plane) remote
 peers. Every stage speaks the same three verbs, so the generation loop and speculative decoding
 do not care where a block runs: forward (with commit=False for candidates), commit, rollback.
+The verbs are async because remote stages wait on the network (trio); local ones just compute.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ class Stage(Protocol):
     start: int
     end: int
 
-    def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor: ...
-    def commit(self, keep: Sequence[int] | None) -> None: ...
-    def rollback(self, length: int) -> None: ...
-    def close(self) -> None: ...
+    async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor: ...
+    async def commit(self, keep: Sequence[int] | None) -> None: ...
+    async def rollback(self, length: int) -> None: ...
+    async def close(self) -> None: ...
 
 
 class LocalStage:
@@ -33,16 +34,16 @@ class LocalStage:
         self.span, self.start, self.end = span, span.start, span.end
         self.cache: KVCache = span.new_cache(max_len, batch)
 
-    def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
+    async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
         return self.span(h.to(self.cache.k.dtype), positions, self.cache, tree_mask, commit)
 
-    def commit(self, keep: Sequence[int] | None) -> None:
+    async def commit(self, keep: Sequence[int] | None) -> None:
         self.cache.commit(keep)
 
-    def rollback(self, length: int) -> None:
+    async def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.cache.wipe()
 
 
@@ -54,8 +55,7 @@ class Pipeline:
         self.length = 0  # committed tokens, identical in every stage's cache
         self.pending = 0  # candidate tokens of the last forward(commit=False)
 
-    @torch.inference_mode()
-    def forward(self, ids: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
+    async def forward(self, ids: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
                 commit: bool = True, rows: Tensor | slice | None = None) -> Tensor:
         """Logits [B, T', V] for ids [B, T]; `rows` picks which of the T positions need logits
         (the LM head is the costliest matmul of a small model, so prefill asks only for the last)."""
@@ -63,7 +63,7 @@ class Pipeline:
             positions = torch.arange(self.length, self.length + ids.shape[1])
         h = self.head.embed_tokens(ids)
         for stage in self.stages:
-            h = stage.forward(h, positions, tree_mask, commit)
+            h = await stage.forward(h, positions, tree_mask, commit)
         if commit:
             self.length += ids.shape[1]
         else:
@@ -71,20 +71,20 @@ class Pipeline:
         h = h.to(self.head.norm.weight.dtype)
         return self.head.logits(h if rows is None else h[:, rows])
 
-    def commit(self, keep: Sequence[int] | None = None) -> None:
+    async def commit(self, keep: Sequence[int] | None = None) -> None:
         for stage in self.stages:
-            stage.commit(keep)
+            await stage.commit(keep)
         self.length += len(keep) if keep is not None else self.pending
         self.pending = 0
 
-    def rollback(self, length: int) -> None:
+    async def rollback(self, length: int) -> None:
         for stage in self.stages:
-            stage.rollback(length)
+            await stage.rollback(length)
         self.length, self.pending = length, 0
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for stage in self.stages:
-            stage.close()
+            await stage.close()
 
 
 class LocalModel:

@@ -142,6 +142,16 @@ class BlockSpan(nn.Module):
         self.inv_freq = 1.0 / cfg.rope_theta ** (
             torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device="cpu") / cfg.head_dim)
 
+    def view(self, start: int, end: int) -> "BlockSpan":
+        """Blocks [start, end) of this span, sharing its weights: a peer may serve a sub-range."""
+        if not self.start <= start < end <= self.end:
+            raise ValueError(f"blocks [{start}, {end}) are not within [{self.start}, {self.end})")
+        sub = BlockSpan.__new__(BlockSpan)
+        nn.Module.__init__(sub)
+        sub.cfg, sub.start, sub.end, sub.inv_freq = self.cfg, start, end, self.inv_freq
+        sub.blocks = nn.ModuleList(self.blocks[start - self.start:end - self.start])
+        return sub
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         p = self.blocks[0].wo.weight
         return KVCache(len(self.blocks), batch, self.cfg.num_kv_heads, self.cfg.head_dim,

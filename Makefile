@@ -1,0 +1,11 @@
+# The two commands a new user needs: `make run` and `make test` (both set everything up first).
+.PHONY: setup run test
+
+setup:
+	@scripts/setup.sh
+
+run: setup
+	.venv/bin/diffuse ask --local "What is the capital of France?"
+
+test: setup
+	.venv/bin/python -m pytest -q

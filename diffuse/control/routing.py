@@ -1,0 +1,84 @@
+"""Just-in-time routes: the cheapest chain of peers that covers blocks [start, end).
+
+Like Petals, a shortest path over block boundaries: from boundary s, any live peer whose span
+contains block s can take the route to min(its end, end), at a cost of one round trip to it plus
+its per-block compute time, plus a large penalty when it lacks KV-cache room for the session.
+Peers may be entered mid-span: a session can ask a peer for a sub-range of what it serves.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from diffuse.control.records import PeerRecord
+from diffuse.errors import DiffuseError
+
+DEFAULT_RTT = 0.05  # seconds assumed for a peer not measured yet
+NO_ROOM_PENALTY = 30.0  # seconds: use a peer without cache room only if nothing else exists
+
+
+class NoRoute(DiffuseError):
+    """Some blocks have no live, unbanned replica: the message names them."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer_id: str
+    addrs: tuple[str, ...]
+    start: int
+    end: int
+
+
+def _cost(r: PeerRecord, s: int, e: int, rtt: Mapping[str, float], tokens: int) -> float:
+    per_block = 1.0 / max(r.throughput * (r.end - r.start), 1e-6)
+    penalty = NO_ROOM_PENALTY if r.cache_tokens < tokens else 0.0
+    return rtt.get(r.peer_id, DEFAULT_RTT) + (e - s) * per_block + penalty
+
+
+def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapping[str, float] = {},
+               exclude: Iterable[str] = (), tokens: int = 0, now: float | None = None) -> list[Hop]:
+    """Cheapest hops covering [start, end); raises NoRoute naming the uncovered blocks."""
+    now = time.time() if now is None else now
+    banned = set(exclude)
+    live = [r for r in records if r.online and r.fresh(now) and r.peer_id not in banned]
+    best: dict[int, float] = {start: 0.0}
+    back: dict[int, tuple[int, PeerRecord]] = {}
+    queue = [(0.0, start)]
+    while queue:
+        cost, s = heapq.heappop(queue)
+        if s == end:
+            break
+        if cost > best.get(s, float("inf")):
+            continue
+        for r in live:
+            if r.start <= s < r.end:
+                e = min(r.end, end)
+                c = cost + _cost(r, s, e, rtt, tokens)
+                if c < best.get(e, float("inf")):
+                    best[e], back[e] = c, (s, r)
+                    heapq.heappush(queue, (c, e))
+    if end not in best:
+        raise NoRoute(_uncovered(live, start, end, bool(banned)))
+    hops, e = [], end
+    while e != start:
+        s, r = back[e]
+        hops.append(Hop(r.peer_id, tuple(r.addrs), s, e))
+        e = s
+    return hops[::-1]
+
+
+def _uncovered(live: list[PeerRecord], start: int, end: int, some_banned: bool) -> str:
+    missing = [b for b in range(start, end) if not any(r.serves(b) for r in live)]
+    spans, run = [], None
+    for b in missing:
+        if run and b == run[1]:
+            run[1] = b + 1
+        else:
+            run = [b, b + 1]
+            spans.append(run)
+    text = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in spans)
+    why = " (some replicas are banned after failing)" if some_banned else ""
+    return f"no live peer serves block{'s' if len(missing) > 1 else ''} {text}{why}"

@@ -1,0 +1,263 @@
+"""Client side of inference sessions: a remote block range as one pipeline stage, with failover.
+
+The client talks to each hop of its route in turn (a star: every hop's output returns to the
+client), which costs one extra transfer per hop but gives the client what failover needs: the
+exact inputs every hop has committed. When a hop fails (connection lost, timeout, ERROR reply),
+its peer is banned for a while, a new route for that hop's blocks is built from the replicas,
+the committed inputs are replayed into the replacement to rebuild its KV cache, and the step
+is retried. commit/rollback never cost a round trip: they ride on the next STEP (keep, cache_len).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Sequence
+
+import torch
+import trio
+from torch import Tensor
+
+from diffuse.control.routing import Hop, NoRoute
+from diffuse.data.codec import (
+    Close, ErrorCode, ErrorMsg, Fp16Overflow, FrameDecoder, Open, OpenOk, Step, StepOk, WireError,
+    encode,
+)
+from diffuse.data.server import READ_CHUNK, ByteStream
+from diffuse.errors import DiffuseError
+
+log = logging.getLogger(__name__)
+
+Dial = Callable[[Hop], Awaitable[ByteStream]]
+Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
+
+
+class HopFailed(DiffuseError):
+    def __init__(self, hop: Hop, why: str, code: int | None = None):
+        super().__init__(f"peer {hop.peer_id[-8:]} (blocks {hop.start}-{hop.end - 1}): {why}")
+        self.hop, self.code = hop, code
+
+
+class Bans:
+    """Peers that failed, banned for 15 s, doubling on each repeat (Petals' back-off)."""
+
+    def __init__(self, base: float = 15.0, clock: Callable[[], float] = time.monotonic):
+        self.base, self.clock = base, clock
+        self.until: dict[str, float] = {}
+        self.strikes: dict[str, int] = {}
+
+    def ban(self, peer_id: str) -> None:
+        n = self.strikes.get(peer_id, 0)
+        self.strikes[peer_id] = n + 1
+        self.until[peer_id] = self.clock() + self.base * 2 ** n
+
+    def active(self) -> set[str]:
+        now = self.clock()
+        return {p for p, t in self.until.items() if t > now}
+
+
+class HopSession:
+    """One session on one peer: the protocol exchange plus the inputs it has committed."""
+
+    def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
+                 dtype: torch.dtype, timeout: float):
+        self.hop, self.stream, self.model_id = hop, stream, model_id
+        self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
+        self.session_id = os.urandom(16)
+        self.decoder = FrameDecoder()
+        self.step_no = 0
+        self.history: list[Tensor] = []  # committed inputs, in order, [B, t, H] each
+        self.committed = 0
+        self.pending: Tensor | None = None  # last step's candidate inputs
+        self.keep: list[int] = []  # deferred commit, sent with the next STEP
+        self.bytes_sent = 0
+        self.compute_s = 0.0
+
+    async def _send(self, msg) -> None:
+        data = encode(msg)
+        self.bytes_sent += len(data)
+        await self.stream.write(data)
+
+    async def _receive(self):
+        while True:
+            data = await self.stream.read(READ_CHUNK)
+            if not data:
+                raise HopFailed(self.hop, "connection closed")
+            try:
+                msgs = self.decoder.feed(data)
+            except WireError as e:
+                raise HopFailed(self.hop, f"sent a bad frame: {e}") from None
+            if msgs:
+                if len(msgs) > 1:
+                    raise HopFailed(self.hop, "unexpected extra frames")
+                msg = msgs[0]
+                if isinstance(msg, ErrorMsg):
+                    raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code)
+                return msg
+
+    async def open(self) -> None:
+        with trio.fail_after(self.timeout):
+            await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
+                                  self.max_len, self.batch, self.dtype))
+            ok = await self._receive()
+        if not isinstance(ok, OpenOk) or ok.max_length < self.max_len:
+            raise HopFailed(self.hop, f"bad answer to OPEN: {ok!r}")
+
+    async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
+                   timeout: float | None = None) -> Tensor:
+        h = h.to(self.dtype)
+        msg = Step(self.session_id, self.step_no, self.committed, positions.tolist(), h,
+                   keep=self.keep, mask=mask, commit=commit)
+        with trio.fail_after(timeout or self.timeout):
+            await self._send(msg)
+            reply = await self._receive()
+        if not isinstance(reply, StepOk) or reply.step != self.step_no:
+            raise HopFailed(self.hop, f"bad answer to STEP {self.step_no}")
+        self.step_no += 1
+        if self.keep:
+            self._commit_pending(self.keep)
+        self.keep, self.pending = [], None
+        if commit:
+            self.history.append(h)
+            self.committed += h.shape[1]
+        else:
+            self.pending = h
+        self.compute_s += (reply.compute_us or 0) / 1e6
+        return reply.hidden
+
+    def _commit_pending(self, keep: Sequence[int]) -> None:
+        self.history.append(self.pending[:, list(keep)])
+        self.committed += len(keep)
+
+    def commit(self, keep: Sequence[int] | None) -> None:
+        if self.pending is None:
+            return
+        if keep is None:
+            keep = range(self.pending.shape[1])
+        self.keep = list(keep)
+
+    def rollback(self, length: int) -> None:
+        if self.keep:
+            self._commit_pending(self.keep)
+        self.keep, self.pending = [], None
+        inputs = torch.cat(self.history, dim=1)[:, :length] if self.history else None
+        self.history = [inputs] if inputs is not None and inputs.shape[1] else []
+        self.committed = length
+
+    def inputs(self) -> Tensor | None:
+        """Everything committed so far, including a kept-but-not-yet-sent commit."""
+        parts = self.history + ([self.pending[:, self.keep]] if self.keep else [])
+        return torch.cat(parts, dim=1) if parts else None
+
+    async def close(self) -> None:
+        with trio.move_on_after(1.0):
+            try:
+                await self._send(Close(self.session_id))
+                await self.stream.close()
+            except Exception:  # noqa: BLE001 - closing a dead stream is fine
+                pass
+
+
+@dataclass
+class RemoteStats:
+    failovers: list[dict] = field(default_factory=list)
+    bytes_sent: int = 0
+
+
+class RemoteSpan:
+    """Blocks [start, end) computed by the swarm: a Stage for the client's Pipeline."""
+
+    def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
+                 max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
+                 timeout: float = 30.0, max_failovers: int = 8):
+        self.model_id, self.start, self.end = model_id, start, end
+        self.dial, self.route, self.bans = dial, route, bans
+        self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
+        self.max_failovers = max_failovers
+        self.hops: list[HopSession] = []
+        self.stats = RemoteStats()
+
+    @property
+    def route_taken(self) -> list[dict]:
+        return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
+
+    async def _build(self, start: int, end: int, inputs: Tensor | None) -> list[HopSession]:
+        """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
+        routing around every peer that fails on the way; NoRoute when replicas run out."""
+        while True:
+            new: list[HopSession] = []
+            hop = None
+            try:
+                for hop in await self.route(start, end, self.bans.active()):
+                    session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len,
+                                         self.batch, self.dtype, self.timeout)
+                    new.append(session)
+                    await session.open()
+                if inputs is not None:
+                    h, positions = inputs, torch.arange(inputs.shape[1])
+                    for session in new:
+                        hop = session.hop
+                        h = await session.step(h, positions, None, True, timeout=self.timeout * 4)
+                return new
+            except NoRoute:
+                raise
+            except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
+                for session in new:
+                    await session.close()
+                if hop is None:
+                    raise
+                self._failed(hop, e, "replay" if inputs is not None else "open")
+
+    def _failed(self, hop: Hop, error: Exception, during: str) -> None:
+        if len(self.stats.failovers) >= self.max_failovers:
+            raise DiffuseError(f"giving up after {self.max_failovers} failovers; last: {error}") from error
+        if isinstance(error, Fp16Overflow) or getattr(error, "code", None) == ErrorCode.NUMERIC:
+            self.dtype = torch.bfloat16  # activations outgrew fp16: same peers, wider wire dtype
+        else:
+            self.bans.ban(hop.peer_id)
+        log.warning("peer %s failed during %s: %s", hop.peer_id, during, error)
+        self.stats.failovers.append({"peer": hop.peer_id, "blocks": [hop.start, hop.end],
+                                     "during": during, "error": f"{type(error).__name__}: {error}"})
+
+    async def open(self) -> None:
+        self.hops = await self._build(self.start, self.end, None)
+
+    async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
+        i = 0
+        while i < len(self.hops):
+            try:
+                h = await self.hops[i].step(h, positions, tree_mask, commit)
+                i += 1
+            except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
+                await self._failover(i, e)
+        return h
+
+    async def _failover(self, i: int, error: Exception) -> None:
+        """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs."""
+        old = self.hops[i]
+        t0 = time.perf_counter()
+        self._failed(old.hop, error, "step")
+        record = self.stats.failovers[-1]
+        await old.close()
+        inputs = old.inputs()
+        new = await self._build(old.hop.start, old.hop.end, inputs)
+        self.hops[i:i + 1] = new
+        record.update(
+            replaced_by=[s.hop.peer_id for s in new],
+            replayed_tokens=0 if inputs is None else inputs.shape[1],
+            recovery_s=round(time.perf_counter() - t0, 4))
+
+    async def commit(self, keep: Sequence[int] | None) -> None:
+        for s in self.hops:
+            s.commit(keep)
+
+    async def rollback(self, length: int) -> None:
+        for s in self.hops:
+            s.rollback(length)
+
+    async def close(self) -> None:
+        self.stats.bytes_sent = sum(s.bytes_sent for s in self.hops)
+        for s in self.hops:
+            await s.close()

@@ -1,0 +1,210 @@
+"""Server side of inference sessions: one stream = one session = one KV cache in RAM.
+
+The peer keeps serving whatever a client does: every protocol violation, bad request or
+resource problem is answered with an ERROR frame naming it, the stream is closed, and the
+session's cache is zeroed and released. Compute runs in a worker thread behind a limiter of one,
+so the trio loop keeps answering heartbeats and other sessions' frames, and two sessions never
+fight over the same cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import trio
+
+from diffuse.data.codec import (
+    Close, ErrorCode, ErrorMsg, FrameDecoder, Open, OpenOk, Ping, Pong, ServerSession, Step,
+    StepOk, WireError, encode,
+)
+from diffuse.model.llama import BlockSpan, KVCache
+
+log = logging.getLogger(__name__)
+READ_CHUNK = 1 << 16  # one read may carry several frames; each yamux read costs ~50 us
+
+
+class ByteStream(Protocol):
+    async def read(self, n: int = -1) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass
+class ServerLimits:
+    max_session_tokens: int = 8192  # KV entries one session may hold
+    max_total_tokens: int = 65536  # KV entries over all sessions of this peer
+    max_sessions: int = 64
+    idle_timeout: float = 300.0  # seconds a session may sit without a message
+    max_frame: int = 64 << 20
+
+
+class BlockServer:
+    """Serves blocks [span.start, span.end) of `model_id` to any number of sessions."""
+
+    def __init__(self, model_id: str, span: BlockSpan, limits: ServerLimits | None = None):
+        self.model_id, self.span = model_id, span
+        self.limits = limits or ServerLimits()
+        self.compute = trio.CapacityLimiter(1)
+        self.tokens_reserved = 0
+        self.sessions = 0
+        self.steps_served = 0
+        self.tokens_served = 0
+        self.accepting = True
+        self.dtype = span.blocks[0].wo.weight.dtype
+
+    @property
+    def free_tokens(self) -> int:
+        return self.limits.max_total_tokens - self.tokens_reserved
+
+    def status(self) -> dict:
+        return {"sessions": self.sessions, "free_cache_tokens": self.free_tokens,
+                "steps_served": self.steps_served, "tokens_served": self.tokens_served}
+
+    async def handle(self, stream: ByteStream) -> None:
+        """Run one session to its end; never raises for anything the client did."""
+        conn = _Conn(self, stream)
+        try:
+            await conn.run()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
+            log.info("session stream dropped by the client")
+        except Exception as e:  # noqa: BLE001 - one session's bug must not take the peer down
+            if _is_stream_error(e):
+                log.info("session stream failed: %s", e)
+            else:
+                log.exception("internal error in a session")
+                await conn.error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            conn.release()
+            try:
+                await stream.close()
+            except Exception:  # noqa: BLE001 - the stream may already be gone
+                pass
+
+
+def _is_stream_error(e: Exception) -> bool:
+    # py-libp2p raises its own StreamError / MuxedStreamEOF family for resets and EOFs.
+    return type(e).__module__.startswith("libp2p") or isinstance(e, (ConnectionError, OSError))
+
+
+class _Conn:
+    """One stream's session: protocol state, cache, and the resources it holds."""
+
+    def __init__(self, server: BlockServer, stream: ByteStream):
+        self.server, self.stream = server, stream
+        self.state = ServerSession()
+        self.decoder = FrameDecoder(server.limits.max_frame)
+        self.cache: KVCache | None = None
+        self.span: BlockSpan | None = None
+        self.reserved = 0
+        self.counted = False
+
+    async def run(self) -> None:
+        limits = self.server.limits
+        while True:
+            with trio.move_on_after(limits.idle_timeout) as idle:
+                data = await self.stream.read(READ_CHUNK)
+            if idle.cancelled_caught:
+                await self.error(ErrorCode.TIMEOUT, f"session idle for {limits.idle_timeout:g} s: closed")
+                return
+            if not data:
+                return
+            try:
+                for msg in self.decoder.feed(data):
+                    if await self.on_message(msg):
+                        return
+            except WireError as e:
+                await self.error(e.code, str(e))
+                return
+
+    async def on_message(self, msg) -> bool:
+        """Handle one message; True ends the session."""
+        if isinstance(msg, Ping):
+            await self.stream.write(encode(Pong(msg.nonce, msg.session_id)))
+            return False
+        if isinstance(msg, Pong):
+            return False
+        self.state.receive(msg)
+        if isinstance(msg, Open):
+            return await self.on_open(msg)
+        if isinstance(msg, Close):
+            return True
+        if isinstance(msg, Step):
+            await self.on_step(msg)
+        return False
+
+    async def on_open(self, m: Open) -> bool:
+        srv = self.server
+        span = srv.span
+        if not srv.accepting:
+            return await self.error(ErrorCode.OVERLOADED, "peer is shutting down: use another replica")
+        if m.model_id != srv.model_id:
+            return await self.error(ErrorCode.UNKNOWN_MODEL,
+                                    f"this peer serves {srv.model_id!r}, not {m.model_id!r}")
+        if not span.start <= m.start < m.end <= span.end:
+            return await self.error(ErrorCode.BLOCKS_NOT_SERVED,
+                                    f"blocks [{m.start}, {m.end}) requested, this peer serves "
+                                    f"[{span.start}, {span.end})")
+        if m.max_length > srv.limits.max_session_tokens:
+            return await self.error(ErrorCode.TOO_LONG,
+                                    f"max_length {m.max_length} exceeds this peer's limit of "
+                                    f"{srv.limits.max_session_tokens} tokens per session")
+        tokens = m.max_length * m.batch_size
+        if srv.sessions >= srv.limits.max_sessions or tokens > srv.free_tokens:
+            return await self.error(ErrorCode.NO_CAPACITY,
+                                    f"no KV cache room: {tokens} tokens asked, {srv.free_tokens} free, "
+                                    f"{srv.sessions} sessions open")
+        self.span = span.view(m.start, m.end)
+        try:
+            self.cache = self.span.new_cache(m.max_length, m.batch_size)
+        except (RuntimeError, MemoryError) as e:
+            return await self.error(ErrorCode.NO_CAPACITY, f"cannot allocate the KV cache: {e}")
+        srv.tokens_reserved += tokens
+        srv.sessions += 1
+        self.reserved, self.counted = tokens, True
+        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, str(srv.dtype).removeprefix("torch."))))
+        return False
+
+    async def on_step(self, m: Step) -> None:
+        cache, span = self.cache, self.span
+        if m.keep:
+            cache.commit(m.keep)
+        elif cache.pending:
+            cache.rollback(cache.length)  # candidates nobody kept
+        if m.cache_len < cache.length:
+            cache.rollback(m.cache_len)
+        positions = torch.tensor(m.positions, dtype=torch.long)
+        hidden = m.hidden
+
+        def compute() -> tuple[torch.Tensor, float]:
+            t0 = time.perf_counter()
+            out = span(hidden.to(self.server.dtype), positions, cache, m.mask, m.commit)
+            return out, time.perf_counter() - t0
+
+        out, seconds = await trio.to_thread.run_sync(compute, limiter=self.server.compute)
+        self.server.steps_served += 1
+        self.server.tokens_served += hidden.shape[1]
+        await self.stream.write(self.state.send(StepOk(m.session_id, m.step, out,
+                                                       compute_us=min(math.ceil(seconds * 1e6), 2**32 - 1))))
+
+    async def error(self, code: ErrorCode, message: str) -> bool:
+        sid = self.state.open.session_id if self.state.open else bytes(16)
+        log.info("session error %s: %s", code.name, message)
+        try:
+            await self.stream.write(encode(ErrorMsg(int(code), message, sid)))
+        except Exception:  # noqa: BLE001 - the client may be gone already
+            pass
+        return True
+
+    def release(self) -> None:
+        if self.cache is not None:
+            self.cache.wipe()
+            self.cache = None
+        if self.counted:
+            self.server.tokens_reserved -= self.reserved
+            self.server.sessions -= 1
+            self.counted = False

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Engine vs transformers on the same weights, dtype and prompt: prefill time and decode tokens/s.
+
+    .venv/bin/python scripts/bench_engine.py [--tokens 64] [--repeats 3] [--dtypes fp32,bf16]
+
+Runs alternate (engine, transformers, engine, ...) so machine noise hits both alike; prints the
+medians and the ratio engine / transformers (> 1 means the engine is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+
+from diffuse.client.local import open_local  # noqa: E402
+from diffuse.home import data_home  # noqa: E402
+from diffuse.model import store  # noqa: E402
+from diffuse.model.load import parse_dtype  # noqa: E402
+
+PROMPT = "Explain in a few sentences why the sky is blue, and what changes at sunset."
+
+
+def bench_engine(model, prompt: list[int], n: int) -> tuple[float, float]:
+    pipe = model.session(len(prompt) + n + 1)
+    ids = torch.tensor([prompt])
+    t0 = time.perf_counter()
+    logits = pipe.forward(ids, rows=slice(-1, None))[0, -1]
+    t1 = time.perf_counter()
+    for _ in range(n - 1):
+        token = int(logits.argmax())
+        logits = pipe.forward(torch.tensor([[token]]))[0, -1]
+    t2 = time.perf_counter()
+    pipe.close()
+    return t1 - t0, (n - 1) / (t2 - t1)
+
+
+@torch.inference_mode()
+def bench_hf(model, prompt: list[int], n: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    t1 = time.perf_counter()
+    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+    t2 = time.perf_counter()
+    return t1 - t0, (n - 1) / ((t2 - t1) - (t1 - t0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--model")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    args = ap.parse_args()
+    import transformers
+
+    home = data_home(args.home)
+    path = store.resolve(home, args.model)
+    rows = []
+    for dtype in args.dtypes.split(","):
+        model, tok = open_local(home, args.model, dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype)).eval()
+        prompt = tok.encode_chat([{"role": "user", "content": PROMPT}])
+        bench_engine(model, prompt, 4), bench_hf(hf, prompt, 4)  # warm-up
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(bench_engine(model, prompt, args.tokens))
+            theirs.append(bench_hf(hf, prompt, args.tokens))
+        med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+        rows.append((dtype, med(ours, 0) * 1e3, med(theirs, 0) * 1e3, med(ours, 1), med(theirs, 1)))
+        del model, hf
+    print(f"SmolLM2 engine vs transformers {transformers.__version__}; prompt {len(prompt)} tokens, "
+          f"{args.tokens} new tokens, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"| dtype | prefill ms engine | prefill ms transformers | decode tok/s engine "
+          f"| decode tok/s transformers | decode ratio |")
+    print("|---|---|---|---|---|---|")
+    for dtype, pe, ph, de, dh in rows:
+        print(f"| {dtype} | {pe:.1f} | {ph:.1f} | {de:.1f} | {dh:.1f} | {de / dh:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Server and client sessions over in-memory streams: routing, failover replay, bad input.
+
+The same code runs over libp2p in the multi-process tests; here the transport is a trio memory
+stream so that the session logic is tested fast and deterministically.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
+from diffuse.control.routing import Hop, NoRoute
+from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.codec import ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
+from diffuse.data.server import BlockServer, ServerLimits
+from diffuse.model.load import load_head, load_span
+from tiny import make_tiny
+
+MODEL = "tiny"
+
+
+class MemStream:
+    """read/write/close over a trio memory stream, like a libp2p stream."""
+
+    def __init__(self, s):
+        self.s = s
+
+    async def read(self, n: int = -1) -> bytes:
+        try:
+            return await self.s.receive_some(n if n > 0 else None)
+        except trio.ClosedResourceError:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self.s.send_all(data)
+
+    async def close(self) -> None:
+        await self.s.aclose()
+
+
+class Swarm:
+    """Block servers by name, a router over them, and a dialer with fault injection."""
+
+    def __init__(self, nursery, path, spans: dict[str, tuple[int, int]]):
+        self.nursery, self.path = nursery, path
+        self.servers = {name: BlockServer(MODEL, load_span(path, a, b)) for name, (a, b) in spans.items()}
+        self.dead: set[str] = set()
+        self.kill_after: dict[str, int] = {}  # name -> steps served before its streams break
+        self.dials: list[str] = []
+
+    async def route(self, start, end, exclude):
+        from diffuse.control.routing import plan_route
+        from types import SimpleNamespace as NS
+
+        recs = [NS(peer_id=n, addrs=(), start=s.span.start, end=s.span.end, online=True,
+                   fresh=lambda now: True, throughput=100.0, cache_tokens=10**6,
+                   serves=lambda b, s=s: s.span.start <= b < s.span.end)
+                for n, s in self.servers.items() if n not in self.dead]
+        return plan_route(recs, start, end, exclude=exclude)
+
+    async def dial(self, hop: Hop):
+        self.dials.append(hop.peer_id)
+        a, b = trio.testing.memory_stream_pair()
+        server = self.servers[hop.peer_id]
+        self.nursery.start_soon(self._serve, hop.peer_id, server, MemStream(b))
+        return MemStream(a)
+
+    async def _serve(self, name, server, stream):
+        if name in self.kill_after:
+            stream = Dying(stream, self, name)
+        await server.handle(stream)
+
+
+class Dying:
+    """A server-side stream that breaks (as a killed peer's would) after N replies."""
+
+    def __init__(self, inner, swarm, name):
+        self.inner, self.swarm, self.name = inner, swarm, name
+
+    async def read(self, n=-1):
+        if self.swarm.kill_after[self.name] <= 0:
+            self.swarm.dead.add(self.name)
+            await self.inner.close()
+            return b""
+        return await self.inner.read(n)
+
+    async def write(self, data):
+        if data[8] == 4:  # message type STEP_OK (after length, magic, version)
+            self.swarm.kill_after[self.name] -= 1
+        await self.inner.write(data)
+
+    async def close(self):
+        await self.inner.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "t", layers=4)
+
+
+async def greedy(pipe: Pipeline, prompt: list[int], n: int) -> list[int]:
+    out = []
+    logits = await pipe.forward(torch.tensor([prompt]))
+    for _ in range(n):
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        logits = await pipe.forward(torch.tensor([[tok]]))
+    return out
+
+
+def local_answer(path, prompt, n):
+    model = LocalModel(load_head(path), [load_span(path, 0, 4)])
+    return trio.run(greedy, model.session(64), prompt, n)
+
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+async def swarm_answer(path, spans, n, *, local_front=1, kill=None, dtype=torch.float32):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, spans)
+        if kill:
+            swarm.kill_after.update(kill)
+        head = load_head(path)
+        remote = RemoteSpan(MODEL, local_front, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=dtype,
+                            timeout=10)
+        await remote.open()
+        pipe = Pipeline(head, [LocalStage(load_span(path, 0, local_front), 64), remote])
+        out = await greedy(pipe, PROMPT, n)
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return out, remote, swarm
+
+
+def test_swarm_answer_equals_local(tiny):
+    expected = local_answer(tiny, PROMPT, 12)
+    out, remote, _ = trio.run(swarm_answer, tiny, {"a": (1, 3), "b": (3, 4)}, 12)
+    assert out == expected
+    assert [h["blocks"] for h in remote.route_taken] == [[1, 3], [3, 4]]
+
+
+def test_failover_replays_into_replica(tiny):
+    expected = local_answer(tiny, PROMPT, 12)
+    # "a" is the one-hop route; when it dies its blocks are rebuilt on two hops (a2 then b).
+    for kill_at in (0, 1, 5, 11):
+        spans = {"a": (1, 4), "a2": (1, 3), "b": (3, 4)}
+        out, remote, swarm = trio.run(lambda: swarm_answer(tiny, spans, 12, kill={"a": kill_at}))
+        assert out == expected, kill_at
+        (failover,) = remote.stats.failovers
+        assert failover["peer"] == "a"
+        if kill_at == 0:  # died before its first step: the session is opened elsewhere
+            assert failover["during"] == "open"
+            continue
+        assert failover["replaced_by"] == ["a2", "b"]
+        assert failover["replayed_tokens"] == len(PROMPT) + kill_at - 1
+
+
+def test_replica_failing_during_replay_is_routed_around(tiny):
+    expected = local_answer(tiny, PROMPT, 10)
+    spans = {"x": (1, 4), "y": (1, 4), "z": (1, 4)}
+    # x dies after 4 steps; the next replica dies on its first step (the replay); the third holds.
+    out, remote, swarm = trio.run(lambda: swarm_answer(tiny, spans, 10, kill={"x": 4, "y": 0}))
+    assert out == expected
+    assert [f["during"] for f in remote.stats.failovers] == ["step", "replay"]
+
+
+def test_no_replica_names_uncovered_blocks(tiny):
+    with pytest.raises(ExceptionGroup) as info:
+        trio.run(lambda: swarm_answer(tiny, {"b": (3, 4)}, 3))
+    assert info.group_contains(NoRoute, match="blocks 1-2")
+
+
+def test_last_replica_dying_reports_uncovered_blocks(tiny):
+    with pytest.raises(ExceptionGroup) as info:
+        trio.run(lambda: swarm_answer(tiny, {"x": (1, 4)}, 10, kill={"x": 3}))
+    assert info.group_contains(NoRoute, match="blocks 1-3 .*banned")
+
+
+async def raw_session(server: BlockServer, frames: list[bytes]) -> list:
+    a, b = trio.testing.memory_stream_pair()
+    replies = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.handle, MemStream(b))
+        client = MemStream(a)
+        dec = FrameDecoder()
+        for f in frames:
+            await client.write(f)
+        with trio.move_on_after(5):
+            while True:
+                data = await client.read(65536)
+                if not data:
+                    break
+                replies += dec.feed(data)
+    return replies
+
+
+def test_bad_input_is_answered_and_server_keeps_serving(tiny):
+    server = BlockServer(MODEL, load_span(tiny, 0, 4), ServerLimits(max_session_tokens=100))
+    sid = b"s" * 16
+    ok_open = encode(Open(sid, MODEL, 0, 4, 32, 1, torch.float32))
+    cases = {
+        "garbage": [b"\x00\x00\x00\x05hello"],
+        "oversized": [b"\xff\xff\xff\xff"],
+        "wrong version": [ok_open[:6] + bytes([9]) + ok_open[7:]],
+        "unknown model": [encode(Open(sid, "other", 0, 4, 32, 1, torch.float32))],
+        "blocks not served": [encode(Open(sid, MODEL, 0, 9, 32, 1, torch.float32))],
+        "too long": [encode(Open(sid, MODEL, 0, 4, 1000, 1, torch.float32))],
+        "step before open": [encode(Step(sid, 0, 0, [0], torch.zeros(1, 1, 64)))],
+    }
+
+    async def run():
+        got = {}
+        for name, frames in cases.items():
+            got[name] = await raw_session(server, frames)
+        # A well-behaved session afterwards still works.
+        step = encode(Step(sid, 0, 0, [0, 1], torch.randn(1, 2, 64)))
+        good = await raw_session(server, [ok_open, step, encode(__import__("diffuse.data.codec", fromlist=["Close"]).Close(sid))])
+        return got, good
+
+    got, good = trio.run(run)
+    for name, replies in got.items():
+        assert len(replies) == 1 and isinstance(replies[0], ErrorMsg), (name, replies)
+        assert replies[0].message
+    assert "not 'other'" in got["unknown model"][0].message
+    assert "[0, 9)" in got["blocks not served"][0].message
+    assert isinstance(good[0], OpenOk) and isinstance(good[1], StepOk)
+    assert server.sessions == 0 and server.tokens_reserved == 0
+
+
+def test_idle_session_is_freed(tiny):
+    server = BlockServer(MODEL, load_span(tiny, 0, 4), ServerLimits(idle_timeout=0.3))
+    sid = b"i" * 16
+
+    async def run():
+        a, b = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.handle, MemStream(b))
+            client = MemStream(a)
+            await client.write(encode(Open(sid, MODEL, 0, 4, 32, 1, torch.float32)))
+            dec = FrameDecoder()
+            msgs = []
+            with trio.fail_after(5):
+                while len(msgs) < 2:
+                    msgs += dec.feed(await client.read(65536))
+            assert server.sessions == 0
+            return msgs
+
+    msgs = trio.run(run)
+    assert isinstance(msgs[0], OpenOk)
+    assert isinstance(msgs[1], ErrorMsg) and "idle" in msgs[1].message
