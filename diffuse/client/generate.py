@@ -21,6 +21,9 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+TokenSource = Callable[[Pipeline, list[int], Sampler, set[int]], AsyncIterator[int]]
+
+
 async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
                         eos_ids: set[int]) -> AsyncIterator[int]:
     """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens."""
@@ -57,42 +60,63 @@ class StopText:
         return out
 
 
+class Generation:
+    """One answer as an async stream of text pieces; `completion` holds the totals at the end.
+
+    Iterating is what runs the model, so a consumer that stops early (a client that hung up)
+    stops the generation; the caller closes the pipeline.
+    """
+
+    def __init__(self, pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
+                 tokens: TokenSource | None = None):
+        self.pipeline, self.tokenizer, self.prompt, self.params = pipeline, tokenizer, prompt, params
+        self.tokens = tokens or stream_tokens
+        self.completion: Completion | None = None
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        from diffuse.model.tokenizer import StreamDecoder
+
+        params = self.params
+        sampler, decoder, stopper = Sampler(params), StreamDecoder(self.tokenizer), StopText(params.stop)
+        ids: list[int] = []
+        pieces: list[str] = []
+        t0 = time.perf_counter()
+        t_first = None
+        finish = "length"
+        async for token in self.tokens(self.pipeline, self.prompt, sampler, self.tokenizer.eos_ids):
+            t_first = t_first or time.perf_counter()
+            ids.append(token)
+            piece = stopper.push(decoder.push(token))
+            if piece:
+                pieces.append(piece)
+                yield piece
+            if stopper.hit:
+                finish = "stop"
+                break
+        else:
+            if len(ids) < params.max_tokens:
+                finish = "stop"
+        if not stopper.hit:
+            piece = stopper.push(decoder.flush()) + stopper.flush()
+            if piece:
+                pieces.append(piece)
+                yield piece
+        t_end = time.perf_counter()
+        t_first = t_first or t_end
+        decode_s = t_end - t_first
+        self.completion = Completion(
+            text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(self.prompt),
+            timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
+                     "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
+        )
+
+
 async def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
-             on_text: Callable[[str], None] | None = None) -> Completion:
+                   on_text: Callable[[str], None] | None = None,
+                   tokens: TokenSource | None = None) -> Completion:
     """Run one answer to the end, calling on_text with each new piece of text."""
-    from diffuse.model.tokenizer import StreamDecoder
-
-    sampler, decoder, stopper = Sampler(params), StreamDecoder(tokenizer), StopText(params.stop)
-    ids: list[int] = []
-    pieces: list[str] = []
-    t0 = time.perf_counter()
-    t_first = None
-    finish = "length"
-
-    def emit(piece: str) -> None:
-        if piece:
-            pieces.append(piece)
-            if on_text:
-                on_text(piece)
-
-    async for token in stream_tokens(pipeline, prompt, sampler, tokenizer.eos_ids):
-        t_first = t_first or time.perf_counter()
-        ids.append(token)
-        emit(stopper.push(decoder.push(token)))
-        if stopper.hit:
-            finish = "stop"
-            break
-    else:
-        if len(ids) < params.max_tokens:
-            finish = "stop"
-    if not stopper.hit:
-        emit(stopper.push(decoder.flush()))
-        emit(stopper.flush())
-    t_end = time.perf_counter()
-    t_first = t_first or t_end
-    decode_s = t_end - t_first
-    return Completion(
-        text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(prompt),
-        timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
-                 "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
-    )
+    gen = Generation(pipeline, tokenizer, prompt, params, tokens)
+    async for piece in gen:
+        if on_text:
+            on_text(piece)
+    return gen.completion
