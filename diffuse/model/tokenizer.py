@@ -1,0 +1,219 @@
+"""Tokenizer: tokenizer.json + tokenizer_config.json, chat templates, streaming detokenisation.
+
+Built on the `tokenizers` library directly rather than transformers, which is a test-only
+dependency; chat templates are rendered the way transformers renders them, so prompts match.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+from tokenizers.models import BPE
+
+from diffuse.errors import ModelError
+
+# llama.cpp pre-tokenizer names -> the split regex their merges were learned with.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Gemma, Phi).
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre == "smollm":  # llama.cpp: every digit alone, then the GPT-2 regex
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in (None, "default", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    # A wrong split regex silently changes token ids, so refuse rather than guess.
+    raise ModelError(f"pre-tokenizer {pre!r} is not supported (known: smollm, gpt2, {', '.join(_SPLITS)})")
+
+
+def build_tokenizer_json(
+    vocab: list[str], merges: list[str], token_types: list[int], model: str = "gpt2", pre: str | None = None
+) -> str:
+    """A tokenizer.json for the byte-level BPE a GGUF embeds (vocab, merges, llama.cpp token types)."""
+    if model != "gpt2":
+        raise ModelError(f"tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is")
+    tok = _Backend(
+        BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+    )
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    typed = list(zip(vocab, token_types))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+    return tok.to_str()
+
+
+class _Generation(Extension):
+    """transformers' `{% generation %}` tag marks assistant spans for training masks; here it is a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _raise(message: str):
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    """Same environment as transformers: templates are untrusted code from model repos."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _token_str(v) -> str | None:
+    """tokenizer_config.json spells tokens as strings or as serialised AddedToken dicts."""
+    return v.get("content") if isinstance(v, dict) else v
+
+
+class Tokenizer:
+    def __init__(self, backend: _Backend, config: dict, chat_template: str | None, extra_eos: list[int]):
+        self.backend = backend
+        self.bos_token = _token_str(config.get("bos_token"))
+        self.eos_token = _token_str(config.get("eos_token"))
+        self._specials = {k: _token_str(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.chat_template = chat_template
+        ends = [self.eos_token, *_END_OF_TURN]
+        self.eos_ids: set[int] = {i for i in map(backend.token_to_id, filter(None, ends)) if i is not None}
+        self.eos_ids.update(extra_eos)
+
+    @classmethod
+    def load(cls, model_dir: Path) -> "Tokenizer":
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
+        if not path.is_file():
+            raise ModelError(f"no tokenizer.json in {d}")
+        def optional_json(name: str) -> dict:
+            return json.loads((d / name).read_text()) if (d / name).is_file() else {}
+
+        try:
+            backend = _Backend.from_file(str(path))
+            config, gen = optional_json("tokenizer_config.json"), optional_json("generation_config.json")
+        except Exception as e:  # tokenizers raises a bare Exception on a bad tokenizer.json
+            raise ModelError(f"cannot read the tokenizer in {d}: {e}") from None
+        template = config.get("chat_template")
+        if (d / "chat_template.jinja").is_file():  # newer repos keep the template in its own file
+            template = (d / "chat_template.jinja").read_text()
+        elif isinstance(template, list):  # older multi-template form: [{"name":..., "template":...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        eos = gen.get("eos_token_id")
+        return cls(backend, config, template, eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = False) -> list[int]:
+        """Special tokens written in `text` (e.g. `<|im_start|>`) become their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        bos = self.backend.token_to_id(self.bos_token) if self.bos_token else None
+        return [bos, *ids] if add_special and self.add_bos and bos is not None else ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ModelError("this model has no chat template")
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+            )
+        except jinja2.TemplateError as e:
+            raise ModelError(f"the chat template rejected the conversation: {e}") from None
+
+    def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
+        """Prompt ids for `messages`; `system` replaces any leading system message.
+
+        No BOS is added: chat templates write their own, as in transformers.
+        """
+        msgs = list(messages)
+        if system is not None:
+            if msgs and msgs[0].get("role") == "system":
+                msgs = msgs[1:]
+            msgs = [{"role": "system", "content": system}, *msgs]
+        return self.encode(self.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+class StreamDecoder:
+    """Incremental detokenisation: text is emitted only once its bytes form complete characters.
+
+    One token can hold part of a UTF-8 character (emoji, CJK) and byte-level decoders may
+    render context-dependently, so each push decodes a short window of recent ids and emits
+    the diff against the already-emitted prefix of that window.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # end of the text already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=self.skip_special)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(done) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character decodes as U+FFFD)."""
+        done = self._decode(self.ids[self._prefix : self._read])
+        text = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(done) :]
