@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from diffuse.errors import ModelError
 from diffuse.model.config import ModelConfig
@@ -25,12 +26,67 @@ BLOCK_PREFIX = "model.layers."
 HEAD_TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
+class SafetensorsFile:
+    """Reads single tensors of a .safetensors file with plain seeks and reads.
+
+    Not mmap: pages of a mapped file stay in the process's RSS once touched, so a peer reading
+    a third of the model would look (and be accounted) as if it held much more. The format is an
+    8-byte little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}},
+    then the data; every offset is checked against the real file size, so a truncated file is
+    named as such instead of failing deep inside a read.
+    """
+
+    DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"missing weights file {self.path}")
+        size = self.path.stat().st_size
+        try:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if not 2 <= n <= min(size - 8, 100 << 20):
+                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            self.base = 8 + n
+            self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+            for name, e in header.items():
+                dtype = self.DTYPES[e["dtype"]]
+                begin, end = e["data_offsets"]
+                count = math.prod(e["shape"])
+                if not 0 <= begin <= end or end - begin != count * dtype.itemsize:
+                    raise ValueError(f"tensor {name} has inconsistent offsets")
+                self.entries[name] = (dtype, list(e["shape"]), begin, end)
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            raise ModelError(f"{self.path} is not a valid safetensors file: {e}") from None
+        last = max((e[3] for e in self.entries.values()), default=0)
+        if self.base + last > size:
+            raise ModelError(f"{self.path} is truncated: its header describes {self.base + last} bytes, "
+                             f"the file has {size}")
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self.entries[name]
+        buf = bytearray(end - begin)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + begin)
+            if f.readinto(buf) != len(buf):
+                raise ModelError(f"{self.path} is truncated (tensor {name})")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
 class ModelFiles:
     """Which safetensors file holds which tensor, from model.safetensors.index.json or the headers."""
 
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
         self.config = ModelConfig.load(self.dir)
+        self.files: dict[Path, SafetensorsFile] = {}
         self.where: dict[str, Path] = {}
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -40,12 +96,16 @@ class ModelFiles:
                 raise ModelError(f"{index} is malformed: {e}") from None
             self.where = {name: self.dir / f for name, f in weight_map.items()}
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
-            if not files:
+            paths = sorted(self.dir.glob("*.safetensors"))
+            if not paths:
                 raise ModelError(f"no *.safetensors files in {self.dir}")
-            for f in files:
-                with _open(f) as st:
-                    self.where.update({name: f for name in st.keys()})
+            for f in paths:
+                self.where.update({name: f for name in self._file(f).entries})
+
+    def _file(self, path: Path) -> SafetensorsFile:
+        if path not in self.files:
+            self.files[path] = SafetensorsFile(path)
+        return self.files[path]
 
     def block_names(self, i: int) -> list[str]:
         prefix = f"{BLOCK_PREFIX}{i}."
@@ -55,20 +115,15 @@ class ModelFiles:
         return names
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Read only the named tensors, grouped per file; a damaged file raises ModelError."""
-        by_file: dict[Path, list[str]] = {}
+        """Read only the named tensors; a damaged file raises ModelError naming it."""
+        out = {}
         for n in names:
             if n not in self.where:
                 raise ModelError(f"{self.dir.name} lacks tensor {n}")
-            by_file.setdefault(self.where[n], []).append(n)
-        out = {}
-        for f, group in by_file.items():
-            with _open(f) as st:
-                for n in group:
-                    try:
-                        out[n] = st.get_tensor(n)
-                    except Exception as e:  # safetensors raises several types for damaged data
-                        raise ModelError(f"{f} is corrupt or truncated (tensor {n}): {e}") from None
+            f = self._file(self.where[n])
+            if n not in f.entries:
+                raise ModelError(f"{f.path} lacks tensor {n} named in the index")
+            out[n] = f.read(n)
         return out
 
     def read_block(self, i: int) -> dict[str, torch.Tensor]:
@@ -79,15 +134,6 @@ class ModelFiles:
     def read_head(self) -> dict[str, torch.Tensor]:
         names = [n for n in HEAD_TENSORS if n in self.where]
         return self.read(names)
-
-
-def _open(path: Path):
-    if not path.is_file():
-        raise ModelError(f"missing weights file {path}")
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:
-        raise ModelError(f"{path} is not a valid safetensors file: {e}") from None
 
 
 def tensor_digest(h: "hashlib._Hash", name: str, t: torch.Tensor) -> None:

@@ -1,0 +1,144 @@
+"""The swarm client: routes from DHT records, sessions whose middle blocks run on peers.
+
+The client holds the tokenizer, embeddings, final norm and LM head, and by default the first
+block too (`local_blocks=(1, 0)`), so what it sends out is a block's output, never a token id or
+an embedding row. Routes are planned just in time, per session, from fresh signed records whose
+block hashes match the manifest the client trusts, preferring peers with a low measured RTT.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.control.host import parse_multiaddr
+from diffuse.control.node import Node
+from diffuse.control.records import PeerRecord
+from diffuse.control.routing import Hop, NoRoute, plan_route
+from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
+from diffuse.errors import DiffuseError
+from diffuse.model.config import ModelConfig
+from diffuse.model.llama import BlockSpan, Head
+from diffuse.model.load import load_head, load_span
+from diffuse.model.weights import Manifest, load_manifest
+
+log = logging.getLogger(__name__)
+RTT_TTL_S = 60.0  # re-measure a peer's round trip after this long, as Petals refreshes routes
+PEERSTORE_TTL_S = 600
+
+
+@dataclass
+class SwarmOptions:
+    local_blocks: tuple[int, int] = (1, 0)
+    dtype: torch.dtype = torch.bfloat16  # local compute
+    wire_dtype: torch.dtype = torch.float16
+    step_timeout: float = 30.0
+    device: str = "cpu"
+
+
+class SwarmClient:
+    """Everything a client process needs to open sessions on the swarm for one model."""
+
+    def __init__(self, node: Node, model_dir: Path, options: SwarmOptions | None = None):
+        self.node, self.model_dir = node, Path(model_dir)
+        self.opts = options or SwarmOptions()
+        self.cfg = ModelConfig.load(self.model_dir)
+        self.manifest: Manifest = load_manifest(self.model_dir)
+        self.model_id = self.manifest.model_id
+        front, back = self.opts.local_blocks
+        n = self.cfg.num_layers
+        if front < 0 or back < 0 or front + back >= n:
+            raise DiffuseError(f"--local-blocks {front},{back} must leave some of the {n} blocks to the swarm")
+        if front == 0:
+            log.warning("no local front block: peers will receive embedding rows of your prompt")
+        self.head: Head = load_head(self.model_dir, self.opts.dtype, self.opts.device)
+        self.front: BlockSpan | None = load_span(self.model_dir, 0, front, self.opts.dtype, self.opts.device) if front else None
+        self.back: BlockSpan | None = load_span(self.model_dir, n - back, n, self.opts.dtype, self.opts.device) if back else None
+        self.remote_range = (front, n - back)
+        self.bans = Bans()
+        self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
+        self.rejected: dict[str, str] = {}  # peer -> why its record was refused
+
+    async def records(self) -> list[PeerRecord]:
+        """Fresh online records that serve exactly the weights our manifest names."""
+        good = []
+        for r in await self.node.records(self.model_id):
+            if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != self.manifest.block_hashes[r.start:r.end]:
+                self.rejected[r.peer_id] = "announced block hashes differ from the trusted manifest"
+                continue
+            if PROTOCOL_ID not in r.protocols:
+                continue
+            good.append(r)
+        return good
+
+    async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
+        records = await self.records()
+        await self._measure_rtts([r for r in records if r.peer_id not in exclude and r.start < end and r.end > start])
+        now = time.monotonic()
+        rtt = {p: s for p, (s, t) in self.rtt.items() if now - t < RTT_TTL_S}
+        return plan_route(records, start, end, rtt=rtt, exclude=exclude)
+
+    async def _measure_rtts(self, records: list[PeerRecord]) -> None:
+        now = time.monotonic()
+        todo = {r.peer_id: r for r in records if now - self.rtt.get(r.peer_id, (0, -1e9))[1] >= RTT_TTL_S}
+
+        async def one(r: PeerRecord) -> None:
+            with trio.move_on_after(2.0):
+                try:
+                    self.rtt[r.peer_id] = (await self._ping(r), time.monotonic())
+                except Exception as e:  # noqa: BLE001 - an unreachable peer just gets no RTT
+                    log.info("cannot ping %s: %s", r.peer_id, e)
+                    self.rtt[r.peer_id] = (10.0, time.monotonic())
+
+        async with trio.open_nursery() as nursery:
+            for r in todo.values():
+                nursery.start_soon(one, r)
+
+    async def _ping(self, r: PeerRecord) -> float:
+        stream = await self.dial(Hop(r.peer_id, tuple(r.addrs), r.start, r.end))
+        try:
+            dec = FrameDecoder()
+            t0 = time.perf_counter()
+            await stream.write(encode(Ping(int.from_bytes(os.urandom(4), "big"))))
+            while not any(isinstance(m, Pong) for m in dec.feed(await stream.read(4096))):
+                pass
+            return time.perf_counter() - t0
+        finally:
+            await stream.close()
+
+    async def dial(self, hop: Hop):
+        peer = ID.from_base58(hop.peer_id)
+        addrs = [parse_multiaddr(a) for a in hop.addrs]
+        host = self.node.host
+        if addrs:
+            host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
+            await host.connect(PeerInfo(peer, addrs))
+        return await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+
+    async def session(self, max_len: int, batch: int = 1) -> Pipeline:
+        """Open a session: local front blocks, the swarm's route, local back blocks."""
+        start, end = self.remote_range
+        remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
+                            self.opts.wire_dtype, self.opts.step_timeout)
+        await remote.open()
+        stages = ([LocalStage(self.front, max_len, batch)] if self.front else []) + [remote] + (
+            [LocalStage(self.back, max_len, batch)] if self.back else [])
+        return Pipeline(self.head, stages)
+
+
+def remote_of(pipeline: Pipeline) -> RemoteSpan:
+    return next(s for s in pipeline.stages if isinstance(s, RemoteSpan))
+
+
+__all__ = ["SwarmClient", "SwarmOptions", "NoRoute", "remote_of"]

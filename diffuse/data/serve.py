@@ -1,0 +1,67 @@
+"""What `diffuse join` adds to a control-plane node: load the span, measure it, serve sessions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from diffuse.data.codec import PROTOCOL_ID
+from diffuse.data.server import BlockServer, ServerLimits
+from diffuse.model.load import load_span
+
+log = logging.getLogger(__name__)
+
+
+def measure_throughput(span, tokens: int = 8) -> float:
+    """Tokens/s one sequence gets through the span (single-token decode, the common step)."""
+    cache = span.new_cache(tokens + 1)
+    h = torch.randn(1, 1, span.cfg.hidden_size, dtype=cache.k.dtype, device=cache.k.device)
+    span(h, torch.tensor([0]), cache)  # warm-up
+    t0 = time.perf_counter()
+    for i in range(1, tokens):
+        span(h, torch.tensor([i]), cache)
+    seconds = (time.perf_counter() - t0) / (tokens - 1)
+    cache.wipe()
+    return round(1.0 / max(seconds, 1e-6), 2)
+
+
+class PeerService:
+    """The inference handler of one peer; `prepare` loads the chosen span before it is announced."""
+
+    def __init__(self, model_dir: Path, model_id: str, dtype: torch.dtype, device: str = "cpu",
+                 limits: ServerLimits | None = None):
+        self.model_dir, self.model_id, self.dtype, self.device = model_dir, model_id, dtype, device
+        self.limits = limits or ServerLimits()
+        self.server: BlockServer | None = None
+        self.throughput: float | None = None
+
+    async def prepare(self, start: int, end: int) -> float:
+        def load() -> tuple[BlockServer, float]:
+            span = load_span(self.model_dir, start, end, self.dtype, self.device)  # verifies hashes
+            return BlockServer(self.model_id, span, self.limits), measure_throughput(span)
+
+        self.server, self.throughput = await trio.to_thread.run_sync(load)
+        log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)
+        return self.throughput
+
+    async def handle(self, stream) -> None:
+        if self.server is None:  # not announced yet, so nobody should be here
+            await stream.close()
+            return
+        await self.server.handle(stream)
+
+    def status(self) -> dict:
+        if self.server is None:
+            return {}
+        return {"throughput": self.throughput, "cache_tokens": self.server.free_tokens,
+                "sessions": self.server.sessions}
+
+    def stop_accepting(self) -> None:
+        if self.server is not None:
+            self.server.accepting = False
+
+    protocols = (PROTOCOL_ID,)
