@@ -251,3 +251,99 @@ def test_idle_session_is_freed(tiny):
     msgs = trio.run(run)
     assert isinstance(msgs[0], OpenOk)
     assert isinstance(msgs[1], ErrorMsg) and "idle" in msgs[1].message
+
+
+class Failing(BlockServer):
+    """A peer that starts answering ERROR to every step after serving `good` of them."""
+
+    def __init__(self, *a, good: int, **k):
+        super().__init__(*a, **k)
+        self.good = good
+
+    async def handle(self, stream):
+        server = self
+
+        class Wrapped:
+            async def read(self, n=-1):
+                return await stream.read(n)
+
+            async def write(self, data):
+                if data[8] == 4:  # STEP_OK
+                    if server.good <= 0:
+                        data = encode(ErrorMsg(9, "internal error: simulated fault"))
+                    server.good -= 1
+                await stream.write(data)
+
+            async def close(self):
+                await stream.close()
+
+        await super().handle(Wrapped())
+
+
+def test_peer_answering_errors_is_replaced(tiny):
+    expected = local_answer(tiny, PROMPT, 10)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery, tiny, {"bad": (1, 4), "good": (1, 4)})
+            swarm.servers["bad"] = Failing(MODEL, load_span(tiny, 1, 4), good=3)
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10)
+            await remote.open()
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = await greedy(pipe, PROMPT, 10)
+            nursery.cancel_scope.cancel()
+        return out, remote
+
+    out, remote = trio.run(run)
+    assert out == expected
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == "bad" and "simulated fault" in failover["error"]
+    assert failover["replaced_by"] == ["good"]
+
+
+def _needles(prompt: list[int], embed: torch.Tensor) -> list[bytes]:
+    """Byte patterns that would betray the prompt: runs of 3 ids as u16/i32/i64 in either byte
+    order, and the first 16 values of each prompt token's embedding row in every float dtype."""
+    out = []
+    ids = torch.tensor(prompt)
+    # Runs like (n, n+1, n+2) are skipped: positions travel in the clear by design and would match.
+    starts = [i for i in range(len(prompt) - 2) if not prompt[i + 2] == prompt[i + 1] + 1 == prompt[i] + 2]
+    for dtype in (torch.int16, torch.int32, torch.int64):
+        raw = ids.to(dtype).numpy()
+        for arr in (raw, raw.byteswap()):
+            out += [arr[i:i + 3].tobytes() for i in starts]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        rows = embed[ids, :16].to(dtype).contiguous()
+        out += [r.view(torch.uint8).numpy().tobytes() for r in rows]
+    return out
+
+
+async def _wire_bytes(path, prompt, front: int, monkeypatch) -> bytes:
+    import diffuse.data.client as client_mod
+
+    sent: list[bytes] = []
+    real_encode = client_mod.encode
+    monkeypatch.setattr(client_mod, "encode", lambda m: sent.append(real_encode(m)) or sent[-1])
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, {"p": (front, 30)})
+        n = len(prompt) + 8
+        remote = RemoteSpan(MODEL, front, 30, swarm.dial, swarm.route, Bans(), max_len=n)
+        await remote.open()
+        stages = ([LocalStage(load_span(path, 0, front), n)] if front else []) + [remote]
+        await greedy(Pipeline(load_head(path), stages), prompt, 4)
+        nursery.cancel_scope.cancel()
+    return b"".join(sent)
+
+
+def test_client_sends_no_token_ids_or_embedding_rows(smollm2, monkeypatch):
+    from diffuse.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(smollm2)
+    prompt = tok.encode_chat([{"role": "user", "content": "My account number is 4417 9153 8062 7391."}])
+    needles = _needles(prompt, load_head(smollm2).embed.weight)
+    wire = trio.run(_wire_bytes, smollm2, prompt, 1, monkeypatch)
+    assert len(wire) > 10_000
+    assert not [n for n in needles if n in wire]
+    # The same search finds the embedding rows when the client keeps no block: it can fail.
+    exposed = trio.run(_wire_bytes, smollm2, prompt, 0, monkeypatch)
+    assert [n for n in needles if n in exposed]

@@ -11,7 +11,7 @@ from diffuse.errors import DiffuseError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffuse.cli import ask, model
+    from diffuse.cli import ask, demo, model
 
     parser = argparse.ArgumentParser(prog="diffuse", description=__doc__)
     parser.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model.register(sub)
     ask.register(sub)
+    demo.register(sub)
     try:
         from diffuse.cli import net
     except ImportError:  # the control plane is optional at this layer

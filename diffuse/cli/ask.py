@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import trio
 
@@ -40,42 +41,118 @@ def sampling_params(args) -> SamplingParams:
         raise DiffuseError(str(e)) from None
 
 
+def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                   help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
+    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
+    p.add_argument("--local-blocks", default="1,0", metavar="N,M",
+                   help="run the first N and last M blocks here (default 1,0: embeddings never leave)")
+    p.add_argument("--wire-dtype", default="fp16", choices=["fp16", "bf16"], help="activations on the wire")
+    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the swarm to cover every block")
+    p.add_argument("--step-timeout", type=float, default=30.0, help="seconds before a silent peer is replaced")
+
+
+def parse_local_blocks(text: str) -> tuple[int, int]:
+    try:
+        front, back = (int(x) for x in text.split(","))
+        if front < 0 or back < 0:
+            raise ValueError
+        return front, back
+    except ValueError:
+        raise DiffuseError(f"--local-blocks wants N,M with N, M >= 0, got {text!r}") from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ask", help="answer one question")
+    p = sub.add_parser("ask", help="answer one question (locally with --local, else through the swarm)")
     p.add_argument("question")
     p.add_argument("--local", action="store_true", help="run the whole model in this process")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token ids, timings, route, failovers)")
     add_model_options(p)
     add_sampling_options(p)
+    add_swarm_client_options(p)
     p.set_defaults(func=cmd_ask)
 
 
 def cmd_ask(args) -> int:
     params = sampling_params(args)
-    if not args.local:
-        raise DiffuseError("give --local (the swarm client arrives with the data plane)")
-    from diffuse.client.local import open_local
+    if args.local and args.client_only:
+        raise DiffuseError("--client-only and --local contradict each other")
+    if not args.local and not (args.bootstrap or args.bootstrap_file):
+        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm")
     from diffuse.client.generate import complete
 
-    model, tokenizer = open_local(data_home(args.home), args.model, args.dtype, args.device)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
-    prompt = tokenizer.encode_chat(messages)
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+    info: dict = {}
+    if args.local:
+        from diffuse.client.local import open_local
 
-    async def run():
-        pipeline = model.session(len(prompt) + params.max_tokens)
-        try:
-            return await complete(pipeline, tokenizer, prompt, params, on_text)
-        finally:
-            await pipeline.close()
+        model, tokenizer = open_local(data_home(args.home), args.model, args.dtype, args.device)
+        prompt = tokenizer.encode_chat(messages)
 
-    result = trio.run(run)
+        async def run():
+            pipeline = model.session(len(prompt) + params.max_tokens)
+            try:
+                return await complete(pipeline, tokenizer, prompt, params, on_text)
+            finally:
+                await pipeline.close()
+
+        info["mode"] = "local"
+        result = trio.run(run)
+    else:
+        result = _ask_swarm(args, messages, params, on_text, info)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
-                          "tokens_per_s": result.timings["tokens_per_s"], "mode": "local"}))
+                          "tokens_per_s": result.timings["tokens_per_s"]} | info))
     else:
         print()
     return 0
+
+
+def _ask_swarm(args, messages, params, on_text, info: dict):
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.cli.net import _bootstrap_addrs, _trio_run
+    from diffuse.client.generate import complete
+    from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+    from diffuse.control.node import open_node
+    from diffuse.model import store
+    from diffuse.model.load import parse_dtype
+    from diffuse.model.tokenizer import Tokenizer
+
+    boot = _bootstrap_addrs(args, required=True)
+    model_dir = store.resolve(data_home(args.home), args.model)
+    tokenizer = Tokenizer.load(model_dir)
+    prompt = tokenizer.encode_chat(messages)
+    opts = SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype),
+                        parse_dtype(args.wire_dtype), args.step_timeout, args.device)
+
+    async def run():
+        # An ephemeral identity per question: nothing links two of a user's sessions.
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot,
+                             server=False) as node:
+            client = SwarmClient(node, model_dir, opts)
+            deadline = trio.current_time() + args.wait
+            while not (await node.coverage(client.model_id, client.cfg.num_layers,
+                                           expected_hashes=client.manifest.block_hashes)).servable:
+                if trio.current_time() >= deadline:
+                    break  # the route builder names what is missing
+                await trio.sleep(0.25)
+            t0 = trio.current_time()
+            pipeline = await client.session(len(prompt) + params.max_tokens)
+            remote = remote_of(pipeline)
+            info["route_s"] = round(trio.current_time() - t0, 4)
+            try:
+                return await complete(pipeline, tokenizer, prompt, params, on_text)
+            finally:
+                info.update(mode="swarm", route=remote.route_taken, failovers=remote.stats.failovers,
+                            local_blocks=list(opts.local_blocks))
+                await pipeline.close()
+                info["bytes_sent"] = remote.stats.bytes_sent
+
+    return _trio_run(run)
