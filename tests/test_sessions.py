@@ -126,7 +126,7 @@ async def swarm_answer(path, spans, n, *, local_front=1, kill=None, dtype=torch.
             swarm.kill_after.update(kill)
         head = load_head(path)
         remote = RemoteSpan(MODEL, local_front, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=dtype,
-                            timeout=10)
+                            timeout=10, route_wait=0)
         await remote.open()
         pipe = Pipeline(head, [LocalStage(load_span(path, 0, local_front), 64), remote])
         out = await greedy(pipe, PROMPT, n)

@@ -138,8 +138,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict):
                              server=False) as node:
             client = SwarmClient(node, model_dir, opts)
             deadline = trio.current_time() + args.wait
-            while not (await node.coverage(client.model_id, client.cfg.num_layers,
-                                           expected_hashes=client.manifest.block_hashes)).servable:
+            while not await client.covered():
                 if trio.current_time() >= deadline:
                     break  # the route builder names what is missing
                 await trio.sleep(0.25)

@@ -76,10 +76,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def spans(n_blocks: int, first: int, peers: int) -> list[tuple[int, int]]:
-    """Cut [first, n_blocks) into peers/2 spans and give each to two peers."""
+def spans(n_blocks: int, peers: int) -> list[tuple[int, int]]:
+    """Cut the model into peers/2 spans and give each to two peers: every block twice."""
     parts = max(1, peers // 2)
-    cuts = [first + round(i * (n_blocks - first) / parts) for i in range(parts + 1)]
+    cuts = [round(i * n_blocks / parts) for i in range(parts + 1)]
     return [(cuts[i], cuts[i + 1]) for i in range(parts)] * 2
 
 
@@ -97,7 +97,7 @@ def cmd_demo(args) -> int:
                                                  "--listen", "/ip4/127.0.0.1/tcp/0"], logs / "sentinel.log")
             children.append(sentinel)
             boot = sentinel.wait_for("/ip4/", args.timeout)
-            for i, (a, b) in enumerate(spans(n, 1, args.peers)):
+            for i, (a, b) in enumerate(spans(n, args.peers)):
                 print(f"starting peer {i} on blocks {a}:{b}...", file=sys.stderr, flush=True)
                 children.append(Child(f"peer {i}", base + [
                     "join", "--bootstrap", boot, "--blocks", f"{a}:{b}", "--dtype", args.dtype,

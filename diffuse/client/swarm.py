@@ -82,6 +82,12 @@ class SwarmClient:
             good.append(r)
         return good
 
+    async def covered(self) -> bool:
+        """Whether live, trusted peers serve every block this client does not run itself."""
+        records = await self.records()
+        start, end = self.remote_range
+        return all(any(r.serves(b) and r.fresh() for r in records) for b in range(start, end))
+
     async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
         records = await self.records()
         await self._measure_rtts([r for r in records if r.peer_id not in exclude and r.start < end and r.end > start])
@@ -121,8 +127,13 @@ class SwarmClient:
         peer = ID.from_base58(hop.peer_id)
         addrs = [parse_multiaddr(a) for a in hop.addrs]
         host = self.node.host
-        if addrs:
+        network = host.get_network()
+        if addrs and not network.get_connections(peer):
+            # A restarted peer comes back on new ports: forget the old addresses, and the
+            # dialer's memory that they failed, or py-libp2p refuses to dial it for a while.
+            host.get_peerstore().clear_addrs(peer)
             host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
+            network.unblock_peer(peer)
             await host.connect(PeerInfo(peer, addrs))
         return await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
 

@@ -171,11 +171,11 @@ class RemoteSpan:
 
     def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
                  max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
-                 timeout: float = 30.0, max_failovers: int = 8):
+                 timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0):
         self.model_id, self.start, self.end = model_id, start, end
         self.dial, self.route, self.bans = dial, route, bans
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
-        self.max_failovers = max_failovers
+        self.max_failovers, self.route_wait = max_failovers, route_wait
         self.hops: list[HopSession] = []
         self.stats = RemoteStats()
 
@@ -190,7 +190,7 @@ class RemoteSpan:
             new: list[HopSession] = []
             hop = None
             try:
-                for hop in await self.route(start, end, self.bans.active()):
+                for hop in await self._route(start, end):
                     session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len,
                                          self.batch, self.dtype, self.timeout)
                     new.append(session)
@@ -209,6 +209,17 @@ class RemoteSpan:
                 if hop is None:
                     raise
                 self._failed(hop, e, "replay" if inputs is not None else "open")
+
+    async def _route(self, start: int, end: int) -> list[Hop]:
+        """A route, waiting up to route_wait for a replica to (re)announce before NoRoute."""
+        deadline = trio.current_time() + self.route_wait
+        while True:
+            try:
+                return await self.route(start, end, self.bans.active())
+            except NoRoute:
+                if trio.current_time() >= deadline:
+                    raise
+                await trio.sleep(0.5)
 
     def _failed(self, hop: Hop, error: Exception, during: str) -> None:
         if len(self.stats.failovers) >= self.max_failovers:
