@@ -1,0 +1,169 @@
+"""Inference through real swarms: a sentinel and `diffuse join` peers as separate OS processes on
+127.0.0.1, clients as processes (`diffuse --client-only ask`) or in-process (to kill a peer at a
+chosen step). Every greedy answer must equal the in-process answer token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from control_helpers import Procs
+from diffuse.client.generate import Generation
+from diffuse.client.local import open_local
+from diffuse.client.sampling import SamplingParams
+from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+from diffuse.control.host import parse_peer_addr
+from diffuse.control.node import open_node
+from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, ErrorMsg
+from diffuse.home import DEFAULT_MODEL, models_dir
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+QUESTION = "Name three famous rivers and the countries they flow through."
+TOKENS = 24
+
+
+class Swarm:
+    """A sentinel plus peers; each peer's process, address and id, restartable by name."""
+
+    def __init__(self, procs: Procs, tmp, spans: dict[str, str]):
+        tmp.mkdir(exist_ok=True)
+        self.procs, self.tmp = procs, tmp
+        sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
+        self.boot = sentinel.readline(timeout=120)
+        self.spans, self.proc, self.ids, self.addrs = spans, {}, {}, {}
+        for name in spans:
+            self.start(name)
+        for name in spans:
+            self.wait(name)
+
+    def start(self, name: str) -> None:
+        self.proc[name] = self.procs.start(
+            "join", "--identity", str(self.tmp / f"{name}.key"), "--bootstrap", self.boot, "--listen", LOCAL,
+            "--blocks", self.spans[name], "--heartbeat", "2", "--ttl", "30")
+
+    def wait(self, name: str) -> None:
+        lines = self.proc[name].read_until("serving", timeout=180)
+        self.addrs[name] = lines[0]
+        self.ids[name] = parse_peer_addr(lines[0]).peer_id.to_base58()
+
+    def name_of(self, peer_id: str) -> str:
+        return next(n for n, p in self.ids.items() if p == peer_id)
+
+
+@pytest.fixture(scope="module")
+def reference(home):
+    """The in-process answer, in the swarm's default dtype (bf16 compute, fp16 on the wire is
+    lossless for this model's activations)."""
+    model, tok = open_local(home, None, "bf16")
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+
+    async def run():
+        gen = Generation(model.session(len(prompt) + TOKENS), tok, prompt, SamplingParams(max_tokens=TOKENS))
+        async for _ in gen:
+            pass
+        return gen.completion.token_ids
+
+    return trio.run(run)
+
+
+def ask(procs: Procs, boot: str, *extra: str) -> dict:
+    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
+                    "--wait", "30", *extra, QUESTION, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_two_and_three_hops_equal_local(home, tmp_path, reference):
+    with Procs(home) as procs:
+        two = Swarm(procs, tmp_path / "two", {"A": "1:15", "B": "15:30"})
+        got = ask(procs, two.boot)
+        assert got["token_ids"] == reference
+        assert [h["blocks"] for h in got["route"]] == [[1, 15], [15, 30]]
+        # Client-local blocks at both ends: the swarm serves a sub-range of each peer's span.
+        got = ask(procs, two.boot, "--local-blocks", "3,2")
+        assert got["token_ids"] == reference
+        assert [h["blocks"] for h in got["route"]] == [[3, 15], [15, 28]]
+    with Procs(home) as procs:
+        three = Swarm(procs, tmp_path / "three", {"C": "1:10", "D": "10:20", "E": "20:30"})
+        got = ask(procs, three.boot)
+        assert got["token_ids"] == reference
+        assert [h["blocks"] for h in got["route"]] == [[1, 10], [10, 20], [20, 30]]
+
+
+@pytest.mark.timeout(1500)  # ten kills and restarts; ~3 min on a quiet 2-core machine
+def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
+    """Ten generations; in each, the peer on the route for one half is SIGKILLed after k tokens."""
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    with Procs(home) as procs:
+        swarm = Swarm(procs, tmp_path, {"A": "1:15", "A2": "1:15", "B": "15:30", "B2": "15:30"})
+
+        async def run() -> list[dict]:
+            results = []
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+                client = SwarmClient(node, model_dir, SwarmOptions())
+                from diffuse.model.tokenizer import Tokenizer
+
+                tok = Tokenizer.load(model_dir)
+                prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+                for run_no in range(10):
+                    kill_at, half = 1 + 2 * run_no, run_no % 2
+                    pipe = await client.session(len(prompt) + TOKENS)
+                    remote = remote_of(pipe)
+                    victim = swarm.name_of(remote.route_taken[half]["peer"])
+                    gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
+                    n = 0
+                    async for _ in gen:
+                        n += 1
+                        if n == kill_at:
+                            swarm.proc[victim].signal(signal.SIGKILL)
+                    await pipe.close()
+                    r = {"tokens": gen.completion.token_ids, "kill_at": kill_at, "victim": victim,
+                         "failovers": remote.stats.failovers}
+                    assert r["tokens"] == reference, r
+                    assert r["failovers"] and r["failovers"][0]["peer"] == swarm.ids[victim], r
+                    results.append(r)
+                    swarm.proc[victim].wait(10)
+                    swarm.start(victim)  # back for the next run, same identity
+                    swarm.wait(victim)
+                    client.bans.until.clear()
+            return results
+
+        assert len(trio.run(run)) == 10
+
+
+def test_bad_frames_to_a_real_peer_leave_it_serving(home, tmp_path, reference):
+    with Procs(home) as procs:
+        swarm = Swarm(procs, tmp_path, {"P": "1:30"})
+
+        async def abuse() -> list:
+            replies = []
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+                info = parse_peer_addr(swarm.addrs["P"])
+                await node.host.connect(info)
+                for frame in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xff",
+                              b"\x00\x00\x00\x18DF\x09\x00\x01\x00\x00\x00" + bytes(16)):
+                    stream = await node.host.new_stream(info.peer_id, [PROTOCOL_ID])
+                    await stream.write(frame)
+                    dec, got = FrameDecoder(), []
+                    with trio.fail_after(30):
+                        while not got:
+                            got = dec.feed(await stream.read(65536))
+                    replies.append(got[0])
+                    await stream.close()
+                # An abrupt disconnect in the middle of a frame.
+                stream = await node.host.new_stream(info.peer_id, [PROTOCOL_ID])
+                await stream.write(b"\x00\x00\x01\x00DF")
+                await stream.reset()
+            return replies
+
+        replies = trio.run(abuse)
+        assert all(isinstance(r, ErrorMsg) for r in replies), replies
+        assert "version" in replies[2].message
+        assert ask(procs, swarm.boot)["token_ids"] == reference
