@@ -1,0 +1,271 @@
+"""Evidence of misbehaviour, signed so others can check who claims what, and a local ban list.
+
+An `Evidence` record says who accuses whom of what, when, with which numbers (statistic and
+the threshold it crossed), and which step outputs it is about (their output commitments, and
+optionally Merkle openings of the disputed chunks). It is encoded as canonical CBOR and signed
+with the reporter's Ed25519 key, the key inside the reporter's peer id (as peer records are,
+control/records.py), so anyone can verify it without trusting whoever relayed it, and no
+byte of it can be changed without the signature failing.
+
+A signature proves who *claims* the peer cheated, not that it did: a Sybil can sign anything.
+So a node bans on its own verdicts only; evidence from others is kept and counted (per
+distinct reporter) for routing to weigh. Canary evidence is the kind a third party could
+re-check in full, since a canary is synthetic text that can be published (its tokens, inputs
+and the accused's committed outputs) once it is retired.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import cbor2
+from libp2p.crypto.ed25519 import Ed25519PublicKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from diffuse.errors import DiffuseError
+from diffuse.trust.canary import CanaryVerdict
+from diffuse.trust.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
+from diffuse.trust.spotcheck import SpotVerdict
+
+EVIDENCE_VERSION = 1
+SIG_DOMAIN = b"diffuse/evidence/v1\x00"
+EVIDENCE_PREFIX = "/diffuse/evidence/"
+KINDS = ("canary", "spotcheck")
+MAX_PAYLOAD_BYTES = 48 * 1024
+MAX_ITEMS = 64
+_FIELDS = frozenset(["v", "kind", "accused", "reporter", "model", "start", "end", "ts", "dtype", "stat",
+                     "thr", "steps", "openings", "detail"])
+
+
+class InvalidEvidence(DiffuseError, ValueError):
+    """Forged, modified, malformed or oversized evidence."""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    kind: str  # "canary" (statistic = log10 p, threshold = log10 alpha) or "spotcheck" (relative errors)
+    accused: str  # peer id, base58
+    reporter: str
+    model: str
+    start: int  # the accused served blocks [start, end)
+    end: int
+    timestamp: float
+    dtype: str  # the compute dtype the accused declared
+    statistic: float
+    threshold: float
+    # The step outputs it is about: what each commitment binds, and the commitment itself.
+    steps: tuple[tuple[StepBinding, bytes], ...] = ()
+    openings: tuple[tuple[int, Opening], ...] = ()  # (index into steps, chunk of that output)
+    detail: Mapping[str, float | int | str] = field(default_factory=dict)
+
+    def openings_verify(self) -> bool:
+        """Whether every opened chunk is part of the output its step's commitment commits to.
+
+        With the accused's signature on that commitment this proves what the accused sent."""
+        return all(k < len(self.steps) and self.steps[k][0].verify(self.steps[k][1], o)
+                   for k, o in self.openings)
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "v": EVIDENCE_VERSION, "kind": self.kind, "accused": ID.from_base58(self.accused).to_bytes(),
+            "reporter": ID.from_base58(self.reporter).to_bytes(), "model": self.model,
+            "start": self.start, "end": self.end, "ts": int(round(self.timestamp * 1000)),
+            "dtype": self.dtype, "stat": float(self.statistic), "thr": float(self.threshold),
+            "steps": [[b.session_id, b.step, b.input_commitment, b.header, b.n_bytes, b.chunk_size, c]
+                      for b, c in self.steps],
+            "openings": [[k, o.index, o.chunk, list(o.path)] for k, o in self.openings],
+            "detail": dict(self.detail),
+        }
+
+    @classmethod
+    def from_payload(cls, d: Any) -> "Evidence":
+        """Strict: every field present, with its type, within bounds."""
+        if not isinstance(d, dict) or set(d) != _FIELDS or d["v"] != EVIDENCE_VERSION:
+            raise InvalidEvidence("evidence fields missing, unknown, or of another version")
+        if d["kind"] not in KINDS:
+            raise InvalidEvidence(f"unknown evidence kind {d['kind']!r}")
+        start, end = _int(d["start"]), _int(d["end"])
+        if not start < end:
+            raise InvalidEvidence("bad block range")
+        detail = d["detail"]
+        if not isinstance(detail, dict) or len(detail) > MAX_ITEMS or not all(
+                isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in detail.items()):
+            raise InvalidEvidence("bad detail")
+        return cls(d["kind"], _peer(d["accused"]), _peer(d["reporter"]), _str(d["model"]), start, end,
+                   _int(d["ts"]) / 1000, _str(d["dtype"]), _float(d["stat"]), _float(d["thr"]),
+                   tuple(_step(s) for s in _list(d["steps"])),
+                   tuple(_opening(o) for o in _list(d["openings"])), detail)
+
+
+def canary_evidence(verdict: CanaryVerdict, accused: str, reporter: str, model: str, start: int, end: int,
+                    dtype: str, steps: tuple[tuple[StepBinding, bytes], ...] = (),
+                    now: float | None = None) -> Evidence:
+    """Evidence from a canary test: the p-value against the budget, the z-scores behind it, and
+    optionally the commitments of the canary steps' outputs."""
+    return Evidence("canary", accused, reporter, model, start, end, time.time() if now is None else now,
+                    dtype, verdict.log10_p, verdict.log10_alpha, steps,
+                    detail={"z_mean": verdict.z_mean, "z_max": verdict.z_max, "m": verdict.m})
+
+
+def spot_evidence(verdict: SpotVerdict, accused: str, reporter: str, model: str, start: int, end: int,
+                  dtype: str, referee: str, binding: StepBinding, tree: MerkleTree,
+                  now: float | None = None) -> Evidence:
+    """Evidence from a failed spot check: the worst token's error against its tolerance, the
+    step's output commitment, and the chunks holding that token opened."""
+    row, token = verdict.token
+    chunks = chunks_of_token(binding.shape, binding.dtype, row, token, binding.chunk_size)
+    openings = tuple((0, tree.open(i)) for i in chunks)
+    return Evidence("spotcheck", accused, reporter, model, start, end, time.time() if now is None else now,
+                    dtype, verdict.statistic, verdict.threshold, ((binding, binding.commit(tree.root)),),
+                    openings, {"row": row, "token": token, "referee": referee})
+
+
+@dataclass(frozen=True)
+class SignedEvidence:
+    evidence: Evidence
+    payload: bytes  # exactly what was signed: re-published verbatim, never re-encoded
+    signature: bytes
+
+    def encode(self) -> bytes:
+        return cbor2.dumps([self.payload, self.signature], canonical=True)
+
+
+def sign(evidence: Evidence, key_pair: KeyPair) -> SignedEvidence:
+    if ID.from_pubkey(key_pair.public_key).to_base58() != evidence.reporter:
+        raise ValueError("evidence must be signed by the key of its reporter")
+    payload = cbor2.dumps(evidence.to_payload(), canonical=True)
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"evidence payload too large ({len(payload)} bytes): open fewer chunks")
+    return SignedEvidence(Evidence.from_payload(cbor2.loads(payload)), payload,
+                          key_pair.private_key.sign(SIG_DOMAIN + payload))
+
+
+def verify(payload: bytes, signature: bytes) -> SignedEvidence:
+    """Check evidence from anyone: canonical, well-formed, signed by the reporter it names."""
+    if not isinstance(payload, bytes) or not isinstance(signature, bytes) or len(signature) != 64:
+        raise InvalidEvidence("evidence is [payload bytes, 64-byte signature]")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise InvalidEvidence("evidence payload too large")
+    try:
+        d = cbor2.loads(payload)
+        canonical = cbor2.dumps(d, canonical=True) == payload
+    except Exception:
+        raise InvalidEvidence("evidence payload is not valid CBOR") from None
+    if not canonical:
+        raise InvalidEvidence("evidence payload is not canonical CBOR")
+    ev = Evidence.from_payload(d)
+    key = ID.from_base58(ev.reporter).extract_public_key()
+    if not isinstance(key, Ed25519PublicKey) or not key.verify(SIG_DOMAIN + payload, signature):
+        raise InvalidEvidence(f"bad signature on evidence reported by {ev.reporter}")
+    return SignedEvidence(ev, payload, signature)
+
+
+def decode(value: bytes) -> SignedEvidence:
+    """The inverse of SignedEvidence.encode, verifying on the way."""
+    try:
+        item = cbor2.loads(value)
+    except Exception:
+        raise InvalidEvidence("evidence is not valid CBOR") from None
+    if not isinstance(item, list) or len(item) != 2:
+        raise InvalidEvidence("evidence is [payload, signature]")
+    return verify(item[0], item[1])
+
+
+def evidence_key(accused: str) -> str:
+    """DHT key collecting evidence against one peer (tagged like control/records.py's keys)."""
+    return EVIDENCE_PREFIX + hashlib.sha256(f"evidence:{accused}".encode()).hexdigest()[:32]
+
+
+class BanList:
+    """Peers this node refuses to route through: banned by its own verdicts, for `ttl` seconds.
+
+    Others' evidence is counted by distinct reporter (`reports`) for routing to weigh, never
+    turned into a ban on its own: a few Sybil identities could otherwise exclude anyone.
+    """
+
+    def __init__(self, me: str, ttl: float = 24 * 3600.0, clock: Callable[[], float] = time.time):
+        self.me, self.ttl, self.clock = me, ttl, clock
+        self.until: dict[str, float] = {}
+        self.evidence: dict[str, list[SignedEvidence]] = {}
+
+    def add(self, ev: SignedEvidence) -> bool:
+        """Record verified evidence; True if it bans the accused (this node reported it)."""
+        accused = ev.evidence.accused
+        self.evidence.setdefault(accused, []).append(ev)
+        if ev.evidence.reporter != self.me:
+            return False
+        self.until[accused] = max(self.until.get(accused, 0.0), self.clock() + self.ttl)
+        return True
+
+    def banned(self, peer: str) -> bool:
+        return self.until.get(peer, 0.0) > self.clock()
+
+    def active(self) -> set[str]:
+        now = self.clock()
+        return {p for p, t in self.until.items() if t > now}
+
+    def reports(self, peer: str) -> int:
+        """How many distinct others have published evidence against `peer`."""
+        return len({e.evidence.reporter for e in self.evidence.get(peer, ())} - {self.me})
+
+
+def _int(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**53:
+        raise InvalidEvidence("expected a non-negative integer")
+    return v
+
+
+def _float(v: Any) -> float:
+    if not isinstance(v, float) or math.isnan(v):
+        raise InvalidEvidence("expected a float")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str) or len(v) > 256:
+        raise InvalidEvidence("expected a short string")
+    return v
+
+
+def _list(v: Any) -> list:
+    if not isinstance(v, list) or len(v) > MAX_ITEMS:
+        raise InvalidEvidence(f"expected a list of at most {MAX_ITEMS}")
+    return v
+
+
+def _peer(v: Any) -> str:
+    if not isinstance(v, bytes) or len(v) > 64:
+        raise InvalidEvidence("bad peer id")
+    try:
+        return ID(v).to_base58()
+    except Exception:
+        raise InvalidEvidence("bad peer id") from None
+
+
+def _bytes(v: Any, n: int | None = None) -> bytes:
+    if not isinstance(v, bytes) or (n is not None and len(v) != n) or len(v) > 64:
+        raise InvalidEvidence("bad byte string")
+    return v
+
+
+def _step(v: Any) -> tuple[StepBinding, bytes]:
+    if not (isinstance(v, list) and len(v) == 7):
+        raise InvalidEvidence("a step is [session, step, input commitment, header, bytes, chunk, commitment]")
+    binding = StepBinding(_bytes(v[0], 16), _int(v[1]), _bytes(v[2], 32), _bytes(v[3]), _int(v[4]), _int(v[5]))
+    if binding.chunk_size < 1:
+        raise InvalidEvidence("bad chunk size")
+    return binding, _bytes(v[6], 32)
+
+
+def _opening(v: Any) -> tuple[int, Opening]:
+    if not (isinstance(v, list) and len(v) == 4 and isinstance(v[2], bytes)):
+        raise InvalidEvidence("an opening is [step, index, chunk, path]")
+    path = _list(v[3])
+    if not all(isinstance(h, bytes) and len(h) == 32 for h in path):
+        raise InvalidEvidence("a Merkle path holds 32-byte hashes")
+    return _int(v[0]), Opening(_int(v[1]), v[2], tuple(path))
