@@ -5,7 +5,7 @@ setup:
 	@scripts/setup.sh
 
 run: setup
-	.venv/bin/diffuse ask --local "What is the capital of France?"
+	.venv/bin/diffuse demo "What is the capital of France?"
 
 test: setup
 	.venv/bin/python -m pytest -q
