@@ -27,16 +27,19 @@ PROMPT = "Explain in a few sentences why the sky is blue, and what changes at su
 
 
 def bench_engine(model, prompt: list[int], n: int) -> tuple[float, float]:
-    pipe = model.session(len(prompt) + n + 1)
+    head, (span,) = model.head, model.spans
+    cache = span.new_cache(len(prompt) + n + 1)
     ids = torch.tensor([prompt])
     t0 = time.perf_counter()
-    logits = pipe.forward(ids, rows=slice(-1, None))[0, -1]
+    h = span(head.embed_tokens(ids), torch.arange(len(prompt)), cache)
+    logits = head.logits(h[:, -1:])[0, -1]
     t1 = time.perf_counter()
     for _ in range(n - 1):
         token = int(logits.argmax())
-        logits = pipe.forward(torch.tensor([[token]]))[0, -1]
+        h = span(head.embed_tokens(torch.tensor([[token]])), torch.tensor([cache.length]), cache)
+        logits = head.logits(h)[0, -1]
     t2 = time.perf_counter()
-    pipe.close()
+    cache.wipe()
     return t1 - t0, (n - 1) / (t2 - t1)
 
 

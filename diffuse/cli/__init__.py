@@ -11,7 +11,7 @@ from diffuse.errors import DiffuseError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffuse.cli import ask, demo, model
+    from diffuse.cli import api, ask, demo, model, net
 
     parser = argparse.ArgumentParser(prog="diffuse", description=__doc__)
     parser.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
@@ -22,12 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.register(sub)
     ask.register(sub)
     demo.register(sub)
-    try:
-        from diffuse.cli import net
-    except ImportError:  # the control plane is optional at this layer
-        net = None
-    if net is not None:
-        net.register(sub)
+    net.register(sub)
+    api.register(sub)
     return parser
 
 
