@@ -8,7 +8,6 @@ from pathlib import Path
 
 import trio
 
-from diffuse.client.sampling import SamplingParams
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -32,7 +31,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt (default: the model's own)")
 
 
-def sampling_params(args) -> SamplingParams:
+def sampling_params(args):
+    from diffuse.client.sampling import SamplingParams  # imports torch: only when a command runs
+
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repetition_penalty=args.repetition_penalty, seed=args.seed,

@@ -1,0 +1,310 @@
+"""`diffuse id | sentinel | join | status`: the control plane on the command line.
+
+Errors that are the user's fault (bad multiaddr, unreachable bootstrap, bad --blocks) are
+DiffuseErrors: the top-level `main` prints `error: ...` and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from diffuse.errors import DiffuseError
+
+log = logging.getLogger("diffuse.net")
+
+DEFAULT_SENTINEL_LISTEN = "/ip4/0.0.0.0/tcp/31330"
+DEFAULT_PEER_LISTEN = "/ip4/0.0.0.0/tcp/0"
+
+
+def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser | None = None) -> None:
+    parents = [common] if common is not None else []
+
+    p = subparsers.add_parser("id", parents=parents, help="print this node's peer id (creates its key)")
+    _identity_arg(p)
+    p.set_defaults(func=cmd_id)
+
+    p = subparsers.add_parser("sentinel", parents=parents,
+                              help="run a DHT bootstrap node that serves no blocks")
+    _identity_arg(p)
+    _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN, bootstrap_required=False)
+    p.set_defaults(func=cmd_sentinel)
+
+    p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
+    _identity_arg(p)
+    _net_args(p, listen_default=DEFAULT_PEER_LISTEN, bootstrap_required=True)
+    p.add_argument("--model", help="model in the store (default: the embedded default model)")
+    p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
+                   "the least-served span that fits --num-blocks / --max-memory")
+    p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
+    p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
+    p.add_argument("--throughput", type=float, help="tokens/s to announce (default: a conservative estimate)")
+    p.add_argument("--cache-tokens", type=int, default=65536,
+                   help="KV-cache tokens this peer lends to all sessions together")
+    p.add_argument("--max-session-tokens", type=int, default=8192, help="KV-cache tokens one session may hold")
+    p.add_argument("--session-timeout", type=float, default=300.0,
+                   help="seconds a session may idle before its cache is freed")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.set_defaults(func=cmd_join)
+
+    p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                   help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
+    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
+    p.add_argument("--model", action="append", default=[], help="model id (repeatable; default: the default model)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="poll until every model is servable or SECONDS pass")
+    p.set_defaults(func=cmd_status)
+
+
+def _identity_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--identity", type=Path, metavar="KEYFILE",
+                   help="Ed25519 key file (default: <home>/identity.key; created mode 0600 if absent)")
+
+
+def _net_args(p: argparse.ArgumentParser, listen_default: str, bootstrap_required: bool) -> None:
+    p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                   help=f"listen address (repeatable; default {listen_default})")
+    p.set_defaults(listen_default=listen_default, bootstrap_required=bootstrap_required)
+    p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                   help="address to advertise instead of the listen addresses (repeatable)")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                   help="a sentinel or peer multiaddr with /p2p/ (repeatable; the others are "
+                        "tried when one is down)")
+    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
+    p.add_argument("--heartbeat", type=float, default=15.0, metavar="SECONDS",
+                   help="re-announce period (default 15)")
+    p.add_argument("--ttl", type=float, metavar="SECONDS",
+                   help="record lifetime (default 3 heartbeats)")
+
+
+# ---- commands ----
+
+def cmd_id(args: argparse.Namespace) -> int:
+    from diffuse.control.identity import peer_id
+
+    print(peer_id(_key_pair(args)).to_base58())
+    return 0
+
+
+def cmd_sentinel(args: argparse.Namespace) -> int:
+    from diffuse.control.sentinel import run_sentinel
+
+    key_pair = _key_pair(args, hold=True)
+    boot = _bootstrap_addrs(args)
+    listen = _listen(args)
+
+    def ready(addrs: list[str]) -> None:
+        for a in addrs:
+            print(a, flush=True)
+        print("sentinel ready; stop with Ctrl-C", file=sys.stderr, flush=True)
+
+    _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce))
+    return 0
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from diffuse.control.announce import Serving
+    from diffuse.control.coverage import coverage
+    from diffuse.control.node import Node
+    from diffuse.control.placement import PlacementError, blocks_for_budget, choose_span, parse_size, parse_span
+    from diffuse.home import data_home
+    from diffuse.model import store
+    from diffuse.model.config import ModelConfig
+    from diffuse.model.weights import load_manifest
+
+    key_pair = _key_pair(args, hold=True)
+    boot = _bootstrap_addrs(args)
+    model_dir = store.resolve(data_home(args.home), args.model)
+    manifest = load_manifest(model_dir)
+    n = manifest.num_layers
+    auto = args.blocks.strip().lower() == "auto"
+    span = None if auto else parse_span(args.blocks, n)
+    if auto:
+        if args.num_blocks is not None and args.max_memory is not None:
+            raise PlacementError("give --num-blocks or --max-memory, not both")
+        if args.num_blocks is not None:
+            if args.num_blocks < 1:
+                raise PlacementError("--num-blocks must be at least 1")
+            length = min(args.num_blocks, n)
+        elif args.max_memory is not None:
+            length = blocks_for_budget(parse_size(args.max_memory), ModelConfig.load(model_dir), manifest.dtype)
+        else:
+            length = n
+    elif args.num_blocks is not None or args.max_memory is not None:
+        raise PlacementError("--num-blocks / --max-memory only apply with --blocks auto")
+    hooks = data_plane_hooks(args, model_dir, manifest)
+
+    async def main() -> None:
+        node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
+                    status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
+                    announce_addrs=args.announce)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            start, end = span or choose_span(
+                coverage(await node.records(manifest.model_id), manifest.model_id, n,
+                         expected_hashes=manifest.block_hashes).replicas, length)
+            throughput = args.throughput
+            if hooks.prepare is not None:
+                throughput = await hooks.prepare(start, end) or throughput
+            await node.serve(Serving(
+                model=manifest.model_id, num_blocks=n, start=start, end=end,
+                block_hashes=manifest.block_hashes[start:end], dtype=getattr(args, "dtype", manifest.dtype),
+                throughput=throughput, cache_tokens=args.cache_tokens, protocols=hooks.protocols))
+            for a in node.full_addrs():
+                print(a, flush=True)
+            print(f"serving {manifest.model_id} blocks {start}:{end} ({end - start} of {n})", flush=True)
+
+    _trio_run(_until_signal, main)
+    print("stopped; announcement withdrawn", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.control.coverage import format_text
+    from diffuse.control.node import open_node
+    from diffuse.home import DEFAULT_MODEL
+
+    boot = _bootstrap_addrs(args, required=True)
+    models = args.model or [DEFAULT_MODEL]
+    result: list = []
+
+    async def main() -> None:
+        # An ephemeral identity: a status query must never impersonate a running peer.
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"],
+                             bootstrap=boot, server=False) as node:
+            deadline = trio.current_time() + max(0.0, args.wait)
+            while True:
+                covs = [await node.coverage(m) for m in models]
+                if all(c.servable for c in covs) or trio.current_time() >= deadline:
+                    break
+                await trio.sleep(0.5)
+            result.extend(covs)
+
+    _trio_run(main)
+    if args.json:
+        print(json.dumps({"time": time.time(), "models": [c.to_dict() for c in result]}, indent=1))
+    else:
+        print("\n\n".join(format_text(c) for c in result))
+    return 0
+
+
+# ---- the data plane's plug ----
+
+@dataclass
+class ServeHooks:
+    """What the data plane adds to `join`: stream handlers (registered before the host listens),
+    a status callback read at every heartbeat ({"cache_tokens": .., "throughput": .., ...}), the
+    protocols it serves, and `prepare(start, end)`, awaited once the span is chosen and before it
+    is announced (load and verify the blocks; return measured tokens/s or None)."""
+
+    handlers: dict[str, Callable[[Any], Awaitable[None]]] = field(default_factory=dict)
+    status_fn: Callable[[], Mapping[str, Any]] | None = None
+    protocols: tuple[str, ...] = ()
+    prepare: Callable[[int, int], Awaitable[float | None]] | None = None
+
+
+def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -> ServeHooks:
+    """The inference service: blocks are loaded (and checked against the manifest) once the span
+    is chosen, measured, and served on /diffuse/inference/1.0.0."""
+    from diffuse.data.serve import PeerService
+    from diffuse.data.server import ServerLimits
+    from diffuse.model.load import parse_dtype
+
+    limits = ServerLimits(max_session_tokens=args.max_session_tokens, max_total_tokens=args.cache_tokens,
+                          idle_timeout=args.session_timeout)
+    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits)
+    return ServeHooks(handlers={p: service.handle for p in service.protocols}, status_fn=service.status,
+                      protocols=service.protocols, prepare=service.prepare)
+
+
+# ---- helpers ----
+
+def _key_pair(args: argparse.Namespace, hold: bool = False):
+    """The node's key; hold=True keeps its file locked for the life of the process, so a second
+    node cannot run with the same identity."""
+    from diffuse.control.identity import default_identity_path, load_or_create, lock
+
+    path = args.identity or default_identity_path(getattr(args, "home", None))
+    key_pair = load_or_create(path)
+    if hold:
+        _held.append(lock(path))
+    return key_pair
+
+
+_held: list = []  # identity locks held until exit
+
+
+def _listen(args: argparse.Namespace) -> list[str]:
+    from diffuse.control.host import parse_multiaddr
+
+    addrs = args.listen or [args.listen_default]
+    for a in addrs:
+        parse_multiaddr(a)
+    return addrs
+
+
+def _bootstrap_addrs(args: argparse.Namespace, required: bool | None = None) -> list[str]:
+    """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
+    from diffuse.control.host import parse_peer_addr
+
+    addrs = list(args.bootstrap)
+    if args.bootstrap_file is not None:
+        try:
+            text = args.bootstrap_file.read_text()
+        except OSError as e:
+            raise DiffuseError(f"cannot read {args.bootstrap_file}: {e.strerror or e}") from None
+        addrs += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+        addrs = [a for a in addrs if a]
+    required = getattr(args, "bootstrap_required", False) if required is None else required
+    if required and not addrs:
+        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr)")
+    for a in addrs:
+        parse_peer_addr(a)
+    return addrs
+
+
+async def _until_signal(body: Callable[[], Awaitable[None]]) -> None:
+    """Run `body`, then keep running until SIGINT/SIGTERM; cancellation unwinds every node, whose
+    `run` withdraws its announcement on the way out."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(watch)
+            await body()
+
+
+def _trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """trio.run, with a DiffuseError buried in exception groups re-raised bare (so `main` prints
+    `error: ...`), and Ctrl-C before the signal handler is installed exiting quietly."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as eg:
+        match, _ = eg.split(DiffuseError)
+        if match is not None:
+            raise _first_leaf(match) from None
+        raise
+
+
+def _first_leaf(eg: BaseException) -> BaseException:
+    while isinstance(eg, BaseExceptionGroup):
+        eg = eg.exceptions[0]
+    return eg

@@ -1,0 +1,169 @@
+"""Coverage: which peers serve which blocks of a model, and whether the model is servable.
+
+A pure function of the records read from the DHT, so the route builder, `diffuse status` and
+block placement all see the same picture, and tests need no network.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffuse.control.records import PeerRecord
+
+
+@dataclass(frozen=True)
+class Coverage:
+    model: str
+    num_blocks: int
+    peers: dict[str, PeerRecord]  # online, fresh, consistent peers by id
+    blocks: list[list[str]]  # blocks[i]: ids of the peers serving block i, oldest first
+    excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it does not count
+    now: float = 0.0
+
+    @property
+    def replicas(self) -> list[int]:
+        return [len(p) for p in self.blocks]
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, p in enumerate(self.blocks) if not p]
+
+    @property
+    def servable(self) -> bool:
+        """Every block has at least one peer: a route through the whole model exists."""
+        return self.num_blocks > 0 and not self.missing
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape of `diffuse status --json` (one entry of its "models" list)."""
+        return {
+            "model": self.model,
+            "num_blocks": self.num_blocks,
+            "servable": self.servable,
+            "missing": self.missing,
+            "min_replicas": min(self.replicas, default=0),
+            "blocks": [{"block": i, "replicas": len(p), "peers": p} for i, p in enumerate(self.blocks)],
+            "peers": [_peer_dict(r, self.now) for r in sorted(self.peers.values(), key=lambda r: r.start)],
+            "excluded": self.excluded,
+        }
+
+
+def coverage(
+    records: Iterable[PeerRecord],
+    model: str,
+    num_blocks: int | None = None,
+    *,
+    expected_hashes: Sequence[str] | None = None,
+    now: float | None = None,
+) -> Coverage:
+    """The block map of `model` from peer records (any mix of models, states and ages).
+
+    Withdrawn and expired records are ignored. `num_blocks` defaults to what most peers claim.
+    With `expected_hashes` (the manifest's per-block SHA-256), a peer announcing other weights
+    for any block it serves is excluded rather than silently routed through.
+    """
+    now = time.time() if now is None else now
+    recs = [r for r in records if r.model == model and r.online and r.fresh(now)]
+    if num_blocks is None:
+        if expected_hashes is not None:
+            num_blocks = len(expected_hashes)
+        else:
+            counts = Counter(r.num_blocks for r in recs)
+            num_blocks = counts.most_common(1)[0][0] if counts else 0
+    peers: dict[str, PeerRecord] = {}
+    excluded: dict[str, str] = {}
+    for r in sorted(recs, key=lambda r: (r.started, r.peer_id)):
+        why = _mismatch(r, num_blocks, expected_hashes)
+        if why:
+            excluded[r.peer_id] = why
+        else:
+            peers[r.peer_id] = r
+    blocks: list[list[str]] = [[] for _ in range(num_blocks)]
+    for r in peers.values():
+        for i in range(r.start, r.end):
+            blocks[i].append(r.peer_id)
+    return Coverage(model, num_blocks, peers, blocks, excluded, now)
+
+
+def _mismatch(r: PeerRecord, num_blocks: int, expected: Sequence[str] | None) -> str:
+    if r.num_blocks != num_blocks:
+        return f"announces {r.num_blocks} blocks, the model has {num_blocks}"
+    if expected is not None:
+        bad = [i for i, h in zip(range(r.start, r.end), r.block_hashes) if h != expected[i]]
+        if bad:
+            return f"announces other weights for blocks {_ranges(bad)}"
+    return ""
+
+
+def _peer_dict(r: PeerRecord, now: float) -> dict[str, Any]:
+    return {
+        "peer_id": r.peer_id,
+        "start": r.start,
+        "end": r.end,
+        "addrs": list(r.addrs),
+        "dtype": r.dtype,
+        "throughput": r.throughput,
+        "cache_tokens": r.cache_tokens,
+        "age_s": round(max(0.0, now - r.started), 1),
+        "last_heartbeat_s": round(max(0.0, now - r.timestamp), 1),
+        "expires_in_s": round(r.expires - now, 1),
+        "protocols": list(r.protocols),
+        "software": r.software,
+        "extra": dict(r.extra),
+    }
+
+
+def format_text(cov: Coverage) -> str:
+    """Human summary: servability, block runs with their peers, then one line per peer."""
+    reps = cov.replicas
+    head = (f"model {cov.model}: " + ("servable" if cov.servable else "NOT servable") +
+            f" ({cov.num_blocks - len(cov.missing)}/{cov.num_blocks} blocks covered, "
+            f"min replicas {min(reps, default=0)}, {len(cov.peers)} peers)")
+    lines = [head, "  blocks      replicas  peers"]
+    i = 0
+    while i < cov.num_blocks:
+        j = i
+        while j + 1 < cov.num_blocks and cov.blocks[j + 1] == cov.blocks[i]:
+            j += 1
+        span = f"{i}" if i == j else f"{i}-{j}"
+        who = ", ".join(_short(p) for p in cov.blocks[i]) or "-- uncovered --"
+        lines.append(f"  {span:<11} {reps[i]:>8}  {who}")
+        i = j + 1
+    if cov.peers:
+        lines.append("  peer          blocks     age  heartbeat  tokens/s  cache  addrs")
+    for r in sorted(cov.peers.values(), key=lambda r: (r.start, r.peer_id)):
+        d = _peer_dict(r, cov.now)
+        span = f"[{r.start},{r.end})"
+        lines.append(
+            f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
+            f"  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {' '.join(r.addrs)}"
+        )
+    for pid, why in cov.excluded.items():
+        lines.append(f"  excluded {_short(pid)}: {why}")
+    return "\n".join(lines)
+
+
+def _ranges(blocks: list[int]) -> str:
+    """[0, 1, 2, 7] -> "0-2, 7"."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _short(pid: str) -> str:
+    return pid[:6] + ".." + pid[-4:]
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"

@@ -1,0 +1,231 @@
+"""The Kademlia DHT of py-libp2p 0.8.1, adapted to hold *sets* of signed peer records.
+
+py-libp2p keeps ONE value per key and answers reads from the local store first. Diffuse needs
+many peers under one key (everyone serving blocks of a model) and fresh values. So:
+
+- `MergingValueStore` replaces the DHT's value store: a PUT under /diffuse/ is merged into what
+  the node holds (latest record per peer wins, expired records dropped) instead of replacing
+  it. Served values are pruned of expired records on every read.
+- `put_set` stores our records locally and at the k closest nodes, sending only our own
+  records (never the whole merged set we happen to hold).
+- `fetch_set` asks the k closest nodes *and* the local store and merges every answer, so a
+  stale local copy can never hide newer remote records (trap 6 of the notes).
+
+Provider records were rejected: 0.8.1 caps them at 20 per key, keeps dead ones 48 h, ignores
+newcomers once full, and rate-limits ADD_PROVIDER to 10 per 10 s per sender (a peer serving 15
+blocks could not even announce them all). See protocols/dht-records.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import trio
+from libp2p.abc import IHost
+from libp2p.kad_dht.common import ALPHA, format_time_rfc3339
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.pb.kademlia_pb2 import Record
+from libp2p.kad_dht.value_store import ValueStore
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from diffuse.control.records import (
+    NAMESPACE,
+    InvalidRecord,
+    RecordValidator,
+    SignedRecord,
+    decode_set,
+    encode_set,
+    merge,
+)
+from diffuse.errors import DiffuseError
+
+log = logging.getLogger(__name__)
+
+QUERY_TIMEOUT_S = 5.0  # per remote GET/PUT; a dead peer on a LAN fails faster than this
+PREFIX = f"/{NAMESPACE}/".encode()
+
+
+class BootstrapError(DiffuseError):
+    """None of the bootstrap peers could be reached."""
+
+
+class MergingValueStore(ValueStore):
+    """A value store whose /diffuse/ values are record sets merged on write, pruned on read.
+
+    Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
+    one signature check for the new record, not one per record already held.
+    """
+
+    def __init__(self, host: IHost, local_peer_id: ID, clock=time.time) -> None:
+        super().__init__(host=host, local_peer_id=local_peer_id)
+        self.clock = clock
+        self._parsed: dict[bytes, tuple[bytes, list[SignedRecord]]] = {}
+
+    def records(self, key: bytes) -> list[SignedRecord]:
+        entry = self.store.get(key)
+        if entry is None:
+            self._parsed.pop(key, None)
+            return []
+        raw = entry[0].value
+        cached = self._parsed.get(key)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        try:
+            recs = decode_set(raw, key.decode(), now=self.clock(), strict=False)
+        except (InvalidRecord, UnicodeDecodeError):
+            recs = []
+        self._parsed[key] = (raw, recs)
+        return recs
+
+    def put_record(self, key: bytes, record: Record) -> None:
+        if not key.startswith(PREFIX):
+            return super().put_record(key, record)
+        try:
+            new = decode_set(record.value, key.decode(), now=self.clock(), strict=False)
+        except (InvalidRecord, UnicodeDecodeError):
+            return
+        self._set(key, merge(self.records(key) + new, self.clock()))
+
+    def get(self, key: bytes) -> Record | None:
+        rec = super().get(key)
+        if rec is None or not key.startswith(PREFIX):
+            return rec
+        held = self.records(key)
+        live = merge(held, self.clock())
+        if len(live) != len(held):
+            self._set(key, live)
+            rec = super().get(key)
+        return rec
+
+    def _set(self, key: bytes, recs: list[SignedRecord]) -> None:
+        if not recs:
+            self.remove(key)
+            self._parsed.pop(key, None)
+            return
+        value = encode_set(recs)
+        # Unsigned at the libp2p layer on purpose: this node assembled the set, and every record
+        # in it carries its own peer's signature, which is what readers check.
+        rec = Record(key=key, value=value, timeReceived=format_time_rfc3339())
+        super().put_record(key, rec)
+        self._parsed[key] = (value, recs)
+
+
+def make_dht(host: IHost, server: bool = True) -> KadDHT:
+    """A DHT node: server mode stores and serves records (peers, sentinels); client mode only
+    queries (status, clients), so short-lived processes never become storage that vanishes."""
+    dht = KadDHT(host, DHTMode.SERVER if server else DHTMode.CLIENT, strict_validation=True)
+    dht.register_validator(NAMESPACE, RecordValidator())
+    dht.value_store = MergingValueStore(host, host.get_id())
+    _only_servers_in_routing_table(dht)
+    return dht
+
+
+def _only_servers_in_routing_table(dht: KadDHT) -> None:
+    """py-libp2p adds the sender of any inbound KAD request to its routing table, DHT clients
+    included (`diffuse status`, pure clients), and then stores records on them in vain. Keep the
+    identify-based check instead: a peer known not to speak KAD is not added."""
+    add = dht.add_peer
+
+    async def add_peer(peer_id: ID, *, skip_server_mode_check: bool = False) -> bool:
+        return await add(peer_id, skip_server_mode_check=False)
+
+    dht.add_peer = add_peer  # type: ignore[method-assign]
+
+
+async def closest(dht: KadDHT, key: str) -> list[ID]:
+    """The k closest DHT nodes to `key` (iterative lookup), excluding ourselves."""
+    me = dht.host.get_id()
+    return [p for p in await dht.peer_routing.find_closest_peers_network(key.encode()) if p != me]
+
+
+async def put_set(dht: KadDHT, key: str, records: Sequence[SignedRecord],
+                  targets: Sequence[ID] | None = None) -> int:
+    """Store `records` under `key` here and at `targets` (default: a fresh lookup of the k
+    closest nodes); returns how many remote nodes accepted them. A node that already holds
+    them refuses a replay, which is fine."""
+    value = encode_set(records)
+    dht.validator.validate(key, value)  # never publish what others would refuse
+    kb = key.encode()
+    dht.value_store.put_record(kb, Record(key=kb, value=value))
+    peers = list(targets) if targets is not None else await closest(dht, key)
+    acks = 0
+
+    async def store(peer: ID) -> None:
+        nonlocal acks
+        with trio.move_on_after(QUERY_TIMEOUT_S):
+            if await dht.value_store._store_at_peer(peer, kb, value, record=Record(key=kb, value=value)):
+                acks += 1
+
+    await _gather(store, peers)
+    return acks
+
+
+async def fetch_set(dht: KadDHT, key: str) -> list[SignedRecord]:
+    """Every valid record under `key` that the k closest nodes or this node hold, merged.
+    Includes tombstones (OFFLINE records), which callers filter."""
+    kb = key.encode()
+    got: list[SignedRecord] = []
+    if isinstance(dht.value_store, MergingValueStore):
+        got += dht.value_store.records(kb)
+    peers = await closest(dht, key)
+
+    async def ask(peer: ID) -> None:
+        with trio.move_on_after(QUERY_TIMEOUT_S):
+            rec = await dht.value_store._get_from_peer(peer, kb, return_record=True)
+            if isinstance(rec, Record) and rec.value:
+                try:
+                    got.extend(decode_set(rec.value, key, strict=False))
+                except InvalidRecord as e:
+                    log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
+
+    await _gather(ask, peers)
+    return merge(got)
+
+
+async def _gather(fn, items: Iterable) -> None:
+    """Run fn(item) for each item, at most ALPHA at a time, in one nursery."""
+    limit = trio.CapacityLimiter(ALPHA)
+
+    async def one(item) -> None:
+        async with limit:
+            await fn(item)
+
+    async with trio.open_nursery() as nursery:
+        for item in items:
+            nursery.start_soon(one, item)
+
+
+async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout: float = 5.0) -> list[PeerInfo]:
+    """Connect to every bootstrap peer at once; those that answer seed the routing table.
+    Raises BootstrapError only if none answers: one reachable sentinel is enough."""
+    reached: list[PeerInfo] = []
+    errors: list[str] = []
+
+    async def one(info: PeerInfo) -> None:
+        if info.peer_id == host.get_id():
+            return
+        with trio.move_on_after(timeout) as scope:
+            try:
+                await host.connect(info)
+            except Exception as e:  # py-libp2p raises many unrelated types on dial failure
+                errors.append(f"{info.addrs[0]}/p2p/{info.peer_id}: {e or type(e).__name__}")
+                return
+            for _ in range(10):  # add_peer can refuse until the connection is fully up
+                if await dht.routing_table.add_peer(info):
+                    break
+                await trio.sleep(0.05)
+            reached.append(info)
+        if scope.cancelled_caught:
+            errors.append(f"{info.addrs[0]}/p2p/{info.peer_id}: no answer within {timeout:g} s")
+
+    await _gather(one, peers)
+    if peers and not reached and any(p.peer_id != host.get_id() for p in peers):
+        raise BootstrapError("could not reach any bootstrap peer:\n  " + "\n  ".join(errors))
+    if reached:
+        # Populate the routing table beyond the sentinels and let them learn about us.
+        with trio.move_on_after(timeout):
+            await dht.peer_routing.find_closest_peers_network(host.get_id().to_bytes())
+    return reached

@@ -1,0 +1,203 @@
+"""A Diffuse node: host, DHT, bootstrap and heartbeat, all inside one trio nursery.
+
+Other planes plug in here. The data plane registers its stream handlers through `handlers=`
+(installed before the host listens, so no peer reaches a half-configured node), starts serving
+with `await node.serve(Serving(...))`, and reports live numbers (free KV-cache tokens, measured
+throughput) through `status_fn`, called at every heartbeat. The route builder reads
+`await node.records(model)` / `await node.coverage(model)`.
+
+    async with open_node(key_pair, bootstrap=[addr], handlers={PROTO: handle}) as node:
+        await node.serve(Serving(...))
+        await trio.sleep_forever()   # cancelling withdraws the announcement first
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from libp2p.abc import INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.tools.anyio_service import background_trio_service
+
+from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
+from diffuse.control.coverage import Coverage, coverage
+from diffuse.control.dht import bootstrap, fetch_set, make_dht
+from diffuse.control.host import (
+    DEFAULT_LISTEN,
+    advertised_addrs,
+    make_host,
+    parse_multiaddr,
+    parse_peer_addr,
+)
+from diffuse.control.identity import peer_id as peer_id_of
+from diffuse.control.records import PeerRecord, blocks_key, peer_key
+from diffuse.errors import DiffuseError
+
+log = logging.getLogger(__name__)
+
+
+
+class ListenError(DiffuseError):
+    """No listen address could be bound."""
+
+
+StreamHandler = Callable[[INetStream], Awaitable[None]]
+WITHDRAW_TIMEOUT_S = 5.0  # the tombstone must get out even from a starved process
+STOP_TIMEOUT_S = WITHDRAW_TIMEOUT_S + 2.0  # withdraw, then close connections
+
+
+class Node:
+    def __init__(
+        self,
+        key_pair: KeyPair,
+        *,
+        listen: Sequence[str] = (DEFAULT_LISTEN,),
+        bootstrap: Sequence[str | PeerInfo] = (),
+        server: bool = True,
+        handlers: Mapping[str, StreamHandler] | None = None,
+        status_fn: StatusFn | None = None,
+        heartbeat: float = DEFAULT_HEARTBEAT_S,
+        ttl: float | None = None,
+        announce_addrs: Sequence[str] = (),
+        bootstrap_timeout: float = 5.0,
+    ) -> None:
+        """server=False: a DHT client (status, pure clients) that stores nothing for others."""
+        self.key_pair = key_pair
+        self.peer_id = peer_id_of(key_pair).to_base58()
+        self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
+        self._listen = [parse_multiaddr(a) for a in listen]
+        self.host = make_host(key_pair, self._listen)
+        for proto, handler in (handlers or {}).items():
+            self.host.set_stream_handler(TProtocol(proto), handler)
+        self.dht = make_dht(self.host, server=server)
+        self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
+        self.announce_addrs = list(announce_addrs)
+        self.bootstrap_timeout = bootstrap_timeout
+        self.announcer: Announcer | None = None
+        self._nursery: trio.Nursery | None = None
+        self._scope: trio.CancelScope | None = None
+        self._stop = trio.Event()
+
+    # ---- addresses ----
+
+    def addrs(self) -> list[str]:
+        """Dialable addresses, without /p2p (what records carry)."""
+        return advertised_addrs(self.host, self.announce_addrs)
+
+    def full_addrs(self) -> list[str]:
+        """Dialable addresses with /p2p/PEERID (what operators pass as --bootstrap)."""
+        return [f"{a}/p2p/{self.peer_id}" for a in self.addrs()]
+
+    # ---- lifecycle ----
+
+    async def run(self, *, task_status: trio.TaskStatus["Node"] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, join the DHT through the bootstrap peers, report started, run until
+        cancelled or `stop()`ped; either way, withdraw the announcement before closing.
+
+        Cancelling this task is the graceful path: the host and DHT live in a shielded scope,
+        so they are still up while the tombstone goes out (a plain cancel would tear the
+        connections down under it), and `stop()` bounds that shutdown with a deadline.
+        """
+        async with trio.open_nursery() as nursery:
+            try:
+                await nursery.start(self._main)
+                task_status.started(self)
+                await trio.sleep_forever()
+            finally:
+                self.stop()
+
+    def stop(self) -> None:
+        """Ask a running node to withdraw and shut down (sync, idempotent, bounded)."""
+        self._stop.set()
+        if self._scope is not None:
+            self._scope.deadline = min(self._scope.deadline, trio.current_time() + STOP_TIMEOUT_S)
+
+    async def _main(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope(shield=True) as self._scope:
+            if self._stop.is_set():  # stopped before we even began
+                self._scope.deadline = trio.current_time() + STOP_TIMEOUT_S
+            async with self.host.run(self._listen):
+                if not self.host.get_transport_addrs():
+                    raise ListenError(f"cannot listen on {', '.join(map(str, self._listen))}: "
+                                      "address in use or not an address of this machine")
+                async with background_trio_service(self.dht):
+                    async with trio.open_nursery() as tasks:
+                        self._nursery = tasks
+                        if self.bootstrap_peers:
+                            await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
+                        task_status.started()
+                        await self._stop.wait()
+                        tasks.cancel_scope.cancel()  # heartbeat and other node tasks end here
+                    self._nursery = None
+                    with trio.move_on_after(WITHDRAW_TIMEOUT_S):
+                        await self.withdraw()
+                # Close explicitly: py-libp2p's own stop path runs its cleanup under cancellation,
+                # which aborts at the first await and leaves the listener accepting connections.
+                with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
+                    await self.host.close()
+
+    async def serve(self, serving: Serving) -> PeerRecord:
+        """Announce `serving` now and on every heartbeat until the node stops."""
+        if self._nursery is None:
+            raise RuntimeError("Node.serve() needs a running node")
+        if self.announcer is not None:
+            raise RuntimeError("this node already serves; start another node for another span")
+        self.announcer = Announcer(
+            self.dht, self.key_pair, serving, self.addrs,
+            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self.status_fn,
+        )
+        await self._nursery.start(lambda task_status: self.announcer.run(
+            on_lonely=self._rebootstrap, task_status=task_status))
+        return self.announcer.current.record
+
+    async def withdraw(self) -> None:
+        """Publish a tombstone for our record (idempotent); readers drop us at once."""
+        if self.announcer is not None:
+            await self.announcer.withdraw()
+
+    async def _rebootstrap(self) -> None:
+        """Nobody took our records: we lost the swarm (a sentinel restarted?). Dial again."""
+        if self.bootstrap_peers and self.dht.get_routing_table_size() == 0:
+            try:
+                await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
+            except Exception as e:
+                log.warning("re-bootstrap failed: %s", e)
+
+    # ---- reading the swarm ----
+
+    @property
+    def record(self) -> PeerRecord | None:
+        """This node's latest announced record, if it serves."""
+        cur = self.announcer.current if self.announcer else None
+        return cur.record if cur else None
+
+    async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
+        """Fresh records of every peer serving blocks of `model`, merged from the DHT."""
+        found = await fetch_set(self.dht, blocks_key(model))
+        return [s.record for s in found if s.record.model == model and (include_offline or s.record.online)]
+
+    async def peer_record(self, peer_id: str) -> PeerRecord | None:
+        """A peer's current record by id (online or withdrawn), or None if none is fresh."""
+        found = await fetch_set(self.dht, peer_key(peer_id))
+        return found[0].record if found else None
+
+    async def coverage(self, model: str, num_blocks: int | None = None,
+                       expected_hashes: Sequence[str] | None = None) -> Coverage:
+        return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+
+
+@asynccontextmanager
+async def open_node(key_pair: KeyPair, **kwargs: Any) -> AsyncIterator[Node]:
+    """Run a Node for the duration of the block; leaving it withdraws and shuts down."""
+    async with trio.open_nursery() as nursery:
+        node = await nursery.start(Node(key_pair, **kwargs).run)
+        try:
+            yield node
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,82 @@
+"""Automatic block choice (`--blocks auto`): strengthen the weakest blocks first (Petals' rule).
+
+A joining peer that can hold L blocks looks at how many replicas each block has and takes the
+window of L consecutive blocks whose replica counts, sorted ascending, are lexicographically
+smallest ("leximin"): first the window holding the most uncovered blocks, then the most blocks
+with one replica, and so on; ties go to the lowest start, so the choice is deterministic.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from diffuse.errors import DiffuseError
+from diffuse.model.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+class PlacementError(DiffuseError):
+    """A bad --blocks / --max-memory / --num-blocks value."""
+
+
+def choose_span(replicas: Sequence[float], length: int) -> tuple[int, int]:
+    """[start, end) of `length` consecutive blocks that best covers the least-served blocks."""
+    n = len(replicas)
+    if n == 0:
+        raise PlacementError("the model has no blocks")
+    length = max(1, min(length, n))
+    best_key: list[float] | None = None
+    best = 0
+    for s in range(n - length + 1):
+        key = sorted(replicas[s:s + length])
+        if best_key is None or key < best_key:
+            best_key, best = key, s
+    return best, best + length
+
+
+def parse_span(text: str, num_blocks: int) -> tuple[int, int]:
+    """`A:B` -> [A, B); either side may be omitted (`:10`, `20:`)."""
+    m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)
+    if not m:
+        raise PlacementError(f"bad --blocks {text!r}: use A:B (serves blocks A..B-1) or auto")
+    start = int(m.group(1)) if m.group(1) else 0
+    end = int(m.group(2)) if m.group(2) else num_blocks
+    if not (0 <= start < end <= num_blocks):
+        raise PlacementError(f"bad --blocks {text!r}: the model has blocks 0..{num_blocks - 1}")
+    return start, end
+
+
+def parse_size(text: str) -> int:
+    """`2GiB`, `1.5G`, `500MB`, `800M`, `123456` -> bytes (K/M/G/T are powers of 1000,
+    Ki/Mi/Gi/Ti powers of 1024; a trailing B is optional)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    try:
+        value = float(m.group(1)) if m else -1.0
+    except ValueError:
+        value = -1.0
+    if not m or value <= 0:
+        raise PlacementError(f"bad memory size {text!r}: use e.g. 800MiB or 2GB")
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(value * (1024 if m.group(3) else 1000) ** power)
+
+
+def block_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """Weight bytes of one transformer block (attention, MLP, two norms) in `dtype`."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q = cfg.num_heads * hd
+    kv = cfg.num_kv_heads * hd
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.attention_bias else 0)
+    mlp = 3 * h * cfg.intermediate_size
+    return (attn + mlp + 2 * h) * DTYPE_BYTES.get(dtype, 4)
+
+
+def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str) -> int:
+    """How many blocks fit in `budget` bytes of weights (KV cache is budgeted by the data plane)."""
+    per = block_bytes(cfg, dtype)
+    n = budget // per
+    if n < 1:
+        raise PlacementError(
+            f"--max-memory {budget / 2**20:.0f} MiB cannot hold one block ({per / 2**20:.1f} MiB)")
+    return int(min(n, cfg.num_layers))

@@ -1,0 +1,364 @@
+"""Signed peer records: what a peer serves, encoded canonically, signed with its Ed25519 key.
+
+Spec: protocols/dht-records.md. In short, a record is a canonical-CBOR map (the payload) and an
+Ed25519 signature over a domain tag plus that payload, by the key embedded in the record's own
+peer id. A DHT value is a CBOR array of such records (a *record set*), so one format serves both
+key kinds: `/diffuse/peer/<peerid>` (at most that peer's record) and `/diffuse/blocks/<model>`
+(every peer serving blocks of the model). Sets merge by "latest record per peer wins", which is
+commutative, associative and idempotent: DHT nodes and readers can merge in any order and agree.
+
+No pickle: a value is untrusted bytes from anyone on the network. Decoding is bounded in size,
+every field is type-checked, and a payload must be in canonical form (so one record has one
+byte string, and signatures cannot be malleated into look-alike duplicates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import cbor2
+from libp2p.crypto.ed25519 import Ed25519PublicKey
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from libp2p.records.validator import Validator
+
+from diffuse.errors import DiffuseError
+
+RECORD_VERSION = 1
+SIG_DOMAIN = b"diffuse/peer-record/v1\x00"
+NAMESPACE = "diffuse"
+PEER_PREFIX = f"/{NAMESPACE}/peer/"
+BLOCKS_PREFIX = f"/{NAMESPACE}/blocks/"
+ONLINE, OFFLINE = "online", "offline"
+
+MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
+MAX_TTL_S = 3600.0  # a record may not claim to live longer than this past its issue time
+MAX_PAYLOAD_BYTES = 48 * 1024
+MAX_SET_RECORDS = 1024  # a DHT value must stay under py-libp2p's 1 MiB record limit
+MAX_BLOCKS = 1024
+MAX_ADDRS = 16
+MAX_TEXT = 256
+MAX_EXTRA = 32
+
+
+class InvalidRecord(DiffuseError, ValueError):
+    """Forged, tampered, stale, malformed, or not allowed under the key it was stored at."""
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What one peer serves, as it announces it. Times are UNIX seconds (ms resolution on the wire)."""
+
+    peer_id: str
+    model: str
+    num_blocks: int  # blocks in the whole model, so a reader knows what "covered" means
+    start: int  # serves blocks [start, end)
+    end: int
+    block_hashes: tuple[str, ...]  # hex SHA-256 of blocks start..end-1 (manifest commitments)
+    dtype: str
+    throughput: float  # estimated tokens/s one sequence gets through the whole span
+    cache_tokens: int  # free KV-cache capacity, in tokens
+    addrs: tuple[str, ...]  # dialable multiaddrs without /p2p
+    timestamp: float  # issued at (the heartbeat); orders records of one peer
+    expires: float
+    started: float  # when the peer began serving: its age
+    state: str = ONLINE  # OFFLINE = withdrawn (a tombstone that outranks older records)
+    protocols: tuple[str, ...] = ()  # stream protocols served (e.g. /diffuse/inference/1.0.0)
+    software: str = ""
+    version: int = RECORD_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)  # data-plane fields, signed too
+
+    @property
+    def online(self) -> bool:
+        return self.state == ONLINE
+
+    def fresh(self, now: float | None = None) -> bool:
+        return self.expires > (time.time() if now is None else now)
+
+    def serves(self, block: int) -> bool:
+        return self.start <= block < self.end
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "v": self.version, "peer": ID.from_base58(self.peer_id).to_bytes(),
+            "model": self.model, "nblocks": self.num_blocks, "start": self.start, "end": self.end,
+            "hashes": [bytes.fromhex(h) for h in self.block_hashes], "dtype": self.dtype,
+            "tput": float(self.throughput), "cache": self.cache_tokens, "addrs": list(self.addrs),
+            "proto": list(self.protocols), "sw": self.software, "state": self.state,
+            "started": _ms(self.started), "ts": _ms(self.timestamp), "exp": _ms(self.expires),
+            "ext": dict(self.extra),
+        }
+
+    @classmethod
+    def from_payload(cls, d: Any) -> "PeerRecord":
+        """Strict: every field present with its exact type and within bounds."""
+        if not isinstance(d, dict) or set(d) != _FIELDS:
+            raise InvalidRecord("record fields missing or unknown")
+        if _int(d, "v") != RECORD_VERSION:
+            raise InvalidRecord(f"unsupported record version {d['v']!r}")
+        pid = ID(_bytes(d, "peer", 64))  # whether it embeds an Ed25519 key is checked in verify()
+        nblocks, start, end = _int(d, "nblocks"), _int(d, "start"), _int(d, "end")
+        if not (0 <= start < end <= nblocks <= MAX_BLOCKS):
+            raise InvalidRecord(f"bad block range [{start}, {end}) of {nblocks}")
+        hashes = _list(d, "hashes", MAX_BLOCKS)
+        if len(hashes) != end - start or not all(isinstance(h, bytes) and len(h) == 32 for h in hashes):
+            raise InvalidRecord("block hashes do not match the block range")
+        tput = d["tput"]
+        if not isinstance(tput, float) or not math.isfinite(tput) or tput < 0:
+            raise InvalidRecord("bad throughput")
+        addrs = tuple(_text_item(a) for a in _list(d, "addrs", MAX_ADDRS))
+        protos = tuple(_text_item(p) for p in _list(d, "proto", MAX_ADDRS))
+        state = _text(d, "state")
+        if state not in (ONLINE, OFFLINE):
+            raise InvalidRecord(f"bad state {state!r}")
+        ext = d["ext"]
+        if not isinstance(ext, dict) or len(ext) > MAX_EXTRA or not all(
+            isinstance(k, str) and len(k) <= 64 and is_scalar(v) for k, v in ext.items()
+        ):
+            raise InvalidRecord("bad extension fields")
+        return cls(
+            peer_id=pid.to_base58(), model=_text(d, "model"), num_blocks=nblocks, start=start, end=end,
+            block_hashes=tuple(h.hex() for h in hashes), dtype=_text(d, "dtype"), throughput=tput,
+            cache_tokens=_int(d, "cache"), addrs=addrs, protocols=protos, software=_text(d, "sw"),
+            state=state, started=_int(d, "started") / 1000, timestamp=_int(d, "ts") / 1000,
+            expires=_int(d, "exp") / 1000, version=RECORD_VERSION, extra=ext,
+        )
+
+
+_FIELDS = frozenset(["v", "peer", "model", "nblocks", "start", "end", "hashes", "dtype", "tput", "cache",
+                     "addrs", "proto", "sw", "state", "started", "ts", "exp", "ext"])
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """A verified record with the exact bytes it was signed as (re-sent verbatim, never re-encoded)."""
+
+    record: PeerRecord
+    payload: bytes
+    signature: bytes
+
+    @property
+    def peer_id(self) -> str:
+        return self.record.peer_id
+
+    @property
+    def order(self) -> tuple[int, bytes]:
+        """Total order among one peer's records: newest wins; bytes break ties deterministically."""
+        return (_ms(self.record.timestamp), self.payload)
+
+
+def sign(record: PeerRecord, key_pair: KeyPair) -> SignedRecord:
+    if ID.from_pubkey(key_pair.public_key).to_base58() != record.peer_id:
+        raise ValueError("a record must be signed by the key of the peer it describes")
+    payload = cbor2.dumps(record.to_payload(), canonical=True)
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"record payload too large ({len(payload)} bytes)")
+    return SignedRecord(PeerRecord.from_payload(cbor2.loads(payload)), payload,
+                        key_pair.private_key.sign(SIG_DOMAIN + payload))
+
+
+def verify(payload: bytes, signature: bytes) -> SignedRecord:
+    """Check a (payload, signature) pair; the signer is the key inside the record's peer id."""
+    if not isinstance(payload, bytes) or not isinstance(signature, bytes) or len(signature) != 64:
+        raise InvalidRecord("a record is [payload bytes, 64-byte signature]")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise InvalidRecord("record payload too large")
+    try:
+        d = cbor2.loads(payload)
+        canonical = cbor2.dumps(d, canonical=True) == payload
+    except Exception:
+        raise InvalidRecord("record payload is not valid CBOR") from None
+    if not canonical:
+        raise InvalidRecord("record payload is not canonical CBOR")
+    rec = PeerRecord.from_payload(d)
+    key = ID.from_base58(rec.peer_id).extract_public_key()
+    if not isinstance(key, Ed25519PublicKey):
+        raise InvalidRecord("peer id does not embed an Ed25519 key")
+    if not key.verify(SIG_DOMAIN + payload, signature):
+        raise InvalidRecord(f"bad signature on the record of {rec.peer_id}")
+    return SignedRecord(rec, payload, signature)
+
+
+def check_time(rec: PeerRecord, now: float | None = None) -> None:
+    """Stale (expired), from the future, or living implausibly long: refused."""
+    now = time.time() if now is None else now
+    if rec.expires <= now:
+        raise InvalidRecord(f"stale record of {rec.peer_id} (expired {now - rec.expires:.1f} s ago)")
+    if rec.timestamp > now + MAX_CLOCK_SKEW_S:
+        raise InvalidRecord(f"record of {rec.peer_id} is dated in the future")
+    if rec.expires - rec.timestamp > MAX_TTL_S or rec.started > rec.timestamp:
+        raise InvalidRecord(f"record of {rec.peer_id} has implausible times")
+
+
+# ---- DHT keys ----
+
+def _tag(text: str) -> str:
+    """128 bits of SHA-256, hex. Keys carry tags, not names: py-libp2p 0.8.1 refuses FIND_NODE
+    targets over 50 bytes that are not multihashes, and model ids may be long or contain '/'."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def peer_key(peer_id: str) -> str:
+    return PEER_PREFIX + _tag("peer:" + peer_id)
+
+
+def blocks_key(model: str) -> str:
+    return BLOCKS_PREFIX + _tag("model:" + model)
+
+
+def check_key(key: str, rec: PeerRecord) -> None:
+    """A record may only be stored under its own peer key or its own model's blocks key."""
+    if key.startswith(PEER_PREFIX):
+        if key != peer_key(rec.peer_id):
+            raise InvalidRecord(f"record of {rec.peer_id} stored under another peer's key")
+    elif key.startswith(BLOCKS_PREFIX):
+        if key != blocks_key(rec.model):
+            raise InvalidRecord(f"record for model {rec.model!r} stored under another model's key")
+    else:
+        raise InvalidRecord(f"unknown Diffuse key {key!r}")
+
+
+# ---- record sets (DHT values) ----
+
+def encode_set(records: Iterable[SignedRecord]) -> bytes:
+    return cbor2.dumps([[r.payload, r.signature] for r in sorted(records, key=lambda r: r.peer_id)],
+                       canonical=True)
+
+
+def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedRecord]:
+    """The records of a DHT value. strict: any bad record refuses the whole value (store path);
+    lenient: bad records are dropped one by one, so one forged entry cannot hide honest ones."""
+    if not isinstance(value, bytes) or len(value) > MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES // 8):
+        raise InvalidRecord("value too large")
+    try:
+        items = cbor2.loads(value)
+    except Exception:
+        raise InvalidRecord("value is not valid CBOR") from None
+    if not isinstance(items, list) or len(items) > MAX_SET_RECORDS or (strict and not items):
+        raise InvalidRecord("value is not a record set")
+    out: list[SignedRecord] = []
+    seen: set[str] = set()
+    for item in items:
+        try:
+            if not isinstance(item, list) or len(item) != 2:
+                raise InvalidRecord("a record is [payload, signature]")
+            sr = verify(item[0], item[1])
+            check_time(sr.record, now)
+            check_key(key, sr.record)
+            if sr.peer_id in seen:
+                raise InvalidRecord(f"two records of {sr.peer_id} in one value")
+            seen.add(sr.peer_id)
+            out.append(sr)
+        except InvalidRecord:
+            if strict:
+                raise
+    return out
+
+
+def merge(records: Iterable[SignedRecord], now: float | None = None) -> list[SignedRecord]:
+    """Latest record per peer; expired ones dropped (tombstones are kept until they expire, so
+    they keep outranking the older online record they withdraw)."""
+    now = time.time() if now is None else now
+    best: dict[str, SignedRecord] = {}
+    for r in records:
+        if r.record.expires <= now:
+            continue
+        cur = best.get(r.peer_id)
+        if cur is None or r.order > cur.order:
+            best[r.peer_id] = r
+    out = sorted(best.values(), key=lambda r: r.peer_id)
+    if len(out) > MAX_SET_RECORDS:  # keep the longest-lived; spam beyond the cap is dropped
+        out = sorted(sorted(out, key=lambda r: -r.record.expires)[:MAX_SET_RECORDS], key=lambda r: r.peer_id)
+    return out
+
+
+def contributes(new: Iterable[SignedRecord], old: Iterable[SignedRecord]) -> bool:
+    """Whether merging `new` into `old` changes anything (i.e. `new` is not a replay)."""
+    have = {r.peer_id: r.order for r in old}
+    return any(r.peer_id not in have or r.order > have[r.peer_id] for r in new)
+
+
+class RecordValidator(Validator):
+    """The DHT validator of the /diffuse/ namespace, run on store (PUT) and on every read.
+
+    `select` is merge-aware: py-libp2p stores a PUT only if select([existing, new]) == 1, so it
+    returns the last value that adds a record newer than all earlier values hold. A replayed or
+    older record adds nothing and is refused; DHT nodes then merge the new records in
+    (dht.MergingValueStore), so one key holds every peer's latest record.
+    """
+
+    def __init__(self, clock=time.time) -> None:
+        self.clock = clock
+
+    def validate(self, key: str, value: bytes) -> None:
+        decode_set(value, key, now=self.clock(), strict=True)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        now = self.clock()
+        best, known = 0, []
+        for i, v in enumerate(values):
+            try:
+                recs = decode_set(v, key, now=now, strict=False)
+            except InvalidRecord:
+                continue
+            if i > 0 and contributes(recs, merge(known, now)):
+                best = i
+            known += recs
+        return best
+
+
+def withdrawn(rec: PeerRecord, now: float, ttl: float) -> PeerRecord:
+    """The tombstone of `rec`: newer, OFFLINE, and alive at least as long as `rec` was."""
+    ts = max(now, rec.timestamp + 0.001)
+    return replace(rec, state=OFFLINE, timestamp=ts, expires=max(rec.expires, ts + ttl))
+
+
+# ---- field helpers ----
+
+def _ms(t: float) -> int:
+    return int(round(t * 1000))
+
+
+def _int(d: dict, k: str) -> int:
+    v = d[k]
+    if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v < 2**53):
+        raise InvalidRecord(f"field {k!r} must be a non-negative integer")
+    return v
+
+
+def _bytes(d: dict, k: str, limit: int) -> bytes:
+    v = d[k]
+    if not isinstance(v, bytes) or len(v) > limit:
+        raise InvalidRecord(f"field {k!r} must be bytes")
+    return v
+
+
+def _text(d: dict, k: str) -> str:
+    return _text_item(d[k], k)
+
+
+def _text_item(v: Any, k: str = "list item") -> str:
+    if not isinstance(v, str) or len(v) > MAX_TEXT:
+        raise InvalidRecord(f"field {k!r} must be a short string")
+    return v
+
+
+def _list(d: dict, k: str, limit: int) -> list:
+    v = d[k]
+    if not isinstance(v, list) or len(v) > limit:
+        raise InvalidRecord(f"field {k!r} must be a list of at most {limit}")
+    return v
+
+
+def is_scalar(v: Any) -> bool:
+    """Extension values are plain scalars: what CBOR and JSON both carry losslessly."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, str):
+        return len(v) <= MAX_TEXT
+    return isinstance(v, (bool, int)) and -(2**63) <= int(v) < 2**63

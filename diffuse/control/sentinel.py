@@ -1,0 +1,47 @@
+"""A sentinel: a DHT server that serves no blocks, at a stable address peers bootstrap from.
+
+It stores and serves records like any peer's DHT node does, so a swarm needs no central server:
+sentinels are only well-known entry points, several of them can run, and each can bootstrap
+from the others (--bootstrap) so they form one DHT. See bootstrap/README.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import trio
+from libp2p.crypto.keys import KeyPair
+
+from diffuse.control.node import Node
+
+
+async def run_sentinel(
+    key_pair: KeyPair,
+    listen: Sequence[str],
+    bootstrap: Sequence[str] = (),
+    ready: Callable[[list[str]], None] | None = None,
+    announce: Sequence[str] = (),
+) -> None:
+    """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening.
+
+    Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
+    """
+    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        if ready is not None:
+            ready(node.full_addrs())
+        if bootstrap:
+            from diffuse.control.dht import bootstrap as dial
+
+            try:
+                await dial(node.host, node.dht, _infos(bootstrap), 5.0)
+            except Exception:
+                pass  # the other sentinels will reach us when they start
+        await trio.sleep_forever()
+
+
+def _infos(addrs: Sequence[str]):
+    from diffuse.control.host import parse_peer_addr
+
+    return [parse_peer_addr(a) for a in addrs]

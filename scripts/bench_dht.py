@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""Control-plane scaling on loopback: N peers announce blocks of a 30-block model; how long does
+a fresh client take to learn full coverage, and how many bytes does announcing cost a peer?
+
+All nodes (one sentinel, N peers, the client) run in this process, each with its own libp2p host
+on 127.0.0.1, talking over real TCP sockets with Noise + yamux. One process makes byte accounting
+exact: every byte any node writes to a socket is counted (Noise and yamux framing, multistream
+negotiation, both directions). Peers' heartbeats are disabled during measurement, so a counter
+delta is the cost of exactly the operation measured.
+
+    python scripts/bench_dht.py                 # N = 10, 25, 50
+    python scripts/bench_dht.py --peers 10 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+from libp2p.io.trio import TrioTCPStream  # noqa: E402
+
+from diffuse.control.announce import Serving  # noqa: E402
+from diffuse.control.node import Node  # noqa: E402
+from diffuse.control.records import blocks_key, encode_set  # noqa: E402
+
+MODEL, BLOCKS = "bench-model", 30
+HASHES = [hashlib.sha256(f"block{i}".encode()).hexdigest() for i in range(BLOCKS)]
+LISTEN = ["/ip4/127.0.0.1/tcp/0"]
+SENT = [0]
+SAMPLE = 8  # peers whose steady-state heartbeats are measured (medians are reported)
+
+
+def _count_socket_writes() -> None:
+    write = TrioTCPStream.write
+
+    async def counted(self, data: bytes) -> None:
+        SENT[0] += len(data)
+        await write(self, data)
+
+    TrioTCPStream.write = counted
+
+
+def spans(n: int) -> list[tuple[int, int]]:
+    """Two interleaved tilings of the model (even peers, odd peers): every block twice."""
+    out = []
+    for i in range(n):
+        m = (n + 1 - i % 2) // 2  # peers in this peer's tiling
+        j = i // 2
+        out.append((j * BLOCKS // m, (j + 1) * BLOCKS // m))
+    return out
+
+
+async def measure(n: int) -> dict:
+    sent = lambda: SENT[0]  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        sentinel = await nursery.start(Node(create_new_key_pair(), listen=LISTEN).run)
+        boot = sentinel.full_addrs()
+        peers, join_bytes, join_s = [], [], []
+        for start, end in spans(n):
+            node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot,
+                                            heartbeat=1800.0, ttl=3600.0).run)
+            b0, t0 = sent(), time.perf_counter()
+            await node.serve(Serving(MODEL, BLOCKS, start, end, HASHES[start:end], "bfloat16"))
+            join_bytes.append(sent() - b0)
+            join_s.append(time.perf_counter() - t0)
+            peers.append(node)
+
+        # Steady state, as after 10 heartbeats: every peer has re-looked-up the k closest nodes
+        # of its keys in the full swarm (targets cached at join time predate later joiners).
+        # Measured on SAMPLE peers spread over the join order: that heartbeat (with lookup),
+        # and a plain heartbeat to the cached nodes.
+        sample = set(range(0, n, max(1, n // SAMPLE))[:SAMPLE])
+        full, plain = [], []
+        for i, node in enumerate(peers):
+            node.announcer._targets.clear()
+            b0 = sent()
+            await node.announcer.publish()
+            if i in sample:
+                full.append(sent() - b0)
+        for i in sorted(sample):
+            b0 = sent()
+            await peers[i].announcer.publish()
+            plain.append(sent() - b0)
+
+        # A fresh client: bootstrap, read the blocks key, until it sees every peer.
+        b0, t0 = sent(), time.perf_counter()
+        client = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot, server=False).run)
+        reads = 0
+        while True:
+            cov = await client.coverage(MODEL)
+            reads += 1
+            if cov.servable and len(cov.peers) == n:
+                break
+            await trio.sleep(0.05)
+        learn_s, learn_bytes = time.perf_counter() - t0, sent() - b0
+        value = encode_set(client.dht.value_store.records(blocks_key(MODEL).encode())
+                           or [p.announcer.current for p in peers])
+        record = len(peers[0].announcer.current.payload) + 64
+        for node in peers:  # tear down without 50 withdrawals: they are not being measured
+            node.announcer.withdrawn = True
+        nursery.cancel_scope.cancel()
+    return {
+        "peers": n,
+        "span_blocks": round(statistics.mean(e - s for s, e in spans(n)), 1),
+        "min_replicas": min(cov.replicas),
+        "client_learn_s": round(learn_s, 3),
+        "client_bytes": learn_bytes,
+        "client_reads": reads,
+        "join_s_median": round(statistics.median(join_s), 3),
+        "join_bytes_median": int(statistics.median(join_bytes)),
+        "heartbeat_bytes_with_lookup": int(statistics.median(full)),
+        "heartbeat_bytes": int(statistics.median(plain)),
+        "record_bytes": record,
+        "blocks_value_bytes": len(value),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, nargs="+", default=[10, 25, 50])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    _count_socket_writes()
+    rows = []
+    for n in args.peers:
+        t = time.perf_counter()
+        rows.append(trio.run(measure, n))
+        print(f"  N={n} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print("| peers | span | min replicas | client learns all (s, reads) | client bytes | join bytes/peer "
+          "| heartbeat bytes/peer (lookup / cached) | record | blocks value |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['peers']} | {r['span_blocks']} | {r['min_replicas']} | {r['client_learn_s']:.2f} ({r['client_reads']}) "
+              f"| {r['client_bytes'] / 1024:.0f} KiB | {r['join_bytes_median'] / 1024:.1f} KiB "
+              f"| {r['heartbeat_bytes_with_lookup'] / 1024:.1f} / {r['heartbeat_bytes'] / 1024:.1f} KiB "
+              f"| {r['record_bytes']} B | {r['blocks_value_bytes'] / 1024:.1f} KiB |")
+
+
+if __name__ == "__main__":
+    main()
