@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP API over a Backend, plus /metrics and the live status page.
+
+Starlette gives routing, request parsing and error handlers; the two answering paths (whole JSON
+and server-sent events) are our own `Response` so that generation runs inside the response,
+watched for the client hanging up: a disconnect cancels the generation and closes its sessions
+there and then, rather than when an abandoned stream iterator is garbage-collected.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from diffuse.api.answers import Answers, Sessions
+from diffuse.api.backend import Backend, Overloaded, UnknownModel, Unservable
+from diffuse.api.page import PAGE
+from diffuse.api.schema import (
+    BadRequest, ChatShape, Options, Shape, TextShape, error_body, parse_messages, parse_options, parse_prompts,
+    usage,
+)
+from diffuse.client.generate import Completion
+from diffuse.errors import DiffuseError, ModelError
+from diffuse.metrics import PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
+from diffuse.model.tokenizer import Tokenizer
+
+MAX_BODY = 4 << 20  # bytes; a prompt this long is far beyond any context anyway
+ENDPOINTS = {"/", "/status.json", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    api_keys: frozenset[str] = frozenset()  # empty: no key needed
+    max_sessions: int = 16  # concurrent inference sessions; past it requests get a 429
+    default_max_tokens: int = 256  # when a request gives none (every token reserves KV cache)
+    max_n: int = 8  # choices per request
+
+
+class ApiError(DiffuseError):
+    """An error as OpenAI writes it: HTTP status, type, param, code."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(message)
+        self.status, self.headers = status, headers
+        self.body = error_body(message, type_, param, code, **extra)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, self.status, self.headers)
+
+
+def as_api_error(e: Exception) -> ApiError:
+    """The status code and OpenAI error type that tell a client what to do about `e`."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, BadRequest):
+        return ApiError(400, str(e), "invalid_request_error", e.param, e.code)
+    if isinstance(e, ModelError):  # e.g. the chat template rejected the conversation
+        return ApiError(400, str(e), "invalid_request_error", "messages")
+    if isinstance(e, UnknownModel):
+        return ApiError(404, str(e), "invalid_request_error", "model", "model_not_found")
+    if isinstance(e, Unservable):
+        return ApiError(503, str(e), "service_unavailable", "model", "model_not_servable",
+                        {"Retry-After": "10"}, missing_blocks=e.missing)
+    if isinstance(e, Overloaded):
+        return ApiError(429, str(e), "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
+    if isinstance(e, DiffuseError):  # the swarm failed under this answer (peers lost, no route)
+        return ApiError(503, str(e), "service_unavailable", None, "swarm_error")
+    return ApiError(500, "internal server error", "server_error")
+
+
+@dataclass
+class _Outcome:
+    finished: bool = False  # False: the client hung up first
+    value: Any = None
+    error: DiffuseError | None = None
+
+
+async def _unless_disconnected(receive, work: Callable[[], Awaitable[Any]]) -> _Outcome:
+    """Run `work` unless and until the client hangs up (a disconnect cancels it)."""
+    outcome = _Outcome()
+    async with trio.open_nursery() as nursery:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            outcome.value = await work()
+        except DiffuseError as e:
+            outcome.error = e
+        outcome.finished = True
+        nursery.cancel_scope.cancel()
+    return outcome
+
+
+class Answering(Response):
+    """Generates the answer while responding: one JSON body, or server-sent events."""
+
+    def __init__(self, answers: Answers, shape: Shape, options: Options, prompt_tokens: int):
+        self.answers, self.shape, self.options, self.prompt_tokens = answers, shape, options, prompt_tokens
+        self.background = None
+
+    def _usage(self, completions: list[Completion]) -> dict[str, int]:
+        return usage(self.prompt_tokens, sum(len(c.token_ids) for c in completions))
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            if self.options.stream:
+                await self._stream(receive, send)
+            else:
+                await self._whole(scope, receive, send)
+        finally:
+            await self.answers.close()  # if the run never started (it closes them itself)
+
+    async def _whole(self, scope, receive, send) -> None:
+        async def ignore(i: int, text: str, done: Completion | None) -> None:
+            pass
+
+        async def work() -> Response:
+            completions = await self.answers.run(ignore)
+            return JSONResponse(self.shape.whole(completions, self._usage(completions)))
+
+        outcome = await _unless_disconnected(receive, work)
+        if outcome.finished:
+            response = as_api_error(outcome.error).response() if outcome.error else outcome.value
+            await response(scope, receive, send)
+
+    async def _stream(self, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        lock = trio.Lock()  # n choices write concurrently; events must not interleave
+
+        async def event(data: dict | str) -> None:
+            payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            async with lock:
+                await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(),
+                            "more_body": True})
+
+        async def emit(i: int, text: str, done: Completion | None) -> None:
+            if done is not None:
+                await event(self.shape.chunk(i, "", done.finish_reason))
+            elif text:
+                await event(self.shape.chunk(i, text, None))
+
+        async def work() -> None:
+            for i in range(len(self.answers.choices)):
+                opening = self.shape.opening(i)
+                if opening:
+                    await event(opening)
+            completions = await self.answers.run(emit)
+            if self.options.include_usage:
+                await event(self.shape.usage_chunk(self._usage(completions)))
+            await event("[DONE]")
+
+        outcome = await _unless_disconnected(receive, work)
+        if not outcome.finished:
+            return  # nobody is listening any more
+        if outcome.error:  # headers are out: the error travels as an event, as OpenAI's do
+            await event(as_api_error(outcome.error).body)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class Api:
+    """The request handlers, bound to one backend and its session cap."""
+
+    def __init__(self, backend: Backend, settings: Settings):
+        self.backend, self.settings = backend, settings
+        self.sessions = Sessions(backend, settings.max_sessions)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.settings.api_keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token_b = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token_b, k.encode())
+                                                 for k in self.settings.api_keys):
+            raise ApiError(401, "Incorrect API key provided: give a valid key as 'Authorization: Bearer KEY'",
+                           "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB", "invalid_request_error")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
+        messages = parse_messages(body)
+        tokenizer = self.backend.tokenizer(options.model)
+        return await self._answer(options, tokenizer, [tokenizer.encode_chat(messages)], ChatShape(options.model))
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._body(request)
+        options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
+        tokenizer = self.backend.tokenizer(options.model)
+        prompts = [tokenizer.encode(p, add_special=True) for p in parse_prompts(body)]
+        return await self._answer(options, tokenizer, prompts, TextShape(options.model))
+
+    async def _answer(self, options: Options, tokenizer: Tokenizer, prompts: list[list[int]],
+                      shape: Shape) -> Response:
+        context = self.backend.context_length(options.model)
+        longest = max(len(p) for p in prompts)
+        max_tokens = options.params.max_tokens
+        if longest + max_tokens > context:
+            if options.max_tokens_given or longest >= context:
+                raise BadRequest(f"this model's context is {context} tokens; the prompt has {longest} and "
+                                 f"max_tokens asks for {max_tokens} more", "max_tokens", "context_length_exceeded")
+            max_tokens = context - longest
+        choices = [(p, options.choice_params(j, max_tokens)) for p in prompts for j in range(options.n)]
+        answers = Answers(self.sessions, options.model, tokenizer, choices,
+                          options.presence_penalty, options.frequency_penalty)
+        await answers.open()
+        prompt_tokens = sum(len(p) for p in prompts)
+        PROMPT_TOKENS.labels(options.model).inc(prompt_tokens * options.n)
+        return Answering(answers, shape, options, prompt_tokens)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        servable = [c for c in await self.backend.models() if c["servable"]]
+        return JSONResponse({"object": "list", "data": [_model_object(c) for c in servable]})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        model_id = request.path_params["model"]
+        known = await self.backend.models()
+        for c in known:
+            if c["model"] == model_id:
+                return JSONResponse(_model_object(c))
+        raise UnknownModel(model_id, [c["model"] for c in known])
+
+    async def status(self, request: Request) -> Response:
+        models = await self.backend.models()
+        tokens = {c["model"]: REGISTRY.get_sample_value("diffuse_tokens_generated_total", {"model": c["model"]}) or 0
+                  for c in models}
+        return JSONResponse({"time": time.time(), "models": models,
+                             "api": {"sessions_open": self.sessions.open, "max_sessions": self.sessions.limit,
+                                     "tokens_generated": tokens}})
+
+    async def metrics(self, request: Request) -> Response:
+        body, ctype = exposition()
+        return Response(body, headers={"content-type": ctype})
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(PAGE)
+
+
+def _model_object(coverage: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's model object; `created` is when its longest-serving peer started."""
+    oldest = max((p.get("age_s", 0.0) for p in coverage["peers"]), default=0.0)
+    return {"id": coverage["model"], "object": "model", "created": int(time.time() - oldest),
+            "owned_by": "diffuse", "coverage": coverage}
+
+
+async def _on_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, HTTPException):
+        kind = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                                       "invalid_request_error", None, kind), exc.status_code, exc.headers)
+    return as_api_error(exc).response()
+
+
+class _CountRequests:
+    """Counts responses by endpoint and status for /metrics (plain ASGI: Starlette's
+    BaseHTTPMiddleware would buffer the event streams)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                REQUESTS.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def create_app(backend: Backend, settings: Settings = Settings()):
+    """The ASGI app: the OpenAI endpoints under /v1, /metrics, /status.json and the page at /."""
+    api = Api(backend, settings)
+    routes = [
+        Route("/", api.page),
+        Route("/status.json", api.status),
+        Route("/metrics", api.metrics),
+        Route("/v1/models", api.models),
+        Route("/v1/models/{model:path}", api.model),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _on_error, DiffuseError: _on_error,
+                                                       Exception: _on_error})
+    return _CountRequests(app)

@@ -1,0 +1,93 @@
+"""`diffuse api`: an OpenAI-compatible endpoint backed by the swarm (or by a local model).
+
+Prints `listening on http://HOST:PORT` on stdout once it accepts connections (the real port
+when --listen asked for port 0); logs go to stderr. SIGINT and SIGTERM stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from diffuse.cli.ask import add_model_options
+from diffuse.errors import DiffuseError
+from diffuse.home import data_home
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("api", help="serve the OpenAI API (chat/completions, completions, models), "
+                                   "/metrics and a status page")
+    p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="address to serve on (default 127.0.0.1:8000; port 0 picks a free one)")
+    p.add_argument("--local", action="store_true", help="run the whole model in this process instead of the swarm")
+    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                   help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
+    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
+    add_model_options(p)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept this Bearer token (repeatable; prefer --api-key-file: argv is visible to "
+                        "other users). Without keys the API is open.")
+    p.add_argument("--api-key-file", type=Path, help="file with one accepted key per line (# comments)")
+    p.add_argument("--max-sessions", type=int, default=16,
+                   help="concurrent inference sessions; requests beyond them get HTTP 429 (default 16)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="answer length when a request gives no max_tokens (default 256)")
+    p.set_defaults(func=cmd_api)
+
+
+def api_keys(args) -> frozenset[str]:
+    keys = [k.strip() for k in args.api_key]
+    if args.api_key_file:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as e:
+            raise DiffuseError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if any(not k for k in keys):
+        raise DiffuseError("an empty --api-key would accept anyone")
+    return frozenset(keys)
+
+
+@asynccontextmanager
+async def local_backend(args) -> AsyncIterator:
+    from diffuse.api.backend import LocalBackend
+
+    backend = LocalBackend.open(data_home(args.home), [args.model], args.dtype, args.device)
+    await backend.warm_up()
+    yield backend
+
+
+def open_backend(args):
+    """The backend as an async context manager: the swarm's runs a libp2p node for its lifetime."""
+    if args.local:
+        if args.bootstrap or args.bootstrap_file:
+            raise DiffuseError("give --local or --bootstrap, not both")
+        return local_backend(args)
+    raise DiffuseError("give --local (the swarm backend arrives with the data plane)")
+
+
+def cmd_api(args) -> int:
+    from diffuse.api.app import Settings, create_app
+    from diffuse.api.http import parse_listen, serve_http
+
+    parse_listen(args.listen)
+    if args.max_sessions < 1 or args.max_tokens < 1:
+        raise DiffuseError("--max-sessions and --max-tokens must be at least 1")
+    settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, default_max_tokens=args.max_tokens)
+
+    async def main() -> None:
+        async with open_backend(args) as backend, trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_http, create_app(backend, settings), args.listen)
+            print(f"listening on {binds[0]}", flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
+    return 0
