@@ -142,14 +142,20 @@ class HopSession:
         if self.keep:
             self._commit_pending(self.keep)
         self.keep, self.pending = [], None
-        inputs = torch.cat(self.history, dim=1)[:, :length] if self.history else None
-        self.history = [inputs] if inputs is not None and inputs.shape[1] else []
-        self.committed = length
+        kept, total = [], 0
+        for chunk in self.history:
+            if total >= length:
+                break
+            kept.append(chunk[:, :length - total])
+            total += kept[-1].shape[1]
+        self.history, self.committed = kept, length
 
-    def inputs(self) -> Tensor | None:
-        """Everything committed so far, including a kept-but-not-yet-sent commit."""
-        parts = self.history + ([self.pending[:, self.keep]] if self.keep else [])
-        return torch.cat(parts, dim=1) if parts else None
+    def inputs(self) -> list[Tensor]:
+        """Everything committed so far, chunked as it was first sent (plus a kept-but-not-yet-
+        sent commit). Replaying the same chunks makes the same matmuls, so a replacement peer
+        rebuilds a bit-identical KV cache: one batched replay would differ in low-order bits,
+        enough to flip a near-tie in bf16."""
+        return self.history + ([self.pending[:, self.keep]] if self.keep else [])
 
     async def close(self) -> None:
         with trio.move_on_after(1.0):
@@ -183,7 +189,7 @@ class RemoteSpan:
     def route_taken(self) -> list[dict]:
         return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
 
-    async def _build(self, start: int, end: int, inputs: Tensor | None) -> list[HopSession]:
+    async def _build(self, start: int, end: int, inputs: list[Tensor]) -> list[HopSession]:
         """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
         routing around every peer that fails on the way; NoRoute when replicas run out."""
         while True:
@@ -195,11 +201,13 @@ class RemoteSpan:
                                          self.batch, self.dtype, self.timeout)
                     new.append(session)
                     await session.open()
-                if inputs is not None:
-                    h, positions = inputs, torch.arange(inputs.shape[1])
+                offset = 0
+                for chunk in inputs:
+                    h, positions = chunk, torch.arange(offset, offset + chunk.shape[1])
                     for session in new:
                         hop = session.hop
                         h = await session.step(h, positions, None, True, timeout=self.timeout * 4)
+                    offset += chunk.shape[1]
                 return new
             except NoRoute:
                 raise
@@ -208,7 +216,7 @@ class RemoteSpan:
                     await session.close()
                 if hop is None:
                     raise
-                self._failed(hop, e, "replay" if inputs is not None else "open")
+                self._failed(hop, e, "replay" if inputs else "open")
 
     async def _route(self, start: int, end: int) -> list[Hop]:
         """A route, waiting up to route_wait for a replica to (re)announce before NoRoute."""
@@ -233,7 +241,7 @@ class RemoteSpan:
                                      "during": during, "error": f"{type(error).__name__}: {error}"})
 
     async def open(self) -> None:
-        self.hops = await self._build(self.start, self.end, None)
+        self.hops = await self._build(self.start, self.end, [])
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
         i = 0
@@ -257,7 +265,7 @@ class RemoteSpan:
         self.hops[i:i + 1] = new
         record.update(
             replaced_by=[s.hop.peer_id for s in new],
-            replayed_tokens=0 if inputs is None else inputs.shape[1],
+            replayed_tokens=sum(c.shape[1] for c in inputs),
             recovery_s=round(time.perf_counter() - t0, 4))
 
     async def commit(self, keep: Sequence[int] | None) -> None:
