@@ -1,0 +1,475 @@
+"""Speculative decoding without a draft model: several tokens per network round trip.
+
+Over the network a step costs a round trip however many positions it carries, so each step
+sends, with the token just sampled (the root), a tree of guesses for the tokens after it, and
+keeps the longest path the model agrees with. The guesses cost no model: they are copied from
+earlier text (prompt lookup: what followed earlier occurrences of the last few tokens) or taken
+from an n-gram pool of the model's own outputs, fed by every verification pass and by a Jacobi
+lookahead branch (Fu et al. 2024) riding along when positions are cheap. Acceptance keeps the
+output exactly that of plain decoding: under greedy the path of argmaxes, under sampling the
+speculative rejection rule (Leviathan et al. / Chen et al.). A planner sizes each step's tree
+from the measured step cost and the observed acceptance, down to one token when guessing
+does not pay (as on a local CPU, where a wider step costs more than its extra tokens gain).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from diffuse.client.pipeline import Pipeline
+from diffuse.client.sampling import Sampler
+
+
+@dataclass
+class SpecStats:
+    """Per verification step: tokens it produced (accepted guesses + the model's own next
+    token), positions it sent and the seconds its forward took."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(self.tokens) / max(1, len(self.tokens))
+
+
+@dataclass
+class SpecConfig:
+    """Defaults follow the prototype measurements in shared/notes/speculative.md.
+
+    max_nodes caps the guesses per step; the planner usually sends far fewer. The lookahead
+    branch is `width` columns x `levels` Jacobi iterations (n-grams of levels + 1 tokens).
+    Reusing a config across answers on one route keeps its step-cost fit warm.
+    """
+
+    max_nodes: int = 64
+    max_depth: int = 8
+    ngram: int = 3  # longest suffix prompt lookup matches
+    matches: int = 8  # prompt-lookup continuations merged per step
+    pool_per_key: int = 8  # n-grams the pool keeps per first token
+    width: int = 7
+    levels: int = 4
+    lookahead_share: float = 0.1  # carry lookahead when it costs at most this share of a step
+    probe_nodes: int = 8  # tree size while the step-cost slope is still unknown
+    seed: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    cost: "StepCost" = field(default_factory=lambda: StepCost())  # shared by calls with this config
+
+    @property
+    def lookahead_positions(self) -> int:
+        return self.width * self.levels
+
+
+def kv_headroom(config: SpecConfig | None = None) -> int:
+    """KV-cache slots a session needs beyond len(prompt) + max_tokens: the widest step."""
+    cfg = config or SpecConfig()
+    return cfg.max_nodes + cfg.lookahead_positions
+
+
+# ---- the tree a step sends -------------------------------------------------------------------
+
+def tree_inputs(tokens: Sequence[int], parents: Sequence[int], base: int) -> tuple[Tensor, Tensor, Tensor]:
+    """ids [1, T], positions [T] and tree mask [T, T] for a tree in parent-first order.
+
+    Node 0 is the root (parent -1) at position `base`; a node sits one position past its parent
+    and sees exactly its ancestors and itself, so its logits equal those of its own branch.
+    """
+    t = len(tokens)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    depth = [0] * t
+    for i, p in enumerate(parents):
+        if i and not 0 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must come first")
+        if i:
+            mask[i] = mask[p]
+            depth[i] = depth[p] + 1
+        mask[i, i] = True
+    return torch.tensor([list(tokens)]), base + torch.tensor(depth), mask
+
+
+def children_of(parents: Sequence[int]) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents[1:], 1):
+        kids[p].append(i)
+    return kids
+
+
+def verify(tokens: Sequence[int], parents: Sequence[int], logits: Tensor, sampler: Sampler,
+           context: Sequence[int], max_depth: int) -> tuple[list[int], int]:
+    """Walk the verified tree from its root: (accepted node indices, the next token after them).
+
+    Greedy accepts a child equal to the model's choice at its parent. Sampling tries the
+    children in order, accepting token x with probability p(x) under what is left of p, else
+    removing x from p; the token after the last accepted node is drawn from the remainder. A
+    guess is a point mass, so this is the rejection rule and every token is distributed exactly
+    as plain sampling would draw it. `context` ends with the root; logits are [T, V].
+    """
+    kids = children_of(parents)
+    ctx = list(context)
+    path: list[int] = []
+    node = 0
+    while True:
+        options = kids[node] if len(path) < max_depth else []
+        seen = torch.tensor(ctx)
+        chosen = None
+        if sampler.p.greedy:
+            target = sampler.sample(logits[node], seen)
+            chosen = next((c for c in options if tokens[c] == target), None)
+        else:
+            p = sampler.probs(logits[node], seen).double()
+            for c in options:
+                if torch.rand((), generator=sampler.gen, dtype=torch.float64) * p.sum() < p[tokens[c]]:
+                    chosen = c
+                    break
+                p[tokens[c]] = 0.0
+            if chosen is None:
+                target = int(torch.multinomial(p, 1, generator=sampler.gen))
+        if chosen is None:
+            return path, target
+        path.append(chosen)
+        ctx.append(tokens[chosen])
+        node = chosen
+
+
+# ---- where guesses come from -----------------------------------------------------------------
+
+class Draft:
+    """Guessed continuations of the root merged into a prefix tree (node 0 is the root).
+
+    Each node remembers its kind (source, depth, rank among its siblings): acceptance is
+    learned per kind, since a 3-token prompt match deep in a copied passage is a far safer bet
+    than the third-best pool n-gram.
+    """
+
+    def __init__(self, root: int, max_nodes: int, max_depth: int):
+        self.max_nodes, self.max_depth = max_nodes, max_depth
+        self.tokens, self.parents = [root], [-1]
+        self.kinds: list[tuple[str, int, int]] = [("root", 0, 0)]
+        self.children: list[dict[int, int]] = [{}]
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) > self.max_nodes
+
+    def add(self, guess: Sequence[int], source: str) -> None:
+        node, depth = 0, 0
+        for tok in guess[:self.max_depth]:
+            depth += 1
+            child = self.children[node].get(tok)
+            if child is None:
+                if self.full:
+                    return
+                child = len(self.tokens)
+                kind = (source, min(depth, 4), min(len(self.children[node]), 1))
+                self.children[node][tok] = child
+                self.tokens.append(tok)
+                self.parents.append(node)
+                self.kinds.append(kind)
+                self.children.append({})
+            node = child
+
+
+class PromptLookup:
+    """Every n-gram (n <= max_n) of the text so far, mapped to where its occurrences end."""
+
+    def __init__(self, max_n: int):
+        self.max_n, self.text = max_n, []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for tok in tokens:
+            self.text.append(tok)
+            end = len(self.text)
+            for n in range(1, min(self.max_n, end) + 1):
+                self.ends.setdefault(tuple(self.text[end - n:]), []).append(end)
+
+    def continuations(self, depth: int) -> Iterator[tuple[int, list[int]]]:
+        """(match length, what followed) for earlier occurrences of the text's suffix, longest
+        match first, most recent first."""
+        end = len(self.text)
+        for n in range(min(self.max_n, end), 0, -1):
+            for e in reversed(self.ends.get(tuple(self.text[end - n:]), [])):
+                if e < end:
+                    yield n, self.text[e:e + depth]
+
+
+class NGramPool:
+    """n-grams the model produced, by first token, most recent kept (lookahead decoding's pool)."""
+
+    def __init__(self, per_key: int):
+        self.per_key = per_key
+        self.table: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+
+    def add(self, gram: Sequence[int]) -> None:
+        conts = self.table.setdefault(gram[0], OrderedDict())
+        conts[tuple(gram[1:])] = None
+        conts.move_to_end(tuple(gram[1:]))
+        if len(conts) > self.per_key:
+            conts.popitem(last=False)
+
+    def get(self, key: int) -> list[tuple[int, ...]]:
+        return list(reversed(self.table.get(key, {})))
+
+
+class Lookahead:
+    """A Jacobi window: `levels` rows of `width` guesses for the positions after the root.
+
+    Row l, column j sits at depth 1 + l + j; it sees row 0 up to column j and rows 1..l of
+    column j, so each column is an n-gram whose last token the model predicts afresh. After a
+    step the rows shift down and the predictions become the top row: one Jacobi iteration.
+    The window stays relative to the root, as in lookahead decoding, although the root moves.
+    """
+
+    def __init__(self, width: int, levels: int, context: Sequence[int], seed: int):
+        rng = random.Random(seed)
+        self.width = width
+        self.rows = [[rng.choice(context) for _ in range(width)] for _ in range(levels)]
+
+    def tree(self, base: int) -> tuple[list[int], list[int]]:
+        """Tokens and parents of the window as a branch of the root, its nodes from index base."""
+        tokens, parents = [], []
+        for l, row in enumerate(self.rows):
+            for j, tok in enumerate(row):
+                tokens.append(tok)
+                parents.append(base + (l - 1) * self.width + j if l else (base + j - 1 if j else 0))
+        return tokens, parents
+
+    def advance(self, predictions: list[int]) -> None:
+        self.rows = self.rows[1:] + [predictions]
+
+
+# ---- choosing the tree size ------------------------------------------------------------------
+
+@dataclass
+class Cost:
+    """Seconds per step: `plain` for one position, a + b * T for T >= 2. One position is its
+    own case because a single-row matmul takes a faster kernel path (on this CPU two positions
+    cost 1.5x one, eight hardly more than two)."""
+
+    plain: float
+    a: float
+    b: float
+
+    def __call__(self, positions: int) -> float:
+        return self.plain if positions == 1 else self.a + self.b * positions
+
+
+class StepCost:
+    """Step cost learned from the steps of this route, least squares over recent ones.
+
+    The intercept holds the round trip and fixed per-step work, the slope the price of one more
+    position; both come from timing real steps, so the same planner suits a CPU next door and a
+    GPU across an ocean.
+    """
+
+    def __init__(self, window: int = 32):
+        self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, positions: int, seconds: float) -> None:
+        self.obs.append((positions, seconds))
+
+    def fit(self) -> Cost | None:
+        """None while recent wide steps all had one size, so that the slope is unknown."""
+        wide = [(t, s) for t, s in self.obs if t > 1]
+        if len({t for t, _ in wide}) < 2:
+            return None
+        mt = sum(t for t, _ in wide) / len(wide)
+        ms = sum(s for _, s in wide) / len(wide)
+        var = sum((t - mt) ** 2 for t, _ in wide)
+        b = max(0.0, sum((t - mt) * (s - ms) for t, s in wide) / var)
+        a = max(ms - b * mt, 1e-6)
+        single = [s for t, s in self.obs if t == 1]
+        return Cost(sum(single) / len(single) if single else a + b, a, b)
+
+
+KV_HEADROOM = kv_headroom()  # with the default config
+
+
+class Acceptance:
+    """P(a guess is accepted | its parent was), per kind of guess, learned in hindsight.
+
+    Every drafted node is scored against the tokens that really followed, whether or not the
+    planner sent it, so the estimates keep improving while speculation is switched off.
+    """
+
+    PRIOR_WEIGHT = 2.0
+
+    def __init__(self) -> None:
+        self.hits: Counter = Counter()
+        self.trials: Counter = Counter()
+
+    def rate(self, kind: tuple[str, int, int]) -> float:
+        _, depth, rank = kind
+        prior = (0.25 if depth == 1 else 0.5) * (0.5 if rank else 1.0)
+        return (self.hits[kind] + self.PRIOR_WEIGHT * prior) / (self.trials[kind] + self.PRIOR_WEIGHT)
+
+    def scores(self, draft: Draft) -> list[float]:
+        """P(node accepted) for every node (root: 1); a child scores below its parent."""
+        s = [1.0]
+        for kind, p in zip(draft.kinds[1:], draft.parents[1:]):
+            s.append(s[p] * self.rate(kind))
+        return s
+
+    def learn(self, draft: Draft, realised: Sequence[int]) -> None:
+        node = 0
+        for tok in realised:
+            for t, child in draft.children[node].items():
+                self.trials[draft.kinds[child]] += 1
+                self.hits[draft.kinds[child]] += t == tok
+            if tok not in draft.children[node]:
+                return
+            node = draft.children[node][tok]
+
+
+def best_size(scores: Sequence[float], cost: Cost) -> int:
+    """How many of the best guesses (sorted by P(accepted)) maximise expected tokens per second:
+    a step yields 1 + the sum of its guesses' P(accepted) tokens; 0 means plain decoding."""
+    best, best_rate, gain = 0, 1.0 / cost(1), 1.0
+    for n, s in enumerate(scores, 1):
+        gain += s
+        rate = gain / cost(1 + n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    tokens: list[int]
+    parents: list[int]
+    lookahead: bool  # whether the Jacobi window rides at the end
+
+
+class Speculator:
+    """Guessing, planning and learning state of one generation; the loop only does I/O."""
+
+    def __init__(self, cfg: SpecConfig, prompt: Sequence[int]):
+        self.cfg = cfg
+        self.lookup = PromptLookup(cfg.ngram)
+        self.lookup.extend(prompt)
+        self.pool = NGramPool(cfg.pool_per_key)
+        self.window = Lookahead(cfg.width, cfg.levels, prompt, cfg.seed) if cfg.levels and cfg.width else None
+        self.acceptance = Acceptance()
+        self.cost = cfg.cost
+        self.waiting: deque[tuple[Draft, int]] = deque()  # drafts to score once their future is known
+
+    @property
+    def text(self) -> list[int]:
+        return self.lookup.text
+
+    def push(self, tokens: Sequence[int]) -> None:
+        """Append generated tokens; score drafts whose continuation is now known."""
+        self.lookup.extend(tokens)
+        while self.waiting and len(self.text) - self.waiting[0][1] > self.cfg.max_depth:
+            draft, root_at = self.waiting.popleft()
+            self.acceptance.learn(draft, self.text[root_at + 1:])
+
+    def draft(self, max_depth: int) -> Draft:
+        cfg = self.cfg
+        draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
+        taken = 0
+        for n, cont in self.lookup.continuations(max_depth):
+            if taken == cfg.matches or draft.full:
+                break
+            draft.add(cont, "copy" if n > 1 else "copy1")
+            taken += 1
+        for cont in self.pool.get(self.text[-1]):
+            draft.add(cont, "pool")
+        self.waiting.append((draft, len(self.text) - 1))
+        return draft
+
+    def plan(self, max_depth: int) -> Step:
+        """This step's tree: the guesses worth their positions, plus lookahead if cheap."""
+        draft = self.draft(max_depth)
+        scores = self.acceptance.scores(draft)
+        ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
+        fit = self.cost.fit()
+        if fit is None:
+            n, lookahead = min(len(ranked), self.cfg.probe_nodes), False
+        else:
+            n = best_size([scores[i] for i in ranked], fit)
+            extra = fit(1 + n + self.cfg.lookahead_positions) - fit(1 + n)
+            lookahead = (self.window is not None and max_depth > 0
+                         and extra <= self.cfg.lookahead_share * fit(1 + n))
+        sent = [0] + ranked[:n]  # parents rank above children, so they come first
+        index = {node: i for i, node in enumerate(sent)}
+        tokens = [draft.tokens[i] for i in sent]
+        parents = [-1] + [index[draft.parents[i]] for i in sent[1:]]
+        if lookahead:
+            more, more_parents = self.window.tree(len(tokens))
+            tokens, parents = tokens + more, parents + more_parents
+        return Step(tokens, parents, lookahead)
+
+    def learn(self, step: Step, predictions: list[int], positions: int, seconds: float) -> None:
+        """Feed the pool with the model's prediction at every node (after the last levels tokens
+        of that node's branch) and advance the Jacobi window."""
+        self.cost.observe(positions, seconds)
+        n = self.cfg.levels
+        for i in range(len(step.tokens)):
+            gram, j = [predictions[i]], i
+            while j >= 0 and len(gram) <= n:
+                gram.append(step.tokens[j])
+                j = step.parents[j]
+            if len(gram) <= n:
+                gram += reversed(self.text[-1 - (n + 1 - len(gram)):-1])
+            self.pool.add(gram[::-1])
+        if step.lookahead:
+            self.window.advance(predictions[-self.cfg.width:])
+
+
+async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler, eos_ids: set[int],
+                             config: SpecConfig | None = None) -> AsyncIterator[int]:
+    """stream_tokens with several tokens per forward: same contract, same output under greedy,
+    same distribution under sampling. Per-step numbers go to config.stats.
+
+    At the end pipeline.length <= len(prompt) + tokens yielded: the cache holds a prefix of
+    prompt + output (the last token may not have been fed). Needs kv_headroom(config) slots
+    beyond len(prompt) + max_tokens.
+    """
+    cfg = config or SpecConfig()
+    spec = Speculator(cfg, prompt)
+    t0 = time.perf_counter()
+    logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
+    spec.cost.observe(len(prompt), time.perf_counter() - t0)
+    root = sampler.sample(logits[0, -1], torch.tensor(prompt))
+    produced = 0
+    while root not in eos_ids:
+        yield root
+        produced += 1
+        spec.push([root])
+        if produced == sampler.p.max_tokens:
+            return
+        depth = min(cfg.max_depth, sampler.p.max_tokens - produced - 1)
+        step = spec.plan(depth)
+        ids, positions, mask = tree_inputs(step.tokens, step.parents, pipeline.length)
+        t0 = time.perf_counter()
+        logits = (await pipeline.forward(ids, positions, mask, commit=False))[0]
+        seconds = time.perf_counter() - t0
+        path, root = verify(step.tokens, step.parents, logits, sampler, spec.text, depth)
+        guesses = [step.tokens[i] for i in path]
+        cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
+        await pipeline.commit([0] + path[:cut])
+        spec.learn(step, logits.argmax(-1).tolist(), len(step.tokens), seconds)
+        cfg.stats.tokens.append(min(len(path), cut + 1) + (cut == len(guesses)))  # an eos ends the step
+        cfg.stats.positions.append(len(step.tokens))
+        cfg.stats.seconds.append(seconds)
+        for tok in guesses[:cut]:
+            yield tok
+        produced += cut
+        spec.push(guesses[:cut])
+        if cut < len(guesses):
+            return

@@ -1,0 +1,348 @@
+#!/usr/bin/env python
+"""Speculative vs plain greedy decoding, in process (LocalModel): identity, acceptance, speed.
+
+    .venv/bin/python scripts/eval_speculative_identity.py [--home DIR] [--out DIR] [--tokens 128]
+        [--per-class 17] [--bf16-per-class 4] [--sweep-per-class 4] [--threads 1] [--costs idle]
+
+Phases (each cached as JSON under --out, so an interrupted run resumes where it stopped):
+1. step costs: seconds per forward of T positions at a 300-token context, fp32, median of 3
+   (--costs measure), or the prototype's table from this machine when idle (--costs idle: a
+   busy shared box inflates and distorts the curve); the planner's model: the T=1 cost, and
+   a + b*T fitted on 2 <= T <= 32.
+2. fp32 plain greedy, every prompt, exactly --tokens tokens (end-of-turn ignored, so every
+   prompt compares the same number of tokens), recording the top-2 logit gap at each token.
+3. fp32 speculative greedy, planned as over an 80 ms round trip (so candidate trees are really
+   sent): any token that differs from phase 2 is a mismatch.
+4. bf16 plain vs speculative on a subset: flips are expected there, from near-ties that a
+   multi-position pass rounds differently; the top-2 gap at the first divergence tells.
+5. speculative fp32 planned for 0 and 20 ms round trips on a subset: acceptance per class.
+Modelled speed: tok/s = tokens / sum over steps of (RTT + measured cost of the step's width).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from diffuse.client.generate import stream_tokens  # noqa: E402
+from diffuse.client.local import open_local  # noqa: E402
+from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
+from diffuse.client.speculative import Cost, SpecConfig, StepCost, kv_headroom, speculative_tokens  # noqa: E402
+from diffuse.home import data_home  # noqa: E402
+
+CHAT = [
+    "What is the capital of France? Tell me a little about it.",
+    "Give me three tips for sleeping better.",
+    "Why is the sky blue?",
+    "What are the benefits of regular exercise?",
+    "Explain what a black hole is to a ten-year-old.",
+    "How do I make a good cup of tea?",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery and explain why.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do leaves change colour in autumn?",
+    "How can I improve my public speaking?",
+    "What is photosynthesis?",
+    "Tell me a short story about a lost dog who finds its way home.",
+    "What are some good habits for learning a new language?",
+    "Explain how vaccines work.",
+    "What is the tallest mountain in the world and how was it measured?",
+    "Write a friendly email inviting my team to a picnic on Friday.",
+]
+
+CODE = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a JavaScript function that sums an array of numbers.",
+    "Write a Python class for a stack with push, pop and peek methods.",
+    "Write a SQL query that returns the ten customers with the highest total order value.",
+    "Write a Python function that counts the words in a text file.",
+    "Write a bash script that prints the size of every file in a directory.",
+    "Write a Python function to reverse a linked list.",
+    "Write a C function that computes the factorial of a number.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a JavaScript function that removes duplicates from an array.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write HTML for a simple login form with a username and a password field.",
+    "Write a Python function that converts Celsius to Fahrenheit and back.",
+    "Write a Python script that reads a CSV file and prints the average of a column.",
+    "Write a Java method that finds the largest element in an array.",
+    "Write a Python function that implements binary search.",
+]
+
+PASSAGES = [
+    "The Amazon rainforest covers much of the Amazon basin of South America. The basin spans about "
+    "seven million square kilometres, of which five and a half million are covered by rainforest. "
+    "The region includes territory belonging to nine nations. Most of the forest lies in Brazil, "
+    "with 60 percent of the rainforest, followed by Peru with 13 percent and Colombia with 10 "
+    "percent. The forest holds an estimated 390 billion trees divided into 16,000 species, and it "
+    "plays a large part in the global carbon cycle. Deforestation, mostly for cattle ranching and "
+    "soy farming, has removed about 17 percent of the forest in the last fifty years.",
+    "The printing press was developed by Johannes Gutenberg in Mainz around 1440. It combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. "
+    "Before it, books were copied by hand, which made them rare and expensive. Within fifty years "
+    "printing presses were operating in more than two hundred European cities, and they had "
+    "produced over twenty million volumes. Cheaper books spread literacy, helped the Reformation "
+    "and the scientific revolution, and standardised spelling in many languages.",
+    "Honey bees live in colonies of up to sixty thousand workers, a single queen and a few hundred "
+    "drones. Workers are female and change jobs as they age: young bees clean cells and feed "
+    "larvae, middle-aged bees build comb and guard the entrance, and the oldest bees forage for "
+    "nectar and pollen. A forager tells her sisters where food is with the waggle dance, whose "
+    "angle gives the direction relative to the sun and whose length gives the distance. A colony "
+    "can make more than twenty kilograms of surplus honey in a good year.",
+    "The Great Fire of London began on Sunday 2 September 1666 in a bakery on Pudding Lane. Fanned "
+    "by a strong east wind, it burned for four days and destroyed about 13,200 houses, 87 parish "
+    "churches and St Paul's Cathedral. Around 70,000 of the city's 80,000 inhabitants lost their "
+    "homes, although the recorded death toll was small. Afterwards the city was rebuilt with brick "
+    "and stone instead of timber, streets were widened, and Christopher Wren designed a new St "
+    "Paul's Cathedral, completed in 1711.",
+    "Lithium-ion batteries store energy by moving lithium ions between a graphite anode and a metal "
+    "oxide cathode through an electrolyte. When the battery charges, ions move into the anode; when "
+    "it discharges, they flow back and electrons travel through the external circuit, powering the "
+    "device. These batteries have a high energy density and little memory effect, which is why they "
+    "are used in phones, laptops and electric cars. Their capacity fades with every cycle, faster "
+    "at high temperatures, and damaged cells can overheat and catch fire.",
+    "Marie Curie was born in Warsaw in 1867 and moved to Paris in 1891 to study physics and "
+    "mathematics at the Sorbonne. With her husband Pierre she discovered two new elements, polonium "
+    "and radium, and she coined the term radioactivity. In 1903 she shared the Nobel Prize in "
+    "Physics with Pierre and Henri Becquerel, and in 1911 she won the Nobel Prize in Chemistry "
+    "alone, becoming the first person to win two Nobel Prizes. During the First World War she "
+    "organised mobile X-ray units that treated more than a million soldiers.",
+    "The human heart beats about one hundred thousand times a day and pumps roughly seven thousand "
+    "litres of blood. It has four chambers: two atria that receive blood and two ventricles that "
+    "pump it out. The right side sends blood to the lungs to pick up oxygen, and the left side "
+    "pumps oxygen-rich blood to the rest of the body. Valves between the chambers keep the blood "
+    "flowing in one direction. The heartbeat starts in the sinoatrial node, a small group of cells "
+    "that acts as a natural pacemaker.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa, rising 5,895 metres above sea "
+    "level. It is a dormant volcano with three cones: Kibo, Mawenzi and Shira. Climbers pass "
+    "through five climate zones, from cultivated land and rainforest through heath and alpine "
+    "desert to the arctic summit. Most routes take five to nine days, and the main danger is "
+    "altitude sickness rather than technical difficulty. The glaciers on the summit have shrunk by "
+    "more than 80 percent since 1912.",
+    "The city council voted on Tuesday to turn the old railway depot into a public library and "
+    "community centre. The project will cost 12 million euros, of which the regional government "
+    "pays half. Work starts in March and should finish within two years. The building will keep "
+    "its brick facade and iron roof, and the new library will hold about 80,000 books, a cafe, a "
+    "children's section and rooms that local groups can book for free. Opponents argued that the "
+    "money should go to road repairs instead.",
+]
+
+TASKS = [
+    "Summarise the following text in two or three sentences.\n\n{}",
+    "List the key facts in the following text as bullet points.\n\n{}",
+]
+GROUNDED = [task.format(p) for p in PASSAGES for task in TASKS][:17]
+CLASSES = {"chat": CHAT, "code": CODE, "grounded": GROUNDED}
+# fp32, 2 threads, 300-token context, idle machine (shared/notes/speculative.md), seconds.
+IDLE_FP32 = {"1": 0.038, "2": 0.058, "8": 0.055, "16": 0.067, "32": 0.092, "64": 0.145, "128": 0.240}
+
+
+def cached(path: Path, compute):
+    if path.exists():
+        return json.loads(path.read_text())
+    path.write_text(json.dumps(compute()))
+    return json.loads(path.read_text())  # the same types (string keys) whether fresh or cached
+
+
+class Modelled(StepCost):
+    """The planner's cost model fixed to the measured curve plus an assumed round trip, so a
+    run plans as it would across that network and is not at the mercy of a shared CPU."""
+
+    def __init__(self, cost: Cost):
+        super().__init__()
+        self.cost = cost
+
+    def fit(self) -> Cost:
+        return self.cost
+
+
+class Recording:
+    """A pipeline proxy that keeps the top-2 logit gap of the last position of each forward."""
+
+    def __init__(self, pipe):
+        self.pipe, self.gaps = pipe, []
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+    async def forward(self, *args, **kw):
+        logits = await self.pipe.forward(*args, **kw)
+        top = logits[0, -1].topk(2).values
+        self.gaps.append(float(top[0] - top[1]))
+        return logits
+
+
+def prompts_of(tok, per_class: int) -> list[tuple[str, list[int]]]:
+    return [(kind, tok.encode_chat([{"role": "user", "content": text}]))
+            for kind, texts in CLASSES.items() for text in texts[:per_class]]
+
+
+def measure_costs(model) -> dict[int, float]:
+    async def run() -> dict[int, float]:
+        pipe = model.session(300 + 65)
+        await pipe.forward(torch.randint(100, 40000, (1, 300)), rows=slice(-1, None))
+        times: dict[int, list[float]] = {}
+        for _ in range(3):
+            for t in (1, 2, 4, 8, 16, 32, 64):
+                ids = torch.randint(100, 40000, (1, t))
+                t0 = time.perf_counter()
+                await pipe.forward(ids, commit=False)
+                times.setdefault(t, []).append(time.perf_counter() - t0)
+                await pipe.rollback(300)
+        return {t: statistics.median(v) for t, v in times.items()}
+
+    return trio.run(run)
+
+
+def fit_cost(costs: dict[int, float], rtt: float) -> Cost:
+    """The planner's cost model for the measured curve plus a round trip."""
+    pts = [(int(t), s) for t, s in costs.items() if 2 <= int(t) <= 32]
+    mt = sum(t for t, _ in pts) / len(pts)
+    ms = sum(s for _, s in pts) / len(pts)
+    b = sum((t - mt) * (s - ms) for t, s in pts) / sum((t - mt) ** 2 for t, _ in pts)
+    return Cost(rtt + costs["1"], rtt + ms - b * mt, b)
+
+
+def run_plain(model, prompts, n: int) -> list[dict]:
+    async def one(prompt):
+        pipe = Recording(model.session(len(prompt) + n + 1))
+        out = [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set())]
+        return {"tokens": out, "gaps": pipe.gaps}
+
+    return [progress(trio.run(one, p), i, len(prompts)) for i, (_, p) in enumerate(prompts)]
+
+
+def run_spec(model, prompts, n: int, cost: Cost) -> list[dict]:
+    async def one(prompt):
+        cfg = SpecConfig(cost=Modelled(cost))
+        pipe = model.session(len(prompt) + n + kv_headroom(cfg))
+        out = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(), cfg)]
+        return {"tokens": out, "steps": cfg.stats.tokens, "positions": cfg.stats.positions}
+
+    return [progress(trio.run(one, p), i, len(prompts)) for i, (_, p) in enumerate(prompts)]
+
+
+def progress(result: dict, i: int, n: int) -> dict:
+    print(f"  {i + 1}/{n}", file=sys.stderr, flush=True)
+    return result
+
+
+def divergences(plain: list[dict], spec: list[dict]) -> list[tuple[int, float]]:
+    """(index, top-2 gap of the plain run there) of the first differing token per prompt."""
+    found = []
+    for p, s in zip(plain, spec):
+        i = next((i for i, (x, y) in enumerate(zip(p["tokens"], s["tokens"])) if x != y), None)
+        if i is not None:
+            found.append((i, p["gaps"][i]))
+    return found
+
+
+def answer_steps(run: dict, eos: set[int]) -> list[tuple[int, int]]:
+    """(tokens, positions) of the steps that started before the answer's first end-of-turn."""
+    end = next((i for i, t in enumerate(run["tokens"]) if t in eos), len(run["tokens"]))
+    steps, at = [], 1  # token 0 comes from the prefill
+    for tokens, positions in zip(run["steps"], run["positions"]):
+        if at >= end:
+            break
+        steps.append((tokens, positions))
+        at += tokens
+    return steps
+
+
+def cost_at(costs: dict[int, float], t: int) -> float:
+    """Measured seconds for t positions, linear between measured widths."""
+    pts = sorted((int(k), v) for k, v in costs.items())
+    for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+        if t <= t1:
+            return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+    (t0, c0), (t1, c1) = pts[-2:]
+    return c1 + (c1 - c0) * (t - t1) / (t1 - t0)
+
+
+def report_speed(label: str, runs: list[dict], kinds: list[str], eos: set[int], costs, rtt: float) -> None:
+    for kind in CLASSES:
+        steps = [s for r, k in zip(runs, kinds) if k == kind for s in answer_steps(r, eos)]
+        if not steps:
+            continue
+        tokens = sum(t for t, _ in steps)
+        spec_s = sum(rtt + cost_at(costs, p) for _, p in steps)
+        plain_tps = 1 / (rtt + cost_at(costs, 1))
+        print(f"  {label:14s} {kind:9s} tokens/step {tokens / len(steps):.2f}  positions/step "
+              f"{sum(p for _, p in steps) / len(steps):5.1f}  modelled {tokens / spec_s:5.1f} tok/s vs "
+              f"plain {plain_tps:5.1f} = x{tokens / spec_s / plain_tps:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--out", default="spec_eval")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--per-class", type=int, default=17)
+    ap.add_argument("--bf16-per-class", type=int, default=4)
+    ap.add_argument("--sweep-per-class", type=int, default=4)
+    ap.add_argument("--costs", choices=["measure", "idle"], default="measure")
+    ap.add_argument("--threads", type=int, default=1, help="1 on a shared box: threads that wait on "
+                    "each other for small matmuls cost more than they save")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    home = data_home(args.home)
+    t_start = time.perf_counter()
+
+    model, tok = open_local(home, None, "fp32")
+    eos = set(tok.eos_ids)
+    prompts = prompts_of(tok, args.per_class)
+    kinds = [k for k, _ in prompts]
+    costs = IDLE_FP32 if args.costs == "idle" else cached(out / "costs_fp32.json", lambda: measure_costs(model))
+    fit = fit_cost(costs, 0.0)
+    print(f"fp32 step cost (ms) by positions: { {t: round(s * 1e3, 1) for t, s in costs.items()} }; "
+          f"fit a={fit.a * 1e3:.1f} ms + b={fit.b * 1e3:.2f} ms/position")
+
+    plain = cached(out / "plain_fp32.json", lambda: run_plain(model, prompts, args.tokens))
+    spec80 = cached(out / f"spec_fp32_rtt80_{args.costs}.json", lambda: run_spec(model, prompts, args.tokens, fit_cost(costs, 0.08)))
+    bad = divergences(plain, spec80)
+    ties = sum(g < 0.01 for r in plain for g in r["gaps"][:args.tokens])
+    print(f"\nfp32 identity: {len(prompts)} prompts x {args.tokens} tokens: {len(bad)} prompts differ "
+          f"{bad if bad else ''}; plain run had {ties} near-ties (top-2 gap < 0.01), smallest gap "
+          f"{min(g for r in plain for g in r['gaps'][:args.tokens]):.2e}")
+
+    sub = lambda per: [i for i, k in enumerate(kinds) if kinds[:i].count(k) < per]  # noqa: E731
+    sweep = sub(args.sweep_per_class)
+    runs = {0.08: (spec80, kinds)}
+    for rtt in (0.0, 0.02):
+        res = cached(out / f"spec_fp32_rtt{int(rtt * 1e3)}_{args.costs}.json",
+                     lambda: run_spec(model, [prompts[i] for i in sweep], args.tokens, fit_cost(costs, rtt)))
+        runs[rtt] = (res, [kinds[i] for i in sweep])
+        bad += divergences([plain[i] for i in sweep], res)
+    print(f"fp32 identity incl. RTT 0/20 plans: {len(prompts) + 2 * len(sweep)} runs, {len(bad)} differ")
+
+    print("\naccepted tokens per step (answer only, up to the first end-of-turn), modelled speed:")
+    for rtt, (res, ks) in sorted(runs.items()):
+        report_speed(f"RTT {int(rtt * 1e3)} ms", res, ks, eos, costs, rtt)
+
+    bsub = sub(args.bf16_per_class)
+    del model
+    model, _ = open_local(home, None, "bf16")
+    bprompts = [prompts[i] for i in bsub]
+    bplain = cached(out / "plain_bf16.json", lambda: run_plain(model, bprompts, args.tokens))
+    bspec = cached(out / f"spec_bf16_rtt80_{args.costs}.json", lambda: run_spec(model, bprompts, args.tokens, fit_cost(costs, 0.08)))
+    flips = divergences(bplain, bspec)
+    print(f"\nbf16: {len(flips)} of {len(bprompts)} prompts diverge; (first differing token, top-2 "
+          f"logit gap there): {[(i, round(g, 4)) for i, g in flips]}")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""Speculative decoding: same tokens as plain greedy, same distribution under sampling, no trace
+of rejected guesses in the cache, and the pieces (tree layout, acceptance, planner) alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from diffuse.client.generate import stream_tokens
+from diffuse.client.pipeline import LocalModel
+from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.speculative import (
+    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, StepCost, best_size, kv_headroom,
+    speculative_tokens, tree_inputs, verify,
+)
+from diffuse.model.load import load_head, load_span
+from tiny import Sync, make_tiny
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matmuls on a shared 2-core box: thread hand-offs cost more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Fixed(StepCost):
+    """A step cost that does not depend on this (shared, noisy) machine's timing."""
+
+    def __init__(self, cost: Cost):
+        super().__init__()
+        self.cost = cost
+
+    def fit(self) -> Cost:
+        return self.cost
+
+
+def network(**kw) -> SpecConfig:
+    """Plan as over an 80 ms round trip to CPU peers: speculation pays, trees get sent."""
+    return SpecConfig(cost=Fixed(Cost(0.118, 0.128, 0.0016)), **kw)
+
+
+async def collect(source, pipe, prompt, params, eos, *config) -> list[int]:
+    return [t async for t in source(pipe, prompt, Sampler(params), eos, *config)]
+
+
+# ---- tree layout and acceptance --------------------------------------------------------------
+
+def test_tree_inputs_mask_positions():
+    # root -> a -> b, root -> c, a -> d
+    ids, pos, mask = tree_inputs([9, 1, 2, 3, 4], [-1, 0, 1, 0, 1], base=10)
+    assert ids.tolist() == [[9, 1, 2, 3, 4]]
+    assert pos.tolist() == [10, 11, 12, 11, 12]
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0],
+                                   [1, 1, 1, 0, 0],
+                                   [1, 0, 0, 1, 0],
+                                   [1, 1, 0, 0, 1]]
+    with pytest.raises(ValueError, match="parents must come first"):
+        tree_inputs([9, 1, 2], [-1, 2, 0], base=0)
+
+
+def one_hot_logits(targets: list[int], vocab: int = 8) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(targets), vocab).float() * 5
+
+
+def test_greedy_accepts_longest_agreeing_path():
+    tokens, parents = [0, 1, 2, 3, 4, 5], [-1, 0, 0, 2, 3, 2]
+    # Model: after root 3? no, 2; after node 2 (token 2) -> 5; after node 5 (token 5) -> 7.
+    logits = one_hot_logits([2, 6, 5, 6, 6, 7])
+    greedy = Sampler(SamplingParams())
+    assert verify(tokens, parents, logits, greedy, [0], max_depth=8) == ([2, 5], 7)
+    assert verify(tokens, parents, logits, greedy, [0], max_depth=1) == ([2], 5)
+    assert verify(tokens, parents, one_hot_logits([4] * 6), greedy, [0], max_depth=8) == ([], 4)
+
+
+def test_greedy_verification_applies_repetition_penalty_along_the_branch():
+    # At node 1 the model slightly prefers token 1 again, but token 1 is in that branch's context.
+    logits = torch.zeros(2, 4)
+    logits[0, 1] = 3.0
+    logits[1, 1], logits[1, 2] = 2.0, 1.9
+    sampler = Sampler(SamplingParams(repetition_penalty=1.5))
+    assert verify([0, 1], [-1, 0], logits, sampler, [0], max_depth=4) == ([1], 2)
+
+
+def chi2_pvalue(counts: dict, expected: dict, n: int) -> float:
+    """Pearson's test; outcomes expected fewer than 5 times are pooled into one bin."""
+    assert set(counts) <= set(expected), set(counts) - set(expected)
+    rare = {k for k, p in expected.items() if n * p < 5}
+    bins = [(counts.get(k, 0), n * p) for k, p in expected.items() if k not in rare]
+    bins.append((sum(counts.get(k, 0) for k in rare), n * sum(expected[k] for k in rare)))
+    stat = sum((c - e) ** 2 / e for c, e in bins if e > 0)
+    df = sum(e > 0 for _, e in bins) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def test_rejection_sampling_preserves_the_distribution():
+    """Root with children 0, 2, 3 (guesses), node for 2 has child 1: the first two tokens of
+    a verified step are distributed as p(x) p(y | x), however the guesses fall."""
+    torch.manual_seed(0)
+    vocab = 5
+    tokens, parents = [4, 0, 2, 3, 1], [-1, 0, 0, 0, 2]
+    logits = torch.randn(len(tokens), vocab) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=4, seed=1)
+    sampler = Sampler(params)
+    p = [sampler.probs(logits[i]).tolist() for i in range(len(tokens))]
+    node_of = {0: 1, 2: 2, 3: 3}  # first-level guess token -> node
+    expected = {}
+    for x in range(vocab):
+        if p[0][x] == 0:
+            continue
+        if x in node_of:  # accepted, then the node's own distribution picks the next token
+            for y in range(vocab):
+                if p[node_of[x]][y] > 0:
+                    expected[(x, y)] = p[0][x] * p[node_of[x]][y]
+        else:
+            expected[(x,)] = p[0][x]
+    n, counts = 8000, {}
+    for _ in range(n):
+        path, nxt = verify(tokens, parents, logits, sampler, [4], max_depth=1)
+        key = tuple(tokens[i] for i in path) + (nxt,)
+        counts[key] = counts.get(key, 0) + 1
+    assert chi2_pvalue(counts, expected, n) > 1e-3
+
+
+# ---- guess sources and planner ---------------------------------------------------------------
+
+def test_prompt_lookup_longest_then_most_recent():
+    lookup = PromptLookup(max_n=2)
+    lookup.extend([1, 2, 3, 7, 2, 3, 8, 9, 2, 3])
+    found = list(lookup.continuations(depth=2))
+    assert found[:2] == [(2, [8, 9]), (2, [7, 2])]  # "2 3" matched, newest first
+    assert (1, [8, 9]) in found  # then "3" alone
+
+
+def test_draft_merges_shared_prefixes_and_caps_size():
+    draft = Draft(root=0, max_nodes=4, max_depth=3)
+    draft.add([1, 2, 3, 4], "copy")
+    draft.add([1, 2, 5], "copy")
+    draft.add([6, 7], "pool")
+    assert draft.tokens == [0, 1, 2, 3, 5]  # depth 3 cap, shared prefix once, then full
+    assert draft.parents == [-1, 0, 1, 2, 2]
+    assert draft.kinds[4] == ("copy", 3, 1)
+
+
+def test_pool_keeps_recent_ngrams_per_key():
+    pool = NGramPool(per_key=2)
+    for gram in ([1, 2, 3], [1, 4, 5], [1, 2, 3], [1, 6, 7]):
+        pool.add(gram)
+    assert pool.get(1) == [(6, 7), (2, 3)]
+
+
+def test_lookahead_columns_are_ngrams_at_their_depths():
+    window = Lookahead(width=3, levels=2, context=[5], seed=0)
+    window.rows = [[10, 11, 12], [20, 21, 22]]
+    tokens, parents = window.tree(base=1)
+    _, pos, mask = tree_inputs([0] + tokens, [-1] + parents, base=0)
+    assert pos.tolist() == [0, 1, 2, 3, 2, 3, 4]  # row l, column j at depth 1 + l + j
+    seen = [t for t, m in zip([0] + tokens, mask[5]) if m]  # row 1, column 1
+    assert seen == [0, 10, 11, 21]
+    window.advance([30, 31, 32])
+    assert window.rows == [[20, 21, 22], [30, 31, 32]]
+
+
+def test_acceptance_learns_from_what_followed():
+    draft = Draft(root=0, max_nodes=8, max_depth=3)
+    draft.add([1, 2], "copy")
+    draft.add([3], "pool")
+    model = Acceptance()
+    before = model.scores(draft)
+    for _ in range(20):
+        model.learn(draft, [1, 2, 9])
+    after = model.scores(draft)
+    assert after[1] > before[1] and after[2] > before[2] and after[3] < before[3]
+    assert after[2] < after[1]
+
+
+def test_step_cost_fit_and_best_size():
+    cost = StepCost()
+    cost.observe(1, 0.03)
+    cost.observe(300, 0.64)  # the prefill
+    assert cost.fit() is None  # one wide size: slope unknown
+    for t in (4, 16, 1, 4):
+        cost.observe(t, 0.04 + 0.002 * t if t > 1 else 0.03)
+    fit = cost.fit()
+    assert abs(fit.a - 0.04) < 1e-9 and abs(fit.b - 0.002) < 1e-9 and abs(fit.plain - 0.03) < 1e-9
+    likely = [0.9, 0.8, 0.7, 0.1, 0.01]
+    assert best_size(likely, Cost(0.1, 0.1, 0.001)) == 4  # cheap positions: all but the hopeless one
+    assert best_size([0.3, 0.1, 0.05], Cost(0.04, 0.04, 0.04)) == 0  # too dear: plain decoding
+    assert best_size([0.3, 0.1, 0.05], Cost(0.03, 0.045, 0.001)) == 0  # the jump from one position
+
+
+# ---- whole generations on a fake model -------------------------------------------------------
+
+class MarkovPipe:
+    """A 'model' whose next-token logits depend on the last two tokens of each node's own
+    branch, read through the tree mask: it checks the loop's masks, positions and commits."""
+
+    def __init__(self, vocab: int = 5, seed: int = 0, max_len: int = 1 << 20):
+        self.table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+        self.tokens: list[int] = []
+        self.pending: list[int] = []
+        self.max_len, self.widest = max_len, 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    async def forward(self, ids, positions=None, tree_mask=None, commit=True, rows=None):
+        assert not self.pending
+        new = ids[0].tolist()
+        assert self.length + len(new) <= self.max_len, "KV cache overflow"
+        if not commit:
+            self.widest = max(self.widest, len(new))  # positions of the widest step
+        if tree_mask is None:  # causal
+            seen = [list(range(i + 1)) for i in range(len(new))]
+        else:
+            seen = [row.nonzero().flatten().tolist() for row in tree_mask]
+            assert positions.tolist() == [self.length + len(s) - 1 for s in seen]
+        out = []
+        for i, sees in enumerate(seen):
+            branch = self.tokens + [new[j] for j in sees]
+            out.append(self.table[branch[-2] if len(branch) > 1 else 0, branch[-1]])
+        if commit:
+            self.tokens += new
+        else:
+            self.pending = new
+        logits = torch.stack(out)[None]
+        return logits if rows is None else logits[:, rows]
+
+    async def commit(self, keep):
+        self.tokens += [self.pending[i] for i in keep]
+        self.pending = []
+
+
+def test_sampling_distribution_over_whole_generations():
+    """Three tokens from speculative_tokens vs the exact law of the fake model."""
+    table = MarkovPipe(vocab=4).table
+    for a in range(4):  # make the prompt's pattern likely, so guesses are often accepted
+        for b, c in ((1, 2), (2, 3), (3, 1)):
+            table[a, b, c] += 2.0
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # prompt lookup keeps proposing 3 1 2 ...
+    sampler = Sampler(SamplingParams(temperature=1.0, max_tokens=3, seed=3))
+
+    def law(prev2: int, prev1: int) -> list[float]:
+        return sampler.probs(table[prev2, prev1]).tolist()
+
+    expected = {}
+    for a, pa in enumerate(law(1, 2)):
+        for b, pb in enumerate(law(2, a)):
+            for c, pc in enumerate(law(a, b)):
+                expected[(a, b, c)] = pa * pb * pc
+
+    async def many(n):
+        counts, accepted = {}, 0
+        for _ in range(n):
+            pipe, cfg = MarkovPipe(vocab=4), network()
+            pipe.table = table
+            out = tuple([t async for t in speculative_tokens(pipe, prompt, sampler, set(), cfg)])
+            counts[out] = counts.get(out, 0) + 1
+            accepted += 3 - 1 - cfg.stats.steps  # tokens beyond the first, minus one per step
+        return counts, accepted
+
+    n = 3000
+    counts, accepted = trio.run(many, n)
+    assert accepted > n / 4  # guesses were really accepted, not just rejected
+    assert chi2_pvalue(counts, expected, n) > 1e-3
+
+
+def cyclic_pipe(eos: int, max_len: int = 1 << 20) -> MarkovPipe:
+    """A deterministic fake model that writes 1 2 3 4 <eos> over and over."""
+    pipe = MarkovPipe(vocab=eos + 1, max_len=max_len)
+    pipe.table.fill_(0)
+    cycle = [1, 2, 3, 4, eos]
+    for b, nxt in zip(cycle, cycle[1:] + cycle[:1]):
+        pipe.table[:, b, nxt] = 9
+    return pipe
+
+
+def test_exact_max_tokens_and_eos_as_an_accepted_guess():
+    eos = 5
+    prompt = [1, 2, 3, 4, eos] * 3 + [1]  # prompt lookup proposes "3 4 <eos> 1 2" after "1 2"
+    for max_tokens in (1, 2, 3, 4, 9):
+        params, cfg, pipe = SamplingParams(max_tokens=max_tokens), network(), cyclic_pipe(eos)
+        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, {eos}, cfg)
+        assert ours == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, {eos})
+        assert ours == [2, 3, 4][:max_tokens]
+        if max_tokens > 3:  # eos came as an accepted guess: neither yielded nor committed
+            assert cfg.stats.tokens == [3] and pipe.tokens == prompt + [2, 3, 4]
+    for max_tokens in (7, 13, 30):  # without an eos: exactly max_tokens, however steps fall
+        params = SamplingParams(max_tokens=max_tokens)
+        ours = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), network())
+        assert ours == ([2, 3, 4, eos, 1] * 6)[:max_tokens]
+
+
+def test_widest_steps_fit_the_kv_headroom():
+    eos, max_tokens = 5, 30
+    prompt = [1, 2, 3, 4, eos] * 3 + [1]
+    cfg = SpecConfig(cost=Fixed(Cost(1.0, 1.0, 0.0)), max_nodes=6, width=3, levels=2, lookahead_share=1.0)
+    pipe = cyclic_pipe(eos, max_len=len(prompt) + max_tokens + kv_headroom(cfg))
+    out = trio.run(collect, speculative_tokens, pipe, prompt, SamplingParams(max_tokens=max_tokens), set(), cfg)
+    assert len(out) == max_tokens and pipe.widest == 1 + kv_headroom(cfg)  # full trees were sent
+
+
+# ---- real engines ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> LocalModel:
+    path = make_tiny(tmp_path_factory.mktemp("spec") / "t")
+    return LocalModel(load_head(path), [load_span(path, 0, 4)])
+
+
+@pytest.mark.parametrize("config", [network, lambda: network(lookahead_share=10.0, width=4, levels=3)])
+def test_tiny_greedy_identity_and_clean_cache(tiny_model, config):
+    prompt = [5, 17, 42, 99, 3, 250, 7, 17, 42, 99, 3, 11]
+    params = SamplingParams(max_tokens=60)
+    plain_pipe = tiny_model.session(len(prompt) + 64)
+    plain = trio.run(collect, stream_tokens, plain_pipe, prompt, params, set())
+    cfg = config()
+    spec_pipe = tiny_model.session(len(prompt) + 60 + kv_headroom(cfg))
+    ours = trio.run(collect, speculative_tokens, spec_pipe, prompt, params, set(), cfg)
+    assert ours == plain
+    assert max(cfg.stats.tokens) > 1 and 1 + sum(cfg.stats.tokens) == len(plain)  # +1: from the prefill
+    # Rejected guesses left nothing behind: after feeding what each cache lacks, the next
+    # tokens see identical logits.
+    text, nxt = prompt + plain, [[8, 9, 10]]
+    spec, ref = Sync(spec_pipe), Sync(plain_pipe)
+    n = spec.length
+    assert n <= len(text)
+    for a, b in ((spec.stages[0].cache.k, ref.stages[0].cache.k), (spec.stages[0].cache.v, ref.stages[0].cache.v)):
+        assert (a[:, :, :, :n] - b[:, :, :, :n]).abs().max() < 1e-5
+    spec.forward(torch.tensor([text[spec.length:]]))
+    assert (spec.forward(torch.tensor(nxt)) - ref.forward(torch.tensor(nxt))).abs().max() < 1e-4
+
+
+PROMPTS = {
+    "chat": "What is the capital of France? Tell me about it.",
+    "code": "Write a Python function that returns the n-th Fibonacci number.",
+    "summary": "Summarise in two sentences: The Amazon rainforest covers much of the Amazon basin of "
+               "South America. The basin spans seven million square kilometres, five and a half "
+               "million of them rainforest, across nine nations. Brazil holds 60% of the forest, "
+               "Peru 13% and Colombia 10%.",
+}
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identity(home: Path):
+    from diffuse.client.local import open_local
+
+    model, tok = open_local(home, None, "fp32")
+    params = SamplingParams(max_tokens=32)
+    gained = 0
+    for kind, text in PROMPTS.items():
+        prompt = tok.encode_chat([{"role": "user", "content": text}])
+        plain = trio.run(collect, stream_tokens, model.session(len(prompt) + 33), prompt, params, tok.eos_ids)
+        cfg = network(lookahead_share=10.0) if kind == "chat" else network()
+        pipe = model.session(len(prompt) + 32 + kv_headroom(cfg))
+        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, tok.eos_ids, cfg)
+        assert ours == plain, (kind, tok.decode(plain), tok.decode(ours))
+        gained += sum(cfg.stats.tokens) - cfg.stats.steps
+    assert gained > 0
