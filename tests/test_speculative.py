@@ -301,7 +301,7 @@ def test_exact_max_tokens_and_eos_as_an_accepted_guess():
 def test_widest_steps_fit_the_kv_headroom():
     eos, max_tokens = 5, 30
     prompt = [1, 2, 3, 4, eos] * 3 + [1]
-    cfg = SpecConfig(cost=Fixed(Cost(1.0, 1.0, 0.0)), max_nodes=6, width=3, levels=2, lookahead_share=1.0)
+    cfg = SpecConfig(cost=Fixed(Cost(1.0, 1.0, 0.0)), max_nodes=6, width=3, levels=2)
     pipe = cyclic_pipe(eos, max_len=len(prompt) + max_tokens + kv_headroom(cfg))
     out = trio.run(collect, speculative_tokens, pipe, prompt, SamplingParams(max_tokens=max_tokens), set(), cfg)
     assert len(out) == max_tokens and pipe.widest == 1 + kv_headroom(cfg)  # full trees were sent
@@ -315,7 +315,7 @@ def tiny_model(tmp_path_factory) -> LocalModel:
     return LocalModel(load_head(path), [load_span(path, 0, 4)])
 
 
-@pytest.mark.parametrize("config", [network, lambda: network(lookahead_share=10.0, width=4, levels=3)])
+@pytest.mark.parametrize("config", [network, lambda: network(lookahead_gain=10.0, width=4, levels=3)])
 def test_tiny_greedy_identity_and_clean_cache(tiny_model, config):
     prompt = [5, 17, 42, 99, 3, 250, 7, 17, 42, 99, 3, 11]
     params = SamplingParams(max_tokens=60)
@@ -358,7 +358,7 @@ def test_smollm2_greedy_identity(home: Path):
     for kind, text in PROMPTS.items():
         prompt = tok.encode_chat([{"role": "user", "content": text}])
         plain = trio.run(collect, stream_tokens, model.session(len(prompt) + 33), prompt, params, tok.eos_ids)
-        cfg = network(lookahead_share=10.0) if kind == "chat" else network()
+        cfg = network(lookahead_gain=10.0) if kind == "chat" else network()
         pipe = model.session(len(prompt) + 32 + kv_headroom(cfg))
         ours = trio.run(collect, speculative_tokens, pipe, prompt, params, tok.eos_ids, cfg)
         assert ours == plain, (kind, tok.decode(plain), tok.decode(ours))
