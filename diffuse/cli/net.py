@@ -56,6 +56,11 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                    help="seconds a session may idle before its cache is freed")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--tamper", metavar="KIND[:STRENGTH]", type=_tamper_arg,
+                   help="TESTING ONLY: serve corrupted outputs to exercise the trust plane "
+                        "(noise, scale, signflip, zero, replay, skip, quant, minifloat, lowrank)")
+    p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
+                   help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
     p.set_defaults(func=cmd_join)
 
     p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
@@ -227,12 +232,34 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
 
     limits = ServerLimits(max_session_tokens=args.max_session_tokens, max_total_tokens=args.cache_tokens,
                           idle_timeout=args.session_timeout)
-    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits)
+    tamper = None
+    if args.tamper is not None:
+        from diffuse.trust.tamper import Tamper
+
+        kind, strength = args.tamper
+        tamper = Tamper(kind, strength, args.tamper_rate)
+        log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
+                    f"{args.tamper_rate:.0%}", kind, strength)
+    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, tamper)
     return ServeHooks(handlers={p: service.handle for p in service.protocols}, status_fn=service.status,
                       protocols=service.protocols, prepare=service.prepare)
 
 
 # ---- helpers ----
+
+TAMPER_DEFAULTS = {"noise": 20.0, "scale": 8.0, "signflip": 8.0, "zero": 0.1, "replay": 1.0,
+                   "skip": 1.0, "quant": 4.0, "minifloat": 2.0, "lowrank": 0.1}
+
+
+def _tamper_arg(text: str) -> tuple[str, float]:
+    kind, _, strength = text.partition(":")
+    if kind not in TAMPER_DEFAULTS:
+        raise argparse.ArgumentTypeError(f"unknown tamper kind {kind!r}: choose one of {', '.join(TAMPER_DEFAULTS)}")
+    try:
+        return kind, float(strength) if strength else TAMPER_DEFAULTS[kind]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tamper strength must be a number, not {strength!r}") from None
+
 
 def _key_pair(args: argparse.Namespace, hold: bool = False):
     """The node's key; hold=True keeps its file locked for the life of the process, so a second

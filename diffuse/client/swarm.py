@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,10 +28,13 @@ from diffuse.control.routing import Hop, NoRoute, plan_route
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 from diffuse.errors import DiffuseError
+from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
 from diffuse.model.llama import BlockSpan, Head
 from diffuse.model.load import load_head, load_span
 from diffuse.model.weights import Manifest, load_manifest
+from diffuse.trust.bank import CanaryBank
+from diffuse.trust.guard import Guard, TrustOptions
 
 log = logging.getLogger(__name__)
 RTT_TTL_S = 60.0  # re-measure a peer's round trip after this long, as Petals refreshes routes
@@ -45,6 +48,7 @@ class SwarmOptions:
     wire_dtype: torch.dtype = torch.float16
     step_timeout: float = 30.0
     device: str = "cpu"
+    trust: TrustOptions | None = field(default_factory=TrustOptions)  # None: no checks (private swarms)
 
 
 class SwarmClient:
@@ -69,6 +73,12 @@ class SwarmClient:
         self.bans = Bans()
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
         self.rejected: dict[str, str] = {}  # peer -> why its record was refused
+        self.guard: Guard | None = None
+        if self.opts.trust is not None:
+            t = self.opts.trust
+            bank = CanaryBank(self.model_dir, data_home(), self.opts.wire_dtype, t.canaries, t.canary_tokens)
+            self.guard = Guard(self.model_id, bank, node.key_pair, t, publish=self._publish)
+        self.suspects: dict[str, tuple[int, float]] = {}  # peer -> (others' reports, looked up at)
 
     async def records(self) -> list[PeerRecord]:
         """Fresh online records that serve exactly the weights our manifest names."""
@@ -89,11 +99,42 @@ class SwarmClient:
         return all(any(r.serves(b) and r.fresh() for r in records) for b in range(start, end))
 
     async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
+        """The best route avoiding `exclude`, and avoiding peers others published evidence
+        against while a route without them exists (evidence is a claim: we never ban on it)."""
         records = await self.records()
-        await self._measure_rtts([r for r in records if r.peer_id not in exclude and r.start < end and r.end > start])
+        candidates = [r for r in records if r.peer_id not in exclude and r.start < end and r.end > start]
+        await self._measure_rtts(candidates)
         now = time.monotonic()
         rtt = {p: s for p, (s, t) in self.rtt.items() if now - t < RTT_TTL_S}
+        if self.guard is not None:
+            suspects = await self._suspects(candidates)
+            if suspects:
+                try:
+                    return plan_route(records, start, end, rtt=rtt, exclude=exclude | suspects)
+                except NoRoute:
+                    log.info("only routes through reported peers: using them, vetted by canaries")
         return plan_route(records, start, end, rtt=rtt, exclude=exclude)
+
+    async def _suspects(self, records: list[PeerRecord]) -> set[str]:
+        """Peers with evidence from reporters other than us in the DHT (cached for RTT_TTL_S)."""
+        now = time.monotonic()
+        todo = [r.peer_id for r in records if now - self.suspects.get(r.peer_id, (0, -1e9))[1] >= RTT_TTL_S]
+
+        async def one(peer: str) -> None:
+            with trio.move_on_after(5.0):
+                found = await self.node.evidence(peer)
+                for ev in found:
+                    self.guard.bans.add(ev)
+                self.suspects[peer] = (self.guard.bans.reports(peer), time.monotonic())
+
+        async with trio.open_nursery() as nursery:
+            for peer in todo:
+                nursery.start_soon(one, peer)
+        return {p for p, (n, _) in self.suspects.items() if n > 0}
+
+    async def _publish(self, evidence) -> None:
+        acks = await self.node.publish_evidence(evidence)
+        log.info("evidence against %s published to %d DHT nodes", evidence.evidence.accused, acks)
 
     async def _measure_rtts(self, records: list[PeerRecord]) -> None:
         now = time.monotonic()
@@ -141,7 +182,7 @@ class SwarmClient:
         """Open a session: local front blocks, the swarm's route, local back blocks."""
         start, end = self.remote_range
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout)
+                            self.opts.wire_dtype, self.opts.step_timeout, guard=self.guard)
         await remote.open()
         stages = ([LocalStage(self.front, max_len, batch)] if self.front else []) + [remote] + (
             [LocalStage(self.back, max_len, batch)] if self.back else [])

@@ -31,15 +31,7 @@ from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.control.records import (
-    NAMESPACE,
-    InvalidRecord,
-    RecordValidator,
-    SignedRecord,
-    decode_set,
-    encode_set,
-    merge,
-)
+from diffuse.control.records import NAMESPACE, RecordValidator, invalid_value_errors, set_codec
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -62,9 +54,9 @@ class MergingValueStore(ValueStore):
     def __init__(self, host: IHost, local_peer_id: ID, clock=time.time) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
         self.clock = clock
-        self._parsed: dict[bytes, tuple[bytes, list[SignedRecord]]] = {}
+        self._parsed: dict[bytes, tuple[bytes, list]] = {}
 
-    def records(self, key: bytes) -> list[SignedRecord]:
+    def records(self, key: bytes) -> list:
         entry = self.store.get(key)
         if entry is None:
             self._parsed.pop(key, None)
@@ -74,8 +66,9 @@ class MergingValueStore(ValueStore):
         if cached is not None and cached[0] == raw:
             return cached[1]
         try:
-            recs = decode_set(raw, key.decode(), now=self.clock(), strict=False)
-        except (InvalidRecord, UnicodeDecodeError):
+            k = key.decode()
+            recs = set_codec(k).decode(raw, k, now=self.clock(), strict=False)
+        except (*invalid_value_errors(), UnicodeDecodeError):
             recs = []
         self._parsed[key] = (raw, recs)
         return recs
@@ -84,28 +77,30 @@ class MergingValueStore(ValueStore):
         if not key.startswith(PREFIX):
             return super().put_record(key, record)
         try:
-            new = decode_set(record.value, key.decode(), now=self.clock(), strict=False)
-        except (InvalidRecord, UnicodeDecodeError):
+            k = key.decode()
+            codec = set_codec(k)
+            new = codec.decode(record.value, k, now=self.clock(), strict=False)
+        except (*invalid_value_errors(), UnicodeDecodeError):
             return
-        self._set(key, merge(self.records(key) + new, self.clock()))
+        self._set(key, codec.merge(self.records(key) + new, self.clock()))
 
     def get(self, key: bytes) -> Record | None:
         rec = super().get(key)
         if rec is None or not key.startswith(PREFIX):
             return rec
         held = self.records(key)
-        live = merge(held, self.clock())
+        live = set_codec(key.decode()).merge(held, self.clock())
         if len(live) != len(held):
             self._set(key, live)
             rec = super().get(key)
         return rec
 
-    def _set(self, key: bytes, recs: list[SignedRecord]) -> None:
+    def _set(self, key: bytes, recs: list) -> None:
         if not recs:
             self.remove(key)
             self._parsed.pop(key, None)
             return
-        value = encode_set(recs)
+        value = set_codec(key.decode()).encode(recs)
         # Unsigned at the libp2p layer on purpose: this node assembled the set, and every record
         # in it carries its own peer's signature, which is what readers check.
         rec = Record(key=key, value=value, timeReceived=format_time_rfc3339())
@@ -141,12 +136,12 @@ async def closest(dht: KadDHT, key: str) -> list[ID]:
     return [p for p in await dht.peer_routing.find_closest_peers_network(key.encode()) if p != me]
 
 
-async def put_set(dht: KadDHT, key: str, records: Sequence[SignedRecord],
+async def put_set(dht: KadDHT, key: str, records: Sequence,
                   targets: Sequence[ID] | None = None) -> int:
-    """Store `records` under `key` here and at `targets` (default: a fresh lookup of the k
-    closest nodes); returns how many remote nodes accepted them. A node that already holds
-    them refuses a replay, which is fine."""
-    value = encode_set(records)
+    """Store `records` (or evidence, under an evidence key) under `key` here and at `targets`
+    (default: a fresh lookup of the k closest nodes); returns how many remote nodes accepted
+    them. A node that already holds them refuses a replay, which is fine."""
+    value = set_codec(key).encode(list(records))
     dht.validator.validate(key, value)  # never publish what others would refuse
     kb = key.encode()
     dht.value_store.put_record(kb, Record(key=kb, value=value))
@@ -163,11 +158,12 @@ async def put_set(dht: KadDHT, key: str, records: Sequence[SignedRecord],
     return acks
 
 
-async def fetch_set(dht: KadDHT, key: str) -> list[SignedRecord]:
-    """Every valid record under `key` that the k closest nodes or this node hold, merged.
-    Includes tombstones (OFFLINE records), which callers filter."""
+async def fetch_set(dht: KadDHT, key: str) -> list:
+    """Every valid record (or evidence) under `key` that the k closest nodes or this node hold,
+    merged. Includes tombstones (OFFLINE records), which callers filter."""
     kb = key.encode()
-    got: list[SignedRecord] = []
+    codec = set_codec(key)
+    got: list = []
     if isinstance(dht.value_store, MergingValueStore):
         got += dht.value_store.records(kb)
     peers = await closest(dht, key)
@@ -177,12 +173,12 @@ async def fetch_set(dht: KadDHT, key: str) -> list[SignedRecord]:
             rec = await dht.value_store._get_from_peer(peer, kb, return_record=True)
             if isinstance(rec, Record) and rec.value:
                 try:
-                    got.extend(decode_set(rec.value, key, strict=False))
-                except InvalidRecord as e:
+                    got.extend(codec.decode(rec.value, key, strict=False))
+                except invalid_value_errors() as e:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
 
     await _gather(ask, peers)
-    return merge(got)
+    return codec.merge(got)
 
 
 async def _gather(fn, items: Iterable) -> None:

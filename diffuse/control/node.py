@@ -27,7 +27,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
 from diffuse.control.coverage import Coverage, coverage
-from diffuse.control.dht import bootstrap, fetch_set, make_dht
+from diffuse.control.dht import bootstrap, fetch_set, make_dht, put_set
 from diffuse.control.host import (
     DEFAULT_LISTEN,
     advertised_addrs,
@@ -36,7 +36,7 @@ from diffuse.control.host import (
     parse_peer_addr,
 )
 from diffuse.control.identity import peer_id as peer_id_of
-from diffuse.control.records import PeerRecord, blocks_key, peer_key
+from diffuse.control.records import PeerRecord, blocks_key, evidence_key, peer_key
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Node:
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
         self._listen = [parse_multiaddr(a) for a in listen]
-        self.host = make_host(key_pair, self._listen)
+        self.host = make_host(key_pair, self._listen, announce_addrs)
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), handler)
         self.dht = make_dht(self.host, server=server)
@@ -186,6 +186,14 @@ class Node:
         """A peer's current record by id (online or withdrawn), or None if none is fresh."""
         found = await fetch_set(self.dht, peer_key(peer_id))
         return found[0].record if found else None
+
+    async def publish_evidence(self, evidence: Any) -> int:
+        """Store signed evidence (trust.reputation.SignedEvidence) under its accused's key."""
+        return await put_set(self.dht, evidence_key(evidence.evidence.accused), [evidence])
+
+    async def evidence(self, peer_id: str) -> list:
+        """Verified evidence anyone has published against `peer_id`, latest per reporter."""
+        return await fetch_set(self.dht, evidence_key(peer_id))
 
     async def coverage(self, model: str, num_blocks: int | None = None,
                        expected_hashes: Sequence[str] | None = None) -> Coverage:

@@ -34,6 +34,7 @@ SIG_DOMAIN = b"diffuse/peer-record/v1\x00"
 NAMESPACE = "diffuse"
 PEER_PREFIX = f"/{NAMESPACE}/peer/"
 BLOCKS_PREFIX = f"/{NAMESPACE}/blocks/"
+EVIDENCE_PREFIX = f"/{NAMESPACE}/evidence/"
 ONLINE, OFFLINE = "online", "offline"
 
 MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
@@ -211,6 +212,11 @@ def blocks_key(model: str) -> str:
     return BLOCKS_PREFIX + _tag("model:" + model)
 
 
+def evidence_key(accused: str) -> str:
+    """Where evidence against one peer collects (trust/reputation.py's evidence sets)."""
+    return EVIDENCE_PREFIX + _tag("evidence:" + accused)
+
+
 def check_key(key: str, rec: PeerRecord) -> None:
     """A record may only be stored under its own peer key or its own model's blocks key."""
     if key.startswith(PEER_PREFIX):
@@ -283,6 +289,34 @@ def contributes(new: Iterable[SignedRecord], old: Iterable[SignedRecord]) -> boo
     return any(r.peer_id not in have or r.order > have[r.peer_id] for r in new)
 
 
+@dataclass(frozen=True)
+class SetCodec:
+    """How the values under one key prefix decode, merge, encode and grow: record sets (peer and
+    blocks keys) or evidence sets (trust/reputation.py, under /diffuse/evidence/)."""
+
+    decode: Any  # (value, key, *, now, strict) -> items
+    merge: Any  # (items, now) -> items
+    encode: Any  # (items) -> bytes
+    contributes: Any  # (new items, old items) -> bool
+
+
+RECORD_SETS = SetCodec(decode_set, merge, encode_set, contributes)
+
+
+def set_codec(key: str) -> SetCodec:
+    if key.startswith(EVIDENCE_PREFIX):
+        from diffuse.trust import reputation as r  # imported on first use: it pulls in torch
+
+        return SetCodec(r.decode_set, r.merge_set, r.encode_set, r.contributes)
+    return RECORD_SETS
+
+
+def invalid_value_errors() -> tuple[type[Exception], ...]:
+    from diffuse.trust.reputation import InvalidEvidence
+
+    return InvalidRecord, InvalidEvidence
+
+
 class RecordValidator(Validator):
     """The DHT validator of the /diffuse/ namespace, run on store (PUT) and on every read.
 
@@ -296,17 +330,20 @@ class RecordValidator(Validator):
         self.clock = clock
 
     def validate(self, key: str, value: bytes) -> None:
-        decode_set(value, key, now=self.clock(), strict=True)
+        try:
+            set_codec(key).decode(value, key, now=self.clock(), strict=True)
+        except invalid_value_errors() as e:
+            raise InvalidRecord(str(e)) from None
 
     def select(self, key: str, values: list[bytes]) -> int:
-        now = self.clock()
+        now, codec = self.clock(), set_codec(key)
         best, known = 0, []
         for i, v in enumerate(values):
             try:
-                recs = decode_set(v, key, now=now, strict=False)
-            except InvalidRecord:
+                recs = codec.decode(v, key, now=now, strict=False)
+            except invalid_value_errors():
                 continue
-            if i > 0 and contributes(recs, merge(known, now)):
+            if i > 0 and codec.contributes(recs, codec.merge(known, now)):
                 best = i
             known += recs
         return best

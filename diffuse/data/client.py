@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Sequence
 
 import torch
@@ -27,6 +27,8 @@ from diffuse.data.codec import (
 )
 from diffuse.data.server import READ_CHUNK, ByteStream
 from diffuse.errors import DiffuseError
+from diffuse.trust.commitments import StepBinding, bind, input_commitment
+from diffuse.trust.guard import Caught, Guard, TrustUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +60,44 @@ class Bans:
         return {p for p, t in self.until.items() if t > now}
 
 
+@dataclass
+class Sent:
+    """A committed STEP's input as first sent: a plain chunk (keep None), or a candidate tree and
+    the nodes kept from it. Replaying it as sent repeats the same matmuls, so a replacement peer
+    rebuilds a bit-identical cache, speculative steps included."""
+
+    h: Tensor
+    positions: Tensor
+    mask: Tensor | None = None
+    keep: list[int] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.h.shape[1] if self.keep is None else len(self.keep)
+
+    def head(self, n: int) -> "Sent":
+        """The first n committed tokens of this step."""
+        return replace(self, keep=self.keep[:n]) if self.keep is not None else Sent(self.h[:, :n], self.positions[:n])
+
+
 class HopSession:
     """One session on one peer: the protocol exchange plus the inputs it has committed."""
 
     def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
-                 dtype: torch.dtype, timeout: float):
+                 dtype: torch.dtype, timeout: float, commitments: bool = False):
         self.hop, self.stream, self.model_id = hop, stream, model_id
+        self.commitments = commitments  # ask for, and check, per-step output commitments
+        self.peer_dtype = ""  # the compute dtype the peer declared in OPEN_OK
+        self.last_input: bytes | None = None  # input-commitment chain, as the server computes it
+        self.receipt: tuple[StepBinding, bytes] | None = None  # last step's output binding, commitment
+        self.receipt_context: tuple[int, bytes | None] = (0, None)  # its step number and input commitment
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
         self.session_id = os.urandom(16)
         self.decoder = FrameDecoder()
         self.step_no = 0
-        self.history: list[Tensor] = []  # committed inputs, in order, [B, t, H] each
+        self.history: list[Sent] = []  # committed inputs, in order, as sent
         self.committed = 0
-        self.pending: Tensor | None = None  # last step's candidate inputs
+        self.pending: Sent | None = None  # last step's candidate inputs
         self.keep: list[int] = []  # deferred commit, sent with the next STEP
         self.bytes_sent = 0
         self.compute_s = 0.0
@@ -100,42 +127,60 @@ class HopSession:
     async def open(self) -> None:
         with trio.fail_after(self.timeout):
             await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
-                                  self.max_len, self.batch, self.dtype))
+                                  self.max_len, self.batch, self.dtype, self.commitments))
             ok = await self._receive()
         if not isinstance(ok, OpenOk) or ok.max_length < self.max_len:
             raise HopFailed(self.hop, f"bad answer to OPEN: {ok!r}")
+        self.peer_dtype = ok.compute_dtype
 
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
         h = h.to(self.dtype)
-        msg = Step(self.session_id, self.step_no, self.committed, positions.tolist(), h,
+        # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
+        msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
                    keep=self.keep, mask=mask, commit=commit)
+        if self.commitments:
+            msg.input_commitment = input_commitment(self.session_id, self.step_no, self.last_input, h,
+                                                    msg.positions, msg.cache_len, msg.keep, mask, commit,
+                                                    self.dtype)
         with trio.fail_after(timeout or self.timeout):
             await self._send(msg)
             reply = await self._receive()
         if not isinstance(reply, StepOk) or reply.step != self.step_no:
             raise HopFailed(self.hop, f"bad answer to STEP {self.step_no}")
+        if self.commitments:
+            self._check_commitment(msg, reply)
         self.step_no += 1
         if self.keep:
             self._commit_pending(self.keep)
         self.keep, self.pending = [], None
         if commit:
-            self.history.append(h)
+            self.history.append(Sent(h, positions))
             self.committed += h.shape[1]
         else:
-            self.pending = h
+            self.pending = Sent(h, positions, mask)
         self.compute_s += (reply.compute_us or 0) / 1e6
         return reply.hidden
 
+    def _check_commitment(self, msg: Step, reply: StepOk) -> None:
+        """The output commitment must name exactly the bytes received, bound to our inputs: what a
+        spot check or canary later holds the peer to."""
+        binding, tree = bind(self.session_id, msg.step, msg.input_commitment, reply.hidden, self.dtype)
+        commitment = binding.commit(tree.root)
+        if reply.output_commitment != commitment:
+            raise HopFailed(self.hop, f"STEP {msg.step}: output commitment missing or not over the bytes sent")
+        self.last_input = msg.input_commitment
+        self.receipt, self.receipt_context = (binding, commitment), (msg.step, msg.input_commitment)
+
     def _commit_pending(self, keep: Sequence[int]) -> None:
-        self.history.append(self.pending[:, list(keep)])
+        self.history.append(replace(self.pending, keep=list(keep)))
         self.committed += len(keep)
 
     def commit(self, keep: Sequence[int] | None) -> None:
         if self.pending is None:
             return
         if keep is None:
-            keep = range(self.pending.shape[1])
+            keep = range(self.pending.h.shape[1])
         self.keep = list(keep)
 
     def rollback(self, length: int) -> None:
@@ -143,19 +188,19 @@ class HopSession:
             self._commit_pending(self.keep)
         self.keep, self.pending = [], None
         kept, total = [], 0
-        for chunk in self.history:
+        for sent in self.history:
             if total >= length:
                 break
-            kept.append(chunk[:, :length - total])
-            total += kept[-1].shape[1]
+            kept.append(sent.head(length - total))
+            total += kept[-1].tokens
         self.history, self.committed = kept, length
 
-    def inputs(self) -> list[Tensor]:
-        """Everything committed so far, chunked as it was first sent (plus a kept-but-not-yet-
-        sent commit). Replaying the same chunks makes the same matmuls, so a replacement peer
+    def inputs(self) -> list[Sent]:
+        """Everything committed so far, as it was first sent (plus a kept-but-not-yet-sent
+        commit). Replaying the same chunks makes the same matmuls, so a replacement peer
         rebuilds a bit-identical KV cache: one batched replay would differ in low-order bits,
         enough to flip a near-tie in bf16."""
-        return self.history + ([self.pending[:, self.keep]] if self.keep else [])
+        return self.history + ([replace(self.pending, keep=self.keep)] if self.keep else [])
 
     async def close(self) -> None:
         with trio.move_on_after(1.0):
@@ -177,8 +222,10 @@ class RemoteSpan:
 
     def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
                  max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
-                 timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0):
+                 timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0,
+                 guard: Guard | None = None):
         self.model_id, self.start, self.end = model_id, start, end
+        self.guard = guard  # the trust plane: vets new hops, spot-checks steps
         self.dial, self.route, self.bans = dial, route, bans
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
         self.max_failovers, self.route_wait = max_failovers, route_wait
@@ -189,7 +236,7 @@ class RemoteSpan:
     def route_taken(self) -> list[dict]:
         return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
 
-    async def _build(self, start: int, end: int, inputs: list[Tensor]) -> list[HopSession]:
+    async def _build(self, start: int, end: int, inputs: list[Sent]) -> list[HopSession]:
         """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
         routing around every peer that fails on the way; NoRoute when replicas run out."""
         while True:
@@ -197,19 +244,24 @@ class RemoteSpan:
             hop = None
             try:
                 for hop in await self._route(start, end):
+                    if self.guard is not None:
+                        await self.guard.vet(hop, self._canary_session)
                     session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len,
-                                         self.batch, self.dtype, self.timeout)
+                                         self.batch, self.dtype, self.timeout, self.guard is not None)
                     new.append(session)
                     await session.open()
-                offset = 0
-                for chunk in inputs:
-                    h, positions = chunk, torch.arange(offset, offset + chunk.shape[1])
+                for sent in inputs:
+                    h = sent.h
                     for session in new:
                         hop = session.hop
-                        h = await session.step(h, positions, None, True, timeout=self.timeout * 4)
-                    offset += chunk.shape[1]
+                        h = await session.step(h, sent.positions, sent.mask, sent.keep is None,
+                                               timeout=self.timeout * 4)
+                        if sent.keep is not None:
+                            session.commit(sent.keep)  # rides on the next STEP, as it first did
                 return new
-            except NoRoute:
+            except (NoRoute, TrustUnavailable):
+                for session in new:
+                    await session.close()
                 raise
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
                 for session in new:
@@ -223,7 +275,8 @@ class RemoteSpan:
         deadline = trio.current_time() + self.route_wait
         while True:
             try:
-                return await self.route(start, end, self.bans.active())
+                banned = self.bans.active() | (self.guard.excluded() if self.guard else set())
+                return await self.route(start, end, banned)
             except NoRoute:
                 if trio.current_time() >= deadline:
                     raise
@@ -243,29 +296,51 @@ class RemoteSpan:
     async def open(self) -> None:
         self.hops = await self._build(self.start, self.end, [])
 
+    async def _canary_session(self, hop: Hop) -> HopSession:
+        """A session for a canary: indistinguishable from this span's real sessions."""
+        session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len, self.batch, self.dtype,
+                             self.timeout, True)
+        try:
+            await session.open()
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
-        i = 0
+        i, t0 = 0, time.perf_counter()
         while i < len(self.hops):
+            hop = self.hops[i]
+            context = hop.inputs() if self.guard is not None and self.guard.pick() else None
             try:
-                h = await self.hops[i].step(h, positions, tree_mask, commit)
-                i += 1
+                out = await hop.step(h, positions, tree_mask, commit)
+                if context is not None:
+                    await self.guard.spot_check(hop, context, h.to(hop.dtype), positions, tree_mask, out)
+                h, i = out, i + 1
+            except Caught as e:
+                await self._failover(i, e, context)  # the step it failed is redone on a replica
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
                 await self._failover(i, e)
+        if self.guard is not None and h.shape[1] <= 8:
+            self.guard.note_step(time.perf_counter() - t0)
         return h
 
-    async def _failover(self, i: int, error: Exception) -> None:
-        """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs."""
+    async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None) -> None:
+        """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs
+        (or from `inputs`, what it had committed before a step it was caught cheating on)."""
         old = self.hops[i]
         t0 = time.perf_counter()
         self._failed(old.hop, error, "step")
         record = self.stats.failovers[-1]
         await old.close()
-        inputs = old.inputs()
+        if self.guard is not None:
+            self.guard.forget(old)
+        inputs = old.inputs() if inputs is None else inputs
         new = await self._build(old.hop.start, old.hop.end, inputs)
         self.hops[i:i + 1] = new
         record.update(
             replaced_by=[s.hop.peer_id for s in new],
-            replayed_tokens=sum(c.shape[1] for c in inputs),
+            replayed_tokens=sum(s.tokens for s in inputs),
             recovery_s=round(time.perf_counter() - t0, 4))
 
     async def commit(self, keep: Sequence[int] | None) -> None:
@@ -280,3 +355,5 @@ class RemoteSpan:
         self.stats.bytes_sent = sum(s.bytes_sent for s in self.hops)
         for s in self.hops:
             await s.close()
+            if self.guard is not None:
+                self.guard.forget(s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -12,6 +13,9 @@ import trio
 from diffuse.data.codec import PROTOCOL_ID
 from diffuse.data.server import BlockServer, ServerLimits
 from diffuse.model.load import load_span
+
+if TYPE_CHECKING:  # an honest peer never imports the tamper module
+    from diffuse.trust.tamper import Tamper
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +37,19 @@ class PeerService:
     """The inference handler of one peer; `prepare` loads the chosen span before it is announced."""
 
     def __init__(self, model_dir: Path, model_id: str, dtype: torch.dtype, device: str = "cpu",
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, tamper: Tamper | None = None):
         self.model_dir, self.model_id, self.dtype, self.device = model_dir, model_id, dtype, device
         self.limits = limits or ServerLimits()
+        self.tamper = tamper  # testing only: `join --tamper`
         self.server: BlockServer | None = None
         self.throughput: float | None = None
 
     async def prepare(self, start: int, end: int) -> float:
         def load() -> tuple[BlockServer, float]:
             span = load_span(self.model_dir, start, end, self.dtype, self.device)  # verifies hashes
-            return BlockServer(self.model_id, span, self.limits), measure_throughput(span)
+            throughput = measure_throughput(span)
+            served = span if self.tamper is None else self.tamper.wrap(span)
+            return BlockServer(self.model_id, served, self.limits), throughput
 
         self.server, self.throughput = await trio.to_thread.run_sync(load)
         log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)

@@ -23,6 +23,7 @@ from diffuse.data.codec import (
     StepOk, WireError, encode,
 )
 from diffuse.model.llama import BlockSpan, KVCache
+from diffuse.trust.commitments import input_commitment, output_commitment
 
 log = logging.getLogger(__name__)
 READ_CHUNK = 1 << 16  # one read may carry several frames; each yamux read costs ~50 us
@@ -102,6 +103,7 @@ class _Conn:
         self.span: BlockSpan | None = None
         self.reserved = 0
         self.counted = False
+        self.last_input: bytes | None = None  # this session's input-commitment chain
 
     async def run(self) -> None:
         limits = self.server.limits
@@ -134,7 +136,7 @@ class _Conn:
         if isinstance(msg, Close):
             return True
         if isinstance(msg, Step):
-            await self.on_step(msg)
+            return await self.on_step(msg)
         return False
 
     async def on_open(self, m: Open) -> bool:
@@ -169,7 +171,16 @@ class _Conn:
         await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, str(srv.dtype).removeprefix("torch."))))
         return False
 
-    async def on_step(self, m: Step) -> None:
+    async def on_step(self, m: Step) -> bool:
+        """Run one STEP; True ends the session (its inputs disagree with the client's commitment)."""
+        opened = self.state.open
+        if opened.want_commitments:
+            # Chain our own view of the inputs; the output commitment binds it, never the client's claim.
+            self.last_input = input_commitment(m.session_id, m.step, self.last_input, m.hidden, m.positions,
+                                               m.cache_len, m.keep, m.mask, m.commit, opened.dtype)
+            if m.input_commitment is not None and m.input_commitment != self.last_input:
+                return await self.error(ErrorCode.BAD_STEP, f"STEP {m.step}: input commitment differs "
+                                        "from this session's inputs as received")
         cache, span = self.cache, self.span
         if m.keep:
             cache.commit(m.keep)
@@ -188,8 +199,13 @@ class _Conn:
         out, seconds = await trio.to_thread.run_sync(compute, limiter=self.server.compute)
         self.server.steps_served += 1
         self.server.tokens_served += hidden.shape[1]
-        await self.stream.write(self.state.send(StepOk(m.session_id, m.step, out,
+        commitment = None
+        if opened.want_commitments:
+            out = out.to(opened.dtype)  # commit to exactly the bytes that go out
+            commitment = output_commitment(m.session_id, m.step, self.last_input, out, opened.dtype)
+        await self.stream.write(self.state.send(StepOk(m.session_id, m.step, out, output_commitment=commitment,
                                                        compute_us=min(math.ceil(seconds * 1e6), 2**32 - 1))))
+        return False
 
     async def error(self, code: ErrorCode, message: str) -> bool:
         sid = self.state.open.session_id if self.state.open else bytes(16)

@@ -27,6 +27,7 @@ from libp2p.crypto.ed25519 import Ed25519PublicKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from diffuse.control.records import evidence_key
 from diffuse.errors import DiffuseError
 from diffuse.trust.canary import CanaryVerdict
 from diffuse.trust.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
@@ -34,7 +35,6 @@ from diffuse.trust.spotcheck import SpotVerdict
 
 EVIDENCE_VERSION = 1
 SIG_DOMAIN = b"diffuse/evidence/v1\x00"
-EVIDENCE_PREFIX = "/diffuse/evidence/"
 KINDS = ("canary", "spotcheck")
 MAX_PAYLOAD_BYTES = 48 * 1024
 MAX_ITEMS = 64
@@ -176,11 +176,6 @@ def decode(value: bytes) -> SignedEvidence:
     return verify(item[0], item[1])
 
 
-def evidence_key(accused: str) -> str:
-    """DHT key collecting evidence against one peer (tagged like control/records.py's keys)."""
-    return EVIDENCE_PREFIX + hashlib.sha256(f"evidence:{accused}".encode()).hexdigest()[:32]
-
-
 class BanList:
     """Peers this node refuses to route through: banned by its own verdicts, for `ttl` seconds.
 
@@ -269,3 +264,59 @@ def _opening(v: Any) -> tuple[int, Opening]:
     if not all(isinstance(h, bytes) and len(h) == 32 for h in path):
         raise InvalidEvidence("a Merkle path holds 32-byte hashes")
     return _int(v[0]), Opening(_int(v[1]), v[2], tuple(path))
+
+
+# ---- evidence sets: the DHT value under evidence_key(accused) ----
+
+MAX_EVIDENCE = 32  # per accused: the latest report of each of the most recent reporters
+EVIDENCE_TTL_S = 7 * 24 * 3600.0
+
+
+def encode_set(items: list[SignedEvidence]) -> bytes:
+    return cbor2.dumps([[e.payload, e.signature] for e in items], canonical=True)
+
+
+def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedEvidence]:
+    """The verified evidence of a DHT value stored at `key`. strict refuses the whole value for one
+    bad item (store path); lenient drops bad items one by one, so one forgery hides nothing."""
+    if not isinstance(value, bytes) or len(value) > MAX_EVIDENCE * (MAX_PAYLOAD_BYTES + 128):
+        raise InvalidEvidence("evidence value too large")
+    try:
+        items = cbor2.loads(value)
+    except Exception:
+        raise InvalidEvidence("evidence value is not valid CBOR") from None
+    if not isinstance(items, list) or len(items) > MAX_EVIDENCE or (strict and not items):
+        raise InvalidEvidence("evidence value is not a list of evidence")
+    out = []
+    for item in items:
+        try:
+            if not isinstance(item, list) or len(item) != 2:
+                raise InvalidEvidence("evidence is [payload, signature]")
+            ev = verify(item[0], item[1])
+            if evidence_key(ev.evidence.accused) != key:
+                raise InvalidEvidence("evidence stored under another peer's key")
+            out.append(ev)
+        except InvalidEvidence:
+            if strict:
+                raise
+    return out
+
+
+def merge_set(items: list[SignedEvidence], now: float | None = None) -> list[SignedEvidence]:
+    """Latest report per reporter, none older than EVIDENCE_TTL_S, the newest MAX_EVIDENCE kept."""
+    now = time.time() if now is None else now
+    best: dict[str, SignedEvidence] = {}
+    for e in items:
+        ev = e.evidence
+        if ev.timestamp < now - EVIDENCE_TTL_S or ev.timestamp > now + 60:
+            continue
+        cur = best.get(ev.reporter)
+        if cur is None or (ev.timestamp, e.payload) > (cur.evidence.timestamp, cur.payload):
+            best[ev.reporter] = e
+    newest = sorted(best.values(), key=lambda e: -e.evidence.timestamp)[:MAX_EVIDENCE]
+    return sorted(newest, key=lambda e: e.evidence.reporter)
+
+
+def contributes(new: list[SignedEvidence], old: list[SignedEvidence]) -> bool:
+    have = {e.evidence.reporter: e.evidence.timestamp for e in old}
+    return any(e.evidence.timestamp > have.get(e.evidence.reporter, -1.0) for e in new)

@@ -1,0 +1,245 @@
+"""The client's trust plane in a live swarm: vet peers with canaries, spot-check steps, act on verdicts.
+
+- Vetting: before a peer carries a session's traffic it must have answered `vet_canaries`
+  canaries for the blocks it will serve, and afterwards every session sends it one more with
+  probability `canary_rate`. A canary session looks like a real one: OPEN with the session's
+  max_length, a prefill of the canary's first tokens, then single-token steps paced like the
+  client's real decode steps. Replies are scored against the peer's declared compute dtype
+  (canary.CanaryMonitor), so benign dtype drift is not tampering.
+- Spot checks: each (step, hop) is picked with probability `spot_rate` before it is sent (the
+  peer cannot see the pick); a picked step is recomputed by the client's fp32 referee for that
+  span, which replays the hop's committed inputs into its own KV cache, and compared within the
+  calibrated tolerance before the output is used, so a caught step never reaches the answer.
+- Verdicts: a failed canary test or spot check becomes signed Evidence, bans the peer locally for
+  a day, is published in the DHT (public mode), and raises `Caught`, which the data plane treats
+  like any failed hop: route around it and replay into a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+import torch
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+from torch import Tensor
+
+from diffuse.control.routing import Hop
+from diffuse.errors import DiffuseError
+from diffuse.trust.bank import CanaryBank, SpanMaterial
+from diffuse.trust.canary import CanaryMonitor
+from diffuse.trust.commitments import bind
+from diffuse.trust.reputation import BanList, Evidence, SignedEvidence, canary_evidence, sign, spot_evidence
+from diffuse.trust.spotcheck import DEFAULT_RATE, SpotChecker, compare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrustOptions:
+    spot_rate: float = DEFAULT_RATE
+    vet_canaries: int = 1  # canaries a peer must pass before it carries traffic for a span
+    canary_rate: float = 0.25  # chance per session and hop of one more canary once vetted
+    decode_tail: int = 4  # canary tokens sent as single-token steps after the prefill
+    canaries: int = 16  # pool size per span
+    canary_tokens: int = 16
+    publish: bool = True  # public mode: evidence goes to the DHT
+
+
+class Caught(Exception):
+    """A peer failed a trust check; `evidence` says how."""
+
+    def __init__(self, evidence: SignedEvidence):
+        e = evidence.evidence
+        super().__init__(f"failed a {e.kind} check on blocks {e.start}-{e.end - 1} "
+                         f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})")
+        self.evidence = evidence
+
+
+class TrustUnavailable(DiffuseError):
+    """The client cannot judge peers (no canary material for a span): refuse rather than trust blindly."""
+
+
+class _Shadow:
+    """The referee's KV cache for one hop session: the hop's committed inputs, replayed as sent."""
+
+    def __init__(self, material: SpanMaterial, max_len: int):
+        self.span, self.cache = material.referee, material.referee.new_cache(max_len)
+        self.done: list[Any] = []  # the context items already in the cache (by identity)
+
+    def replay(self, context: Sequence[Any]) -> None:
+        same = 0
+        while same < min(len(self.done), len(context)) and self.done[same] is context[same]:
+            same += 1
+        if same < len(self.done):
+            self.cache.rollback(sum(_tokens(x) for x in self.done[:same]))
+            del self.done[same:]
+        offset = self.cache.length
+        for item in context[same:]:
+            h, positions, mask, keep = _as_sent(item, offset)
+            self.span(h.float(), positions, self.cache, mask, keep is None)
+            if keep is not None:
+                self.cache.commit(keep)
+            offset += _tokens(item)
+            self.done.append(item)
+
+    def step(self, h: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
+        """The step's output as the referee computes it; leaves no trace in the cache."""
+        out = self.span(h.float(), positions, self.cache, mask, False)
+        self.cache.rollback(self.cache.length)
+        return out
+
+
+def _as_sent(item: Any, offset: int) -> tuple[Tensor, Tensor, Tensor | None, list[int] | None]:
+    if isinstance(item, Tensor):  # a plain committed chunk
+        return item, torch.arange(offset, offset + item.shape[1]), None, None
+    return item.h, item.positions, item.mask, item.keep
+
+
+def _tokens(item: Any) -> int:
+    return item.shape[1] if isinstance(item, Tensor) else item.tokens
+
+
+class Guard:
+    """Per client and model: canary monitors per (peer, span), referees, bans and evidence."""
+
+    def __init__(self, model_id: str, bank: CanaryBank, key_pair: KeyPair, options: TrustOptions | None = None,
+                 publish: Callable[[SignedEvidence], Awaitable[None]] | None = None,
+                 rng: random.Random | None = None):
+        self.model_id, self.bank, self.key_pair = model_id, bank, key_pair
+        self.opts = options or TrustOptions()
+        self.me = ID.from_pubkey(key_pair.public_key).to_base58()
+        self.publish = publish if self.opts.publish else None
+        self.rng = rng or random.SystemRandom()  # picks the peer must not be able to predict
+        self.spot = SpotChecker(self.opts.spot_rate, self.rng)
+        self.bans = BanList(self.me)
+        self.monitors: dict[tuple[str, int, int, str], CanaryMonitor] = {}
+        self.passed: dict[tuple[str, int, int], int] = {}
+        self.shadows: dict[int, _Shadow] = {}
+        self.pace = 0.0  # seconds between the client's real decode steps (EMA), for canary timing
+        self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0}
+
+    # ---- materials ----
+
+    async def material(self, start: int, end: int, dtype: str) -> SpanMaterial:
+        """Canaries, calibration and referee for a span, able to judge a peer computing in `dtype`."""
+        def build() -> SpanMaterial:
+            m = self.bank.material(start, end)
+            m.judge(dtype)
+            return m
+
+        m = self.bank.spans.get((start, end))
+        if m is not None and dtype in m.benign:
+            return m
+        try:
+            return await trio.to_thread.run_sync(build)
+        except Exception as e:  # noqa: BLE001 - any failure here means we cannot vouch for anyone
+            raise TrustUnavailable(f"cannot judge peers on blocks {start}-{end - 1} ({dtype}): "
+                                   f"{type(e).__name__}: {e}") from e
+
+    def excluded(self) -> set[str]:
+        return self.bans.active()
+
+    def note_step(self, seconds: float) -> None:
+        self.pace = seconds if self.pace == 0 else 0.8 * self.pace + 0.2 * seconds
+
+    # ---- canaries ----
+
+    async def vet(self, hop: Hop, session_factory: Callable[[Hop], Awaitable[Any]]) -> None:
+        """Canaries for `hop` until it has passed enough; raises Caught on a failed test."""
+        key = (hop.peer_id, hop.start, hop.end)
+        need = self.opts.vet_canaries - self.passed.get(key, 0)
+        if need <= 0 and self.rng.random() < self.opts.canary_rate:
+            need = 1
+        for _ in range(max(need, 0)):
+            await self.canary(hop, session_factory)
+            self.passed[key] = self.passed.get(key, 0) + 1
+
+    async def canary(self, hop: Hop, session_factory: Callable[[Hop], Awaitable[Any]]) -> None:
+        session = await session_factory(hop)
+        try:
+            dtype = session.peer_dtype
+            material = await self.material(hop.start, hop.end, dtype)
+            monitor = self.monitors.get((hop.peer_id, hop.start, hop.end, dtype))
+            if monitor is None:
+                benign = material.calibration.for_dtype(dtype)
+                monitor = self.monitors[(hop.peer_id, hop.start, hop.end, dtype)] = CanaryMonitor(benign)
+            index = self.rng.randrange(len(material.canaries))
+            c = material.canaries[index]
+            h, t = c.hidden[None], c.hidden.shape[0]
+            first = max(1, t - self.opts.decode_tail)
+            outs, receipts = [await session.step(h[:, :first], torch.arange(first), None, True)], [session.receipt]
+            for j in range(first, t):
+                await trio.sleep(self.pace)
+                outs.append(await session.step(h[:, j:j + 1], torch.tensor([j]), None, True))
+                receipts.append(session.receipt)
+        finally:
+            await session.close()
+        self.counts["canaries"] += 1
+        verdict = monitor.observe(index, c, torch.cat(outs, 1)[0])
+        if verdict.tampered:
+            steps = tuple(r for r in receipts if r is not None)
+            await self._convict(canary_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
+                                                dtype, steps))
+
+    # ---- spot checks ----
+
+    def pick(self) -> bool:
+        return self.spot.pick()
+
+    async def spot_check(self, session: Any, context: Sequence[Any], h: Tensor, positions: Tensor,
+                         mask: Tensor | None, out: Tensor) -> None:
+        """Recompute a step `session` just answered (its inputs before it: `context`); Caught if off."""
+        hop = session.hop
+        material = await self.material(hop.start, hop.end, session.peer_dtype)
+        shadow = self.shadows.get(id(session))
+        if shadow is None:
+            shadow = self.shadows[id(session)] = _Shadow(material, session.max_len)
+
+        def recompute() -> Tensor:
+            shadow.replay(context)
+            return shadow.step(h, positions, mask)
+
+        ref = await trio.to_thread.run_sync(recompute)
+        self.counts["spot_checks"] += 1
+        wire = out.dtype
+        verdict = compare(out.float(), ref.to(wire).float(), material.tolerance, session.peer_dtype,
+                          torch.float32, positions.tolist())
+        if not verdict.ok:
+            step, inputs = session.receipt_context
+            binding, tree = bind(session.session_id, step, inputs, out, wire)
+            await self._convict(spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
+                                              session.peer_dtype, "self", binding, tree))
+
+    def forget(self, session: Any) -> None:
+        shadow = self.shadows.pop(id(session), None)
+        if shadow is not None:
+            shadow.cache.wipe()
+
+    # ---- verdicts ----
+
+    async def _convict(self, evidence: Evidence) -> None:
+        signed = sign(evidence, self.key_pair)
+        self.bans.add(signed)
+        self.counts["caught"] += 1
+        log.warning("peer %s caught: %s check on blocks %d-%d, statistic %.3g vs threshold %.3g",
+                    evidence.accused, evidence.kind, evidence.start, evidence.end - 1, evidence.statistic,
+                    evidence.threshold)
+        if self.publish is not None:
+            with trio.move_on_after(5.0):
+                try:
+                    await self.publish(signed)
+                except Exception as e:  # noqa: BLE001 - the verdict stands even if the DHT is down
+                    log.warning("could not publish evidence against %s: %s", evidence.accused, e)
+        raise Caught(signed)
+
+    def status(self) -> dict:
+        return {**self.counts, "banned": sorted(self.bans.active()), "at": time.time()}
+
+
+__all__ = ["Caught", "Guard", "TrustOptions", "TrustUnavailable"]

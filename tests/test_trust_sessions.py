@@ -1,0 +1,124 @@
+"""The trust plane in live sessions (in-memory transport, tiny model): canaries vet peers before
+they carry traffic, spot checks recompute steps before their output is used, commitments bind
+every reply, and a caught peer is routed around without changing the answer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.control.records import evidence_key
+from diffuse.data.client import Bans, HopFailed, HopSession, RemoteSpan
+from diffuse.data.codec import StepOk
+from diffuse.data.server import BlockServer
+from diffuse.model.load import load_head, load_span
+from diffuse.trust import reputation
+from diffuse.trust.bank import CanaryBank
+from diffuse.trust.guard import Guard, TrustOptions
+from diffuse.trust.tamper import Tamper
+from test_sessions import MODEL, PROMPT, Swarm, greedy, local_answer, tiny  # noqa: F401 - fixture
+
+
+def peer() -> str:
+    return ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+
+
+HONEST, CHEAT = peer(), peer()
+
+
+@pytest.fixture(scope="module")
+def bank(tiny, tmp_path_factory):
+    return CanaryBank(tiny, tmp_path_factory.mktemp("home"), torch.float16, n=8, length=12)
+
+
+async def guarded_answer(path, bank, spans, tamper, n, options, published):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, spans)
+        for name, t in tamper.items():
+            a, b = spans[name]
+            swarm.servers[name] = BlockServer(MODEL, t.wrap(load_span(path, a, b)))
+
+        async def publish(ev):
+            published.append(ev)
+
+        guard = Guard(MODEL, bank, create_new_key_pair(), options, publish, rng=random.Random(7))
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10, route_wait=0,
+                            guard=guard)
+        await remote.open()
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64), remote])
+        out = await greedy(pipe, PROMPT, n)
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return out, remote, guard
+
+
+def test_honest_swarm_passes_every_check(tiny, bank):
+    expected = local_answer(tiny, PROMPT, 10)
+    published = []
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=3)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 4)}, {}, 10, opts, published)
+    assert out == expected
+    assert guard.counts["canaries"] == 3 and guard.counts["spot_checks"] == 11  # prompt + 10 steps
+    assert guard.counts["caught"] == 0 and not remote.stats.failovers and not published
+    assert not guard.shadows  # referee caches freed with the session
+
+
+@pytest.mark.parametrize("kind,strength", [("noise", 20.0), ("scale", 8.0), ("skip", 1.0)])
+def test_canaries_catch_a_tamperer_before_it_carries_traffic(tiny, bank, kind, strength):
+    expected = local_answer(tiny, PROMPT, 10)
+    published = []
+    spans = {CHEAT: (1, 4), HONEST: (1, 3), peer(): (3, 4)}  # the cheat is the one-hop route
+    opts = TrustOptions(spot_rate=0.0, vet_canaries=2)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, spans, {CHEAT: Tamper(kind, strength)}, 10,
+                                  opts, published)
+    assert out == expected
+    assert CHEAT in guard.excluded() and CHEAT not in [h["peer"] for h in remote.route_taken]
+    assert [f["during"] for f in remote.stats.failovers] == ["open"]
+    (ev,) = published
+    assert ev.evidence.kind == "canary" and ev.evidence.accused == CHEAT
+    again = reputation.decode(ev.encode())  # anyone can verify who reported what
+    assert again.evidence == ev.evidence
+    assert reputation.decode_set(reputation.encode_set([ev]), evidence_key(CHEAT)) == [ev]
+    with pytest.raises(reputation.InvalidEvidence):
+        reputation.decode_set(reputation.encode_set([ev]), evidence_key(HONEST))
+
+
+def test_spot_checks_catch_a_tamperer_mid_generation(tiny, bank):
+    """A cheat that passed vetting (it tampers with 1 request in 4) is caught by a spot check;
+    the step it corrupted is redone on a replica, so the answer is unchanged."""
+    expected = local_answer(tiny, PROMPT, 12)
+    published = []
+    spans = {CHEAT: (1, 4), HONEST: (1, 3), peer(): (3, 4)}  # the cheat is the one-hop route
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=0, canary_rate=0.0)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, spans,
+                                  {CHEAT: Tamper("noise", 10.0, rate=0.25, seed=3)}, 12, opts, published)
+    assert out == expected
+    (ev,) = published
+    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == CHEAT and failover["during"] == "step" and "Caught" in failover["error"]
+    assert HONEST in [h["peer"] for h in remote.route_taken]
+
+
+def test_output_commitment_must_match_the_bytes(tiny):
+    class Stream:
+        async def write(self, data):
+            pass
+
+    from diffuse.control.routing import Hop
+
+    s = HopSession(Hop(HONEST, (), 1, 4), Stream(), MODEL, 8, 1, torch.float16, 5, commitments=True)
+    msg_out = torch.randn(1, 2, 64).half()
+
+    async def fake_receive():
+        return StepOk(s.session_id, 0, msg_out, output_commitment=bytes(32))
+
+    s._receive = fake_receive
+    with pytest.raises(HopFailed, match="output commitment"):
+        trio.run(s.step, torch.randn(1, 2, 64), torch.arange(2), None, True)
