@@ -23,6 +23,7 @@ class Coverage:
     blocks: list[list[str]]  # blocks[i]: ids of the peers serving block i, oldest first
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it does not count
     now: float = 0.0
+    evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # peer id -> reports against it
 
     @property
     def replicas(self) -> list[int]:
@@ -48,6 +49,7 @@ class Coverage:
             "blocks": [{"block": i, "replicas": len(p), "peers": p} for i, p in enumerate(self.blocks)],
             "peers": [_peer_dict(r, self.now) for r in sorted(self.peers.values(), key=lambda r: r.start)],
             "excluded": self.excluded,
+            "evidence": self.evidence,
         }
 
 
@@ -143,6 +145,12 @@ def format_text(cov: Coverage) -> str:
         )
     for pid, why in cov.excluded.items():
         lines.append(f"  excluded {_short(pid)}: {why}")
+    for pid, reports in cov.evidence.items():
+        for e in reports:
+            lines.append(f"  EVIDENCE against {_short(pid)}: failed a {e['kind']} check on blocks "
+                         f"{e['start']}-{e['end'] - 1} ({e['dtype']}), statistic {e['statistic']:.3g} vs "
+                         f"threshold {e['threshold']:.3g}, reported by {_short(e['reporter'])} "
+                         f"{_dur(max(0.0, cov.now - e['time']))} ago")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,24 +38,33 @@ class SpanMaterial:
     start: int
     end: int
     canaries: list[C.Canary]
-    benign: dict[str, list[torch.Tensor]]  # honest outputs per compute dtype, 2 realizations each
-    calibration: C.Calibration
-    tolerance: Tolerance
-    referee: BlockSpan  # fp32 blocks: recomputes spot-checked steps
+    benign: dict[str, list[torch.Tensor]]  # honest outputs [n, T, H] per compute dtype, 2 realizations
     wire_dtype: torch.dtype
+    load_referee: Callable[[], BlockSpan]
+    save: Callable[["SpanMaterial"], None]
+    _referee: BlockSpan | None = None
+
+    def __post_init__(self) -> None:
+        self.calibration = C.Calibration.from_outputs(self.canaries, self.benign)
+        self.tolerance = Tolerance.from_outputs(self.benign)
+
+    @property
+    def referee(self) -> BlockSpan:
+        """The span in fp32: recomputes spot-checked steps (loaded on first use)."""
+        if self._referee is None:
+            self._referee = self.load_referee()
+        return self._referee
 
     def judge(self, dtype: str) -> None:
         """Make sure peers computing in `dtype` can be judged (calibrates it on first use)."""
         if dtype in self.benign:
             return
-        try:
-            torch_dtype = getattr(torch, dtype)
-            assert isinstance(torch_dtype, torch.dtype) and torch_dtype.is_floating_point
-        except (AttributeError, AssertionError):
-            raise ValueError(f"peer declares an unknown compute dtype {dtype!r}") from None
-        self.benign.update(C.benign_outputs(self.referee, self.canaries, [torch_dtype], self.wire_dtype, 2))
-        self.calibration = C.Calibration.from_outputs(self.canaries, self.benign)
-        self.tolerance = Tolerance.from_outputs(self.benign)
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+            raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
+        self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+        self.__post_init__()
+        self.save(self)
 
 
 class CanaryBank:
@@ -65,10 +75,19 @@ class CanaryBank:
         self.model_dir, self.wire_dtype, self.n, self.length, self.dtypes = model_dir, wire_dtype, n, length, dtypes
         manifest = load_manifest(model_dir)
         self.num_layers = manifest.num_layers
-        self.path = home / "trust" / manifest.model_hash[:16] / f"canaries-{n}x{length}.safetensors"
+        self.dir = home / "trust" / manifest.model_hash[:16]
+        self.path = self.dir / f"canaries-{n}x{length}.safetensors"
         self.spans: dict[tuple[int, int], SpanMaterial] = {}
         self._tokens: torch.Tensor | None = None
         self._boundaries: torch.Tensor | None = None
+
+    def _write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """Atomically, readable by this user only: whoever reads canaries can game them."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
 
     def _base(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Canary tokens [n, T] and their fp32 hidden states at every block boundary [L+1, n, T, H]."""
@@ -78,11 +97,7 @@ class CanaryBank:
                 self._tokens, self._boundaries = saved["tokens"], saved["boundaries"]
             else:
                 self._tokens, self._boundaries = self._sample()
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_suffix(".tmp")
-                save_file({"tokens": self._tokens, "boundaries": self._boundaries.contiguous()}, tmp)
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, self.path)
+                self._write(self.path, {"tokens": self._tokens, "boundaries": self._boundaries})
         return self._tokens, self._boundaries
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +118,46 @@ class CanaryBank:
         return tokens, torch.stack(states)
 
     def material(self, start: int, end: int) -> SpanMaterial:
-        """Canaries, calibration and referee for [start, end); computed on first use (seconds)."""
+        """Canaries, calibration and referee for [start, end): computed once (seconds), then read
+        from disk; the referee's weights load only when a spot check needs them."""
         key = (start, end)
-        if key not in self.spans:
-            tokens, boundaries = self._base()
-            span = load_span(self.model_dir, start, end, torch.float32)
+        if key in self.spans:
+            return self.spans[key]
+        tokens, boundaries = self._base()
+        path = self.dir / f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}.safetensors"
+        load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
+        if path.exists():
+            saved = load_file(path)
+            canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, saved["reference"])
+            benign = {name.split("/")[1]: [saved[f"benign/{name.split('/')[1]}/{k}"] for k in range(2)]
+                      for name in saved if name.startswith("benign/") and name.endswith("/0")}
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path))
+        else:
+            span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
-            benign = C.benign_outputs(span, canaries, self.dtypes, self.wire_dtype, realizations=2)
-            self.spans[key] = SpanMaterial(start, end, canaries, benign, C.Calibration.from_outputs(canaries, benign),
-                                           Tolerance.from_outputs(benign), span, self.wire_dtype)
-        return self.spans[key]
+            benign = _benign(span, canaries, self.dtypes, self.wire_dtype)
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span)
+            m.save(m)
+        self.spans[key] = m
+        return m
+
+    def _saver(self, path: Path) -> Callable[[SpanMaterial], None]:
+        def save(m: SpanMaterial) -> None:
+            tensors = {"reference": torch.stack([c.reference for c in m.canaries])}
+            tensors |= {f"benign/{name}/{k}": out for name, outs in m.benign.items() for k, out in enumerate(outs)}
+            self._write(path, tensors)
+        return save
+
+
+def _benign(span: BlockSpan, canaries: list[C.Canary], dtypes, wire_dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+    """Two honest realizations per dtype; fp32's first is the references themselves (the same
+    computation), which saves one of the five passes."""
+    out = {}
+    for d in dtypes:
+        if d == torch.float32:
+            hidden = torch.stack([c.hidden for c in canaries]).float()
+            ref = torch.stack([c.reference for c in canaries]).to(wire_dtype).float()
+            out[C.dtype_name(d)] = [ref, C.honest_output(span, hidden, d, 1, wire_dtype)]
+        else:
+            out |= C.benign_outputs(span, canaries, [d], wire_dtype, realizations=2)
+    return out

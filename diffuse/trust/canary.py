@@ -91,12 +91,16 @@ def natural_tokens(head: Head, blocks: BlockSpan, prompt: Sequence[int], n: int,
     return ids
 
 
-def make_canaries(tokens: Tensor, inputs: Tensor, span: BlockSpan, wire_dtype: torch.dtype) -> list[Canary]:
-    """Canaries for `span` (fp32 blocks) from token sequences [n, T] and their span inputs [n, T, H]."""
-    if _dtype(span) != torch.float32:
-        raise ValueError("references are computed in fp32")
+def make_canaries(tokens: Tensor, inputs: Tensor, span: BlockSpan | None, wire_dtype: torch.dtype,
+                  reference: Tensor | None = None) -> list[Canary]:
+    """Canaries for `span` (fp32 blocks) from token sequences [n, T] and their span inputs [n, T, H]
+    (or with references [n, T, H] computed before, and no span)."""
     sent = inputs.to(wire_dtype)
-    ref = forward(span, sent.float())
+    if reference is None:
+        if span is None or _dtype(span) != torch.float32:
+            raise ValueError("references are computed in fp32")
+        reference = forward(span, sent.float())
+    ref = reference
     # Tokens every canary shares have one drift per peer, not one per canary: scoring them
     # would correlate the canaries' scores and break the test's independence.
     same = (tokens == tokens[:1]).all(0).tolist() + [False]

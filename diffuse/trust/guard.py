@@ -66,27 +66,29 @@ class TrustUnavailable(DiffuseError):
 
 
 class _Shadow:
-    """The referee's KV cache for one hop session: the hop's committed inputs, replayed as sent."""
+    """The referee's KV cache for one hop session: the hop's committed inputs, caught up at each check."""
 
     def __init__(self, material: SpanMaterial, max_len: int):
         self.span, self.cache = material.referee, material.referee.new_cache(max_len)
         self.done: list[Any] = []  # the context items already in the cache (by identity)
 
     def replay(self, context: Sequence[Any]) -> None:
+        """Bring the cache to `context`. What is new since the last check goes in as one causal
+        chunk of the committed rows (a kept tree path is a chain): a prefill's cost, not one
+        decode step per token, and equal to the peer's cache up to fp32 rounding."""
         same = 0
         while same < min(len(self.done), len(context)) and self.done[same] is context[same]:
             same += 1
         if same < len(self.done):
             self.cache.rollback(sum(_tokens(x) for x in self.done[:same]))
             del self.done[same:]
-        offset = self.cache.length
-        for item in context[same:]:
-            h, positions, mask, keep = _as_sent(item, offset)
-            self.span(h.float(), positions, self.cache, mask, keep is None)
-            if keep is not None:
-                self.cache.commit(keep)
-            offset += _tokens(item)
-            self.done.append(item)
+        rows = [_committed(item, self.cache.length + sum(_tokens(x) for x in context[same:i]))
+                for i, item in enumerate(context[same:], start=same)]
+        if rows:
+            h = torch.cat([r[0] for r in rows], 1)
+            positions = torch.cat([r[1] for r in rows])
+            self.span(h.float(), positions, self.cache)
+            self.done.extend(context[same:])
 
     def step(self, h: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
         """The step's output as the referee computes it; leaves no trace in the cache."""
@@ -95,10 +97,13 @@ class _Shadow:
         return out
 
 
-def _as_sent(item: Any, offset: int) -> tuple[Tensor, Tensor, Tensor | None, list[int] | None]:
-    if isinstance(item, Tensor):  # a plain committed chunk
-        return item, torch.arange(offset, offset + item.shape[1]), None, None
-    return item.h, item.positions, item.mask, item.keep
+def _committed(item: Any, offset: int) -> tuple[Tensor, Tensor]:
+    """The rows an input item committed and their positions: a plain chunk, or a tree's kept path."""
+    if isinstance(item, Tensor):
+        return item, torch.arange(offset, offset + item.shape[1])
+    if item.keep is None:
+        return item.h, item.positions
+    return item.h[:, item.keep], item.positions[item.keep]
 
 
 def _tokens(item: Any) -> int:

@@ -1,0 +1,52 @@
+"""The trust plane in a real swarm: one replica runs `diffuse join --tamper` (testing only). Clients
+(`diffuse --client-only ask`, separate processes) must still get the exact local answer, catch the
+tamperer, publish signed evidence in the DHT, and `diffuse status` must show that evidence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from control_helpers import Procs
+from test_swarm import QUESTION, TOKENS, Swarm, reference  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+def ask(procs: Procs, boot: str) -> dict:
+    """Like test_swarm.ask, with room for the first client to sample its canaries and calibrate
+    three spans (a one-time cost per client, ~1 min on a quiet 2-core machine)."""
+    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
+                    "--wait", "30", QUESTION, timeout=900)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_tampering_replica_is_caught_routed_around_and_reported(home, tmp_path, reference):
+    with Procs(home) as procs:
+        # The cheat alone covers the swarm's share in one hop, so routes try it first.
+        swarm = Swarm(procs, tmp_path, {"cheat": "1:30", "A": "1:15", "B": "15:30"},
+                      {"cheat": ["--tamper", "noise:20"]})
+        cheat = swarm.ids["cheat"]
+        got = ask(procs, swarm.boot)
+        assert got["token_ids"] == reference
+        assert cheat not in [h["peer"] for h in got["route"]]
+        assert [(f["peer"], f["during"]) for f in got["failovers"]] == [(cheat, "open")]
+        assert "Caught" in got["failovers"][0]["error"]
+
+        out = procs.run("status", "--bootstrap", swarm.boot, "--json", timeout=60)
+        assert out.returncode == 0, out.stderr
+        (model,) = json.loads(out.stdout)["models"]
+        (report,) = model["evidence"][cheat]
+        assert report["kind"] == "canary" and report["start"] == 1 and report["end"] == 30
+        assert report["statistic"] < report["threshold"]  # log10 p below log10 alpha
+        assert set(model["evidence"]) == {cheat}  # no honest peer accused
+        text = procs.run("status", "--bootstrap", swarm.boot, timeout=60).stdout
+        assert f"EVIDENCE against {cheat[:6]}" in text
+
+        # A second client (another process, another identity) reads the evidence and avoids the
+        # cheat without having to be fooled first.
+        again = ask(procs, swarm.boot)
+        assert again["token_ids"] == reference
+        assert not again["failovers"] and cheat not in [h["peer"] for h in again["route"]]
