@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -80,6 +81,7 @@ class CanaryBank:
         self.spans: dict[tuple[int, int], SpanMaterial] = {}
         self._tokens: torch.Tensor | None = None
         self._boundaries: torch.Tensor | None = None
+        self._lock = threading.Lock()  # sessions of one client ask for the same span at once
 
     def _write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
         """Atomically, readable by this user only: whoever reads canaries can game them."""
@@ -120,6 +122,17 @@ class CanaryBank:
     def material(self, start: int, end: int) -> SpanMaterial:
         """Canaries, calibration and referee for [start, end): computed once (seconds), then read
         from disk; the referee's weights load only when a spot check needs them."""
+        with self._lock:
+            return self._material(start, end)
+
+    def judging(self, start: int, end: int, dtype: str) -> SpanMaterial:
+        """material(start, end), calibrated for peers computing in `dtype`."""
+        with self._lock:
+            m = self._material(start, end)
+            m.judge(dtype)
+            return m
+
+    def _material(self, start: int, end: int) -> SpanMaterial:
         key = (start, end)
         if key in self.spans:
             return self.spans[key]

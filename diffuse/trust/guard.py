@@ -133,16 +133,11 @@ class Guard:
 
     async def material(self, start: int, end: int, dtype: str) -> SpanMaterial:
         """Canaries, calibration and referee for a span, able to judge a peer computing in `dtype`."""
-        def build() -> SpanMaterial:
-            m = self.bank.material(start, end)
-            m.judge(dtype)
-            return m
-
         m = self.bank.spans.get((start, end))
         if m is not None and dtype in m.benign:
             return m
         try:
-            return await trio.to_thread.run_sync(build)
+            return await trio.to_thread.run_sync(self.bank.judging, start, end, dtype)
         except Exception as e:  # noqa: BLE001 - any failure here means we cannot vouch for anyone
             raise TrustUnavailable(f"cannot judge peers on blocks {start}-{end - 1} ({dtype}): "
                                    f"{type(e).__name__}: {e}") from e
