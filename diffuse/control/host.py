@@ -87,8 +87,10 @@ def parse_peer_addr(text: str) -> PeerInfo:
     return PeerInfo(peer, [transport])
 
 
-def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiaddr] = (DEFAULT_LISTEN,)) -> IHost:
+def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiaddr] = (DEFAULT_LISTEN,),
+              announce: Sequence[str] = ()) -> IHost:
     """A host that speaks only Noise + yamux over TCP; call `host.run(listen_addrs)` to listen.
+    `announce` replaces the listen addresses in identify too, so the DHT hands out only those.
 
     Handlers of other planes must be set with `host.set_stream_handler` before `run`, so no
     peer ever reaches a half-configured node.
@@ -106,6 +108,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiadd
         listen_addrs=addrs,
         # One connection per peer: py-libp2p skips its 250 ms happy-eyeballs wait at the limit.
         connection_config=ConnectionConfig(max_connections_per_peer=1),
+        announce_addrs=[parse_multiaddr(a) for a in announce] or None,
     )
     _disable_auto_connector(host)
     # A refused dial is retried 3 times with 0.1-0.4 s back-off by default: 0.7 s per dead peer
