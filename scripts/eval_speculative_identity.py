@@ -1,8 +1,13 @@
 #!/usr/bin/env python
-"""Speculative vs plain greedy decoding, in process (LocalModel): identity, acceptance, speed.
+"""Speculative vs plain greedy decoding, in process or through a swarm: identity, acceptance, speed.
 
     .venv/bin/python scripts/eval_speculative_identity.py [--home DIR] [--out DIR] [--tokens 128]
         [--per-class 17] [--bf16-per-class 4] [--sweep-per-class 4] [--threads 1] [--costs idle]
+        [--swarm]
+
+--swarm runs phases 2-4 through a real loopback swarm instead (a sentinel and two `diffuse join`
+processes serving blocks 1-14 and 15-29 in the phase's dtype, fp16 on the wire, the client
+holding block 0 and the head), planning with the idle cost table; phase 5 is in-process only.
 
 Phases (each cached as JSON under --out, so an interrupted run resumes where it stopped):
 1. step costs: seconds per forward of T positions at a 300-token context, fp32, median of 3
@@ -24,10 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
@@ -36,6 +43,8 @@ import trio  # noqa: E402
 
 from diffuse.client.generate import stream_tokens  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
+from diffuse.model import store  # noqa: E402
+from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.speculative import Cost, SpecConfig, StepCost, kv_headroom, speculative_tokens  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
@@ -148,10 +157,10 @@ CLASSES = {"chat": CHAT, "code": CODE, "grounded": GROUNDED}
 IDLE_FP32 = {"1": 0.038, "2": 0.058, "8": 0.055, "16": 0.067, "32": 0.092, "64": 0.145, "128": 0.240}
 
 
-def cached(path: Path, compute):
+async def cached(path: Path, compute: Callable[[], Awaitable]):
     if path.exists():
         return json.loads(path.read_text())
-    path.write_text(json.dumps(compute()))
+    path.write_text(json.dumps(await compute()))
     return json.loads(path.read_text())  # the same types (string keys) whether fresh or cached
 
 
@@ -176,6 +185,9 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.pipe, name)
 
+    async def close(self) -> None:
+        await self.pipe.close()
+
     async def forward(self, *args, **kw):
         logits = await self.pipe.forward(*args, **kw)
         top = logits[0, -1].topk(2).values
@@ -188,21 +200,19 @@ def prompts_of(tok, per_class: int) -> list[tuple[str, list[int]]]:
             for kind, texts in CLASSES.items() for text in texts[:per_class]]
 
 
-def measure_costs(model) -> dict[int, float]:
-    async def run() -> dict[int, float]:
-        pipe = model.session(300 + 65)
-        await pipe.forward(torch.randint(100, 40000, (1, 300)), rows=slice(-1, None))
-        times: dict[int, list[float]] = {}
-        for _ in range(3):
-            for t in (1, 2, 4, 8, 16, 32, 64):
-                ids = torch.randint(100, 40000, (1, t))
-                t0 = time.perf_counter()
-                await pipe.forward(ids, commit=False)
-                times.setdefault(t, []).append(time.perf_counter() - t0)
-                await pipe.rollback(300)
-        return {t: statistics.median(v) for t, v in times.items()}
-
-    return trio.run(run)
+async def measure_costs(sessions: "Sessions") -> dict[int, float]:
+    pipe = await sessions(300 + 65)
+    await pipe.forward(torch.randint(100, 40000, (1, 300)), rows=slice(-1, None))
+    times: dict[int, list[float]] = {}
+    for _ in range(3):
+        for t in (1, 2, 4, 8, 16, 32, 64):
+            ids = torch.randint(100, 40000, (1, t))
+            t0 = time.perf_counter()
+            await pipe.forward(ids, commit=False)
+            times.setdefault(t, []).append(time.perf_counter() - t0)
+            await pipe.rollback(300)
+    await pipe.close()
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def fit_cost(costs: dict[int, float], rtt: float) -> Cost:
@@ -214,23 +224,84 @@ def fit_cost(costs: dict[int, float], rtt: float) -> Cost:
     return Cost(rtt + costs["1"], rtt + ms - b * mt, b)
 
 
-def run_plain(model, prompts, n: int) -> list[dict]:
-    async def one(prompt):
-        pipe = Recording(model.session(len(prompt) + n + 1))
-        out = [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set())]
-        return {"tokens": out, "gaps": pipe.gaps}
-
-    return [progress(trio.run(one, p), i, len(prompts)) for i, (_, p) in enumerate(prompts)]
+Sessions = Callable[[int], Awaitable]  # max_len -> a Pipeline (in process or on the swarm)
 
 
-def run_spec(model, prompts, n: int, cost: Cost) -> list[dict]:
-    async def one(prompt):
+async def run_plain(sessions: Sessions, prompts, n: int) -> list[dict]:
+    out = []
+    for i, (_, prompt) in enumerate(prompts):
+        pipe = Recording(await sessions(len(prompt) + n + 1))
+        try:
+            toks = [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set())]
+        finally:
+            await pipe.close()
+        out.append(progress({"tokens": toks, "gaps": pipe.gaps}, i, len(prompts)))
+    return out
+
+
+async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost) -> list[dict]:
+    out = []
+    for i, (_, prompt) in enumerate(prompts):
         cfg = SpecConfig(cost=Modelled(cost))
-        pipe = model.session(len(prompt) + n + kv_headroom(cfg))
-        out = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(), cfg)]
-        return {"tokens": out, "steps": cfg.stats.tokens, "positions": cfg.stats.positions}
+        pipe = await sessions(len(prompt) + n + kv_headroom(cfg))
+        try:
+            toks = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(), cfg)]
+        finally:
+            await pipe.close()
+        out.append(progress({"tokens": toks, "steps": cfg.stats.tokens, "positions": cfg.stats.positions}, i, len(prompts)))
+    return out
 
-    return [progress(trio.run(one, p), i, len(prompts)) for i, (_, p) in enumerate(prompts)]
+
+async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path) -> tuple[list[dict], list[dict]]:
+    """Plain then speculative per prompt, each pair appended to `path` (JSON lines) as it is done,
+    so a long run that is stopped keeps every finished comparison and resumes after it."""
+    done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    for i, prompt in enumerate(prompts[len(done):], len(done)):
+        pair = [(await run_plain(sessions, [prompt], n))[0], (await run_spec(sessions, [prompt], n, cost))[0]]
+        with path.open("a") as f:
+            f.write(json.dumps(pair) + "\n")
+        done.append(pair)
+        print(f"pair {i + 1}/{len(prompts)} {prompt[0]}: {'same' if pair[0]['tokens'] == pair[1]['tokens'] else 'DIFFERS'}",
+              file=sys.stderr, flush=True)
+    return [a for a, _ in done], [b for _, b in done]
+
+
+def interleaved(prompts: list) -> list:
+    """chat, code, grounded, chat, ...: a run stopped early still covers every class."""
+    by_kind: dict[str, list] = {}
+    for p in prompts:
+        by_kind.setdefault(p[0], []).append(p)
+    return [p for group in zip(*by_kind.values()) for p in group]
+
+
+def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions], Awaitable]):
+    """Run body(sessions) in one trio loop, sessions from an in-process model or a fresh swarm."""
+    if not swarm:
+        model, _ = open_local(home, None, dtype)
+
+        async def local(max_len: int):
+            return model.session(max_len)
+
+        return trio.run(body, local)
+    from bench_speculative import LoopbackSwarm
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.client.swarm import SwarmClient, SwarmOptions
+    from diffuse.control.node import open_node
+    from diffuse.home import DEFAULT_MODEL, models_dir
+    from diffuse.model.load import parse_dtype
+
+    with LoopbackSwarm(home, ["1:15", "15:30"], dtype) as net:
+        async def remote():
+            async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
+                                 server=False) as node:
+                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype)))
+                with trio.fail_after(120):
+                    while not await client.covered():
+                        await trio.sleep(0.25)
+                return await body(client.session)
+
+        return trio.run(remote)
 
 
 def progress(result: dict, i: int, n: int) -> dict:
@@ -294,53 +365,72 @@ def main() -> None:
     ap.add_argument("--costs", choices=["measure", "idle"], default="measure")
     ap.add_argument("--threads", type=int, default=1, help="1 on a shared box: threads that wait on "
                     "each other for small matmuls cost more than they save")
+    ap.add_argument("--swarm", action="store_true", help="identity through a loopback swarm (phases 2-4)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
+    if args.swarm:
+        args.costs = "idle"  # plans must not depend on how busy the peers' box is
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     home = data_home(args.home)
     t_start = time.perf_counter()
 
-    model, tok = open_local(home, None, "fp32")
+    tok = Tokenizer.load(store.resolve(home, None))
     eos = set(tok.eos_ids)
-    prompts = prompts_of(tok, args.per_class)
+    prompts = interleaved(prompts_of(tok, args.per_class))
     kinds = [k for k, _ in prompts]
-    costs = IDLE_FP32 if args.costs == "idle" else cached(out / "costs_fp32.json", lambda: measure_costs(model))
+    sub = lambda per: [i for i, k in enumerate(kinds) if kinds[:i].count(k) < per]  # noqa: E731
+    sweep = sub(args.sweep_per_class)
+    tag = "swarm_" if args.swarm else ""
+    where = "through a loopback swarm (2 peers, fp16 wire)" if args.swarm else "in process"
+
+    async def fp32(sessions: Sessions):
+        costs = IDLE_FP32 if args.costs == "idle" else await cached(out / "costs_fp32.json",
+                                                                    lambda: measure_costs(sessions))
+        plain, spec80 = await run_pairs(sessions, prompts, args.tokens, fit_cost(costs, 0.08),
+                                        out / f"{tag}pairs_fp32_rtt80_{args.costs}.jsonl")
+        sweeps = {}
+        for rtt in ((0.0, 0.02) if not args.swarm else ()):
+            sweeps[rtt] = await cached(out / f"spec_fp32_rtt{int(rtt * 1e3)}_{args.costs}.json",
+                                       lambda: run_spec(sessions, [prompts[i] for i in sweep], args.tokens,
+                                                        fit_cost(costs, rtt)))
+        return costs, plain, spec80, sweeps
+
+    costs, plain, spec80, sweeps = with_sessions(home, "fp32", args.swarm, fp32)
     fit = fit_cost(costs, 0.0)
     print(f"fp32 step cost (ms) by positions: { {t: round(s * 1e3, 1) for t, s in costs.items()} }; "
           f"fit a={fit.a * 1e3:.1f} ms + b={fit.b * 1e3:.2f} ms/position")
-
-    plain = cached(out / "plain_fp32.json", lambda: run_plain(model, prompts, args.tokens))
-    spec80 = cached(out / f"spec_fp32_rtt80_{args.costs}.json", lambda: run_spec(model, prompts, args.tokens, fit_cost(costs, 0.08)))
     bad = divergences(plain, spec80)
     ties = sum(g < 0.01 for r in plain for g in r["gaps"][:args.tokens])
-    print(f"\nfp32 identity: {len(prompts)} prompts x {args.tokens} tokens: {len(bad)} prompts differ "
+    print(f"\nfp32 identity {where}: {len(prompts)} prompts x {args.tokens} tokens: {len(bad)} prompts differ "
           f"{bad if bad else ''}; plain run had {ties} near-ties (top-2 gap < 0.01), smallest gap "
-          f"{min(g for r in plain for g in r['gaps'][:args.tokens]):.2e}")
-
-    sub = lambda per: [i for i, k in enumerate(kinds) if kinds[:i].count(k) < per]  # noqa: E731
-    sweep = sub(args.sweep_per_class)
+          f"{min(g for r in plain for g in r['gaps'][:args.tokens]):.2e}; "
+          f"{sum(sum(r['steps']) - len(r['steps']) for r in spec80)} guessed tokens accepted in "
+          f"{sum(len(r['steps']) for r in spec80)} verification steps")
     runs = {0.08: (spec80, kinds)}
-    for rtt in (0.0, 0.02):
-        res = cached(out / f"spec_fp32_rtt{int(rtt * 1e3)}_{args.costs}.json",
-                     lambda: run_spec(model, [prompts[i] for i in sweep], args.tokens, fit_cost(costs, rtt)))
+    for rtt, res in sweeps.items():
         runs[rtt] = (res, [kinds[i] for i in sweep])
         bad += divergences([plain[i] for i in sweep], res)
-    print(f"fp32 identity incl. RTT 0/20 plans: {len(prompts) + 2 * len(sweep)} runs, {len(bad)} differ")
+    if sweeps:
+        print(f"fp32 identity incl. RTT 0/20 plans: {len(prompts) + 2 * len(sweep)} runs, {len(bad)} differ")
 
     print("\naccepted tokens per step (answer only, up to the first end-of-turn), modelled speed:")
     for rtt, (res, ks) in sorted(runs.items()):
         report_speed(f"RTT {int(rtt * 1e3)} ms", res, ks, eos, costs, rtt)
 
-    bsub = sub(args.bf16_per_class)
-    del model
-    model, _ = open_local(home, None, "bf16")
-    bprompts = [prompts[i] for i in bsub]
-    bplain = cached(out / "plain_bf16.json", lambda: run_plain(model, bprompts, args.tokens))
-    bspec = cached(out / f"spec_bf16_rtt80_{args.costs}.json", lambda: run_spec(model, bprompts, args.tokens, fit_cost(costs, 0.08)))
+    bprompts = [prompts[i] for i in sub(args.bf16_per_class)]
+
+    async def bf16(sessions: Sessions):
+        return await run_pairs(sessions, bprompts, args.tokens, fit_cost(costs, 0.08),
+                               out / f"{tag}pairs_bf16_rtt80_{args.costs}.jsonl")
+
+    bplain, bspec = with_sessions(home, "bf16", args.swarm, bf16)
     flips = divergences(bplain, bspec)
-    print(f"\nbf16: {len(flips)} of {len(bprompts)} prompts diverge; (first differing token, top-2 "
-          f"logit gap there): {[(i, round(g, 4)) for i, g in flips]}")
+    bties = sum(g < 0.05 for r in bplain for g in r["gaps"][:args.tokens])
+    print(f"\nbf16 {where}: {len(flips)} of {len(bprompts)} prompts diverge; (first differing token, top-2 "
+          f"logit gap of plain there): {[(i, round(g, 4)) for i, g in flips]}; plain run had {bties} "
+          f"tokens with a top-2 gap < 0.05")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 

@@ -364,3 +364,48 @@ def test_smollm2_greedy_identity(home: Path):
         assert ours == plain, (kind, tok.decode(plain), tok.decode(ours))
         gained += sum(cfg.stats.tokens) - cfg.stats.steps
     assert gained > 0
+
+
+def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, monkeypatch):
+    """Speculation through a real BlockServer (over an in-memory stream): the server's cache holds
+    exactly what plain decoding of the same tokens leaves, and the next step sees the same thing."""
+    from test_sessions import MODEL, Swarm
+    from diffuse.client.pipeline import LocalStage, Pipeline
+    from diffuse.data.client import Bans, RemoteSpan
+    from diffuse.model.llama import BlockSpan
+
+    path = make_tiny(tmp_path / "t")
+    prompt = [5, 17, 42, 99, 3, 250, 7, 17, 42, 99, 3, 11]
+    params, cfg = SamplingParams(max_tokens=40), network()
+    caches = []  # the server's session cache is the first one made
+    new_cache = BlockSpan.new_cache
+    monkeypatch.setattr(BlockSpan, "new_cache", lambda self, *a: caches.append(new_cache(self, *a)) or caches[-1])
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery, path, {"p": (1, 4)})
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=len(prompt) + 40 + kv_headroom(cfg),
+                                dtype=torch.float32, timeout=10, route_wait=0)
+            await remote.open()
+            pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), remote.max_len), remote])
+            out = await collect(speculative_tokens, pipe, prompt, params, set(), cfg)
+            await pipe.forward(torch.tensor([(prompt + out)[pipe.length:]]))  # what the cache lacks, plain
+            server = caches[0]
+            n = server.length
+            snapshot = server.k[:, :, :, :n].clone(), server.v[:, :, :, :n].clone()
+            nxt = await pipe.forward(torch.tensor([[8, 9, 10]]))
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, n, snapshot, nxt
+
+    out, n, (k, v), nxt = trio.run(run)
+    ref_pipe = tiny_model.session(len(prompt) + 64)
+    plain = trio.run(collect, stream_tokens, ref_pipe, prompt, params, set())
+    assert out == plain and max(cfg.stats.tokens) > 1 and cfg.stats.steps < len(plain) - 1
+    assert n == len(prompt) + len(plain)
+    ref = Sync(ref_pipe)
+    assert ref.length == n  # plain decoding fed every token it produced
+    ref_cache = ref.stages[0].cache  # the whole model: the server's blocks 1-3 are its layers 1-3
+    assert (k - ref_cache.k[1:, :, :, :n]).abs().max() < 1e-5
+    assert (v - ref_cache.v[1:, :, :, :n]).abs().max() < 1e-5
+    assert (nxt - ref.forward(torch.tensor([[8, 9, 10]]))).abs().max() < 1e-4

@@ -69,7 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("question")
     p.add_argument("--local", action="store_true", help="run the whole model in this process")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, token ids, timings, route, failovers)")
+                   help="print one JSON object (text, token ids, timings, tokens per step, route, failovers)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
+                   help="send guessed continuations with each step, several tokens per round trip "
+                        "(default: on through the swarm, off with --local where a step is no round trip)")
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -82,8 +85,10 @@ def cmd_ask(args) -> int:
         raise DiffuseError("--client-only and --local contradict each other")
     if not args.local and not (args.bootstrap or args.bootstrap_file):
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm")
-    from diffuse.client.generate import complete
+    from diffuse.client.generate import complete, session_length
+    from diffuse.client.speculative import SpecConfig
 
+    speculate = SpecConfig() if (args.speculate if args.speculate is not None else not args.local) else None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -95,31 +100,33 @@ def cmd_ask(args) -> int:
         prompt = tokenizer.encode_chat(messages)
 
         async def run():
-            pipeline = model.session(len(prompt) + params.max_tokens)
+            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate))
             try:
-                return await complete(pipeline, tokenizer, prompt, params, on_text)
+                return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
                 await pipeline.close()
 
         info["mode"] = "local"
         result = trio.run(run)
     else:
-        result = _ask_swarm(args, messages, params, on_text, info)
+        result = _ask_swarm(args, messages, params, on_text, info, speculate)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
-                          "tokens_per_s": result.timings["tokens_per_s"]} | info))
+                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculate is not None,
+                          "tokens_per_step": round(result.tokens_per_step, 3), "steps": result.steps,
+                          "positions": result.positions} | info))
     else:
         print()
     return 0
 
 
-def _ask_swarm(args, messages, params, on_text, info: dict):
+def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.cli.net import _bootstrap_addrs, _trio_run
-    from diffuse.client.generate import complete
+    from diffuse.client.generate import complete, session_length
     from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
     from diffuse.control.node import open_node
     from diffuse.model import store
@@ -144,11 +151,11 @@ def _ask_swarm(args, messages, params, on_text, info: dict):
                     break  # the route builder names what is missing
                 await trio.sleep(0.25)
             t0 = trio.current_time()
-            pipeline = await client.session(len(prompt) + params.max_tokens)
+            pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
             remote = remote_of(pipeline)
             info["route_s"] = round(trio.current_time() - t0, 4)
             try:
-                return await complete(pipeline, tokenizer, prompt, params, on_text)
+                return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
                 info.update(mode="swarm", route=remote.route_taken, failovers=remote.stats.failovers,
                             local_blocks=list(opts.local_blocks))

@@ -1,4 +1,5 @@
-"""The generation loop: prefill, then one token per step, streamed as text as it comes."""
+"""The generation loop: prefill, then one token per step (or several, speculating), streamed as
+text as it comes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.speculative import SpecConfig, kv_headroom, speculative_tokens
 
 
 @dataclass
@@ -19,14 +21,30 @@ class Completion:
     finish_reason: str  # "stop" (end of turn or stop string) or "length"
     prompt_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    steps: list[int] = field(default_factory=list)  # tokens each decode round trip produced
+    positions: list[int] = field(default_factory=list)  # positions each decode round trip sent
+
+    @property
+    def tokens_per_step(self) -> float:
+        return sum(self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def session_length(prompt_tokens: int, max_tokens: int, speculate: SpecConfig | None = None) -> int:
+    """KV-cache slots a session needs: speculation writes its widest candidate tree past the end."""
+    return prompt_tokens + max_tokens + (kv_headroom(speculate) if speculate else 0)
 
 
 TokenSource = Callable[[Pipeline, list[int], Sampler, set[int]], AsyncIterator[int]]
 
 
 async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
-                        eos_ids: set[int]) -> AsyncIterator[int]:
-    """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens."""
+                        eos_ids: set[int], speculate: SpecConfig | None = None) -> AsyncIterator[int]:
+    """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens; with
+    `speculate`, several per forward (client/speculative.py), the same ids under greedy."""
+    if speculate is not None:
+        async for token in speculative_tokens(pipeline, prompt, sampler, eos_ids, speculate):
+            yield token
+        return
     context = torch.tensor(prompt)
     logits = (await pipeline.forward(context[None], rows=slice(-1, None)))[0, -1]
     for _ in range(sampler.p.max_tokens):
@@ -64,13 +82,16 @@ class Generation:
     """One answer as an async stream of text pieces; `completion` holds the totals at the end.
 
     Iterating is what runs the model, so a consumer that stops early (a client that hung up)
-    stops the generation; the caller closes the pipeline.
+    stops the generation; the caller closes the pipeline. With `speculate` each round trip
+    carries a candidate tree (same greedy output, same sampling distribution); the session must
+    hold `session_length(..., speculate)` slots. An explicit `tokens` source wins over it.
     """
 
     def __init__(self, pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
-                 tokens: TokenSource | None = None):
+                 tokens: TokenSource | None = None, speculate: SpecConfig | None = None):
         self.pipeline, self.tokenizer, self.prompt, self.params = pipeline, tokenizer, prompt, params
-        self.tokens = tokens or stream_tokens
+        self.speculate = speculate if tokens is None else None
+        self.tokens = tokens or (lambda *a: stream_tokens(*a, speculate=self.speculate))
         self.completion: Completion | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -83,6 +104,8 @@ class Generation:
         t0 = time.perf_counter()
         t_first = None
         finish = "length"
+        stats = self.speculate.stats if self.speculate else None
+        seen = stats.steps if stats else 0  # a config reused across answers keeps adding steps
         async for token in self.tokens(self.pipeline, self.prompt, sampler, self.tokenizer.eos_ids):
             t_first = t_first or time.perf_counter()
             ids.append(token)
@@ -104,18 +127,21 @@ class Generation:
         t_end = time.perf_counter()
         t_first = t_first or t_end
         decode_s = t_end - t_first
+        plain = [1] * max(0, len(ids) - 1)
+        steps, positions = (stats.tokens[seen:], stats.positions[seen:]) if stats else (plain, plain)
         self.completion = Completion(
             text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(self.prompt),
             timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
                      "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
+            steps=list(steps), positions=list(positions),
         )
 
 
 async def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
                    on_text: Callable[[str], None] | None = None,
-                   tokens: TokenSource | None = None) -> Completion:
+                   tokens: TokenSource | None = None, speculate: SpecConfig | None = None) -> Completion:
     """Run one answer to the end, calling on_text with each new piece of text."""
-    gen = Generation(pipeline, tokenizer, prompt, params, tokens)
+    gen = Generation(pipeline, tokenizer, prompt, params, tokens, speculate)
     async for piece in gen:
         if on_text:
             on_text(piece)

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
+
+    .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
+        [--tokens 96] [--dtype bf16] [--spans 1:30]
+
+A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
+picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
+client exchanges with a peer crosses the relay (checked: the client's connection to each hop
+must end at a relay port). The client runs in this process (block 0 local, as by default). For
+each RTT, the same prompts (chat, code, grounded) run plain and speculative, alternating;
+speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
+
+Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
+is 1), decode tokens/s, and the speed-up. The model tokens/s = tokens_per_step / (RTT + c) is
+fitted per mode (c = fixed time per step: compute, transfer and client work, one least-squares
+constant over every cell) and its prediction error printed per cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+
+from diffuse.client.generate import Generation, session_length  # noqa: E402
+from diffuse.client.sampling import SamplingParams  # noqa: E402
+from diffuse.client.speculative import SpecConfig  # noqa: E402
+from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
+from diffuse.control.node import open_node  # noqa: E402
+from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
+from diffuse.model.load import parse_dtype  # noqa: E402
+from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from latency_relay import RelayProcess  # noqa: E402
+
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+DIFFUSE = [sys.executable, "-m", "diffuse"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackSwarm:
+    """A sentinel and one peer per span, as processes, each peer behind a relay port.
+
+    `relay.set_rtt(s)` changes the emulated link for every peer while sessions stay up;
+    `proc[i]` is peer i's process (SIGKILL it to test failover), `close()` ends them all.
+    """
+
+    def __init__(self, home: Path, spans: list[str], dtype: str = "bf16", rtt: float = 0.0,
+                 threads: int = 1, timeout: float = 240.0):
+        self.tmp = Path(tempfile.mkdtemp(prefix="diffuse-swarm-"))
+        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1",
+                                 "OMP_NUM_THREADS": str(threads)}
+        self.procs: list[subprocess.Popen] = []
+        self.relay: RelayProcess | None = None
+        try:
+            sentinel = self._start("sentinel", "--identity", str(self.tmp / "sentinel.key"), "--listen", LOCAL)
+            self.boot = self._line(sentinel, timeout)
+            ports = [free_port() for _ in spans]
+            self.relay = RelayProcess([("127.0.0.1", p) for p in ports], rtt)
+            self.relay_ports = set(self.relay.ports)
+            self.proc = [self._start("join", "--identity", str(self.tmp / f"peer{i}.key"), "--bootstrap", self.boot,
+                                     "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+                                     "--announce", f"/ip4/127.0.0.1/tcp/{rport}", "--blocks", span,
+                                     "--dtype", dtype, "--heartbeat", "2", "--ttl", "30")
+                         for i, (span, port, rport) in enumerate(zip(spans, ports, self.relay.ports))]
+            for p in self.proc:
+                while not self._line(p, timeout).startswith("serving"):
+                    pass
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, *args: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{args[0]}-{len(self.procs)}.log", "w")
+        p = subprocess.Popen(DIFFUSE + list(args), stdout=subprocess.PIPE, stderr=log, text=True, env=self.env)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def _line(p: subprocess.Popen, timeout: float) -> str:
+        """The next stdout line, bounded by a timeout (a stuck child must not hang the run)."""
+        out: list[str] = []
+        reader = __import__("threading").Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not out or not out[0]:
+            raise RuntimeError(f"{' '.join(p.args[3:5])}: no output in {timeout} s or exited ({p.poll()})")
+        return out[0].strip()
+
+    def check_relayed(self, pipeline) -> None:
+        """Every hop's connection must end at a relay port, or the numbers would be meaningless."""
+        for hop in remote_of(pipeline).hops:
+            address = hop.stream.get_remote_address()
+            port = address[1] if address else None
+            if port not in self.relay_ports:
+                raise RuntimeError(f"hop to {hop.hop.peer_id} bypasses the relay (remote port {port})")
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(10)
+        if self.relay:
+            self.relay.close()
+
+    def __enter__(self) -> "LoopbackSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, prompt: list[int],
+                  params: SamplingParams, spec: SpecConfig | None) -> dict:
+    pipe = await client.session(session_length(len(prompt), params.max_tokens, spec))
+    try:
+        swarm.check_relayed(pipe)
+        gen = Generation(pipe, tok, prompt, params, speculate=spec)
+        async for _ in gen:
+            pass
+    finally:
+        await pipe.close()
+    c = gen.completion
+    return {"tokens": c.token_ids, "steps": c.steps, "positions": c.positions, "decode_s": c.timings["decode_s"]}
+
+
+def cell(runs: list[dict]) -> dict:
+    steps = [s for r in runs for s in r["steps"]]
+    decoded = sum(len(r["tokens"]) - 1 for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    return {"tps": decoded / decode_s, "per_step": sum(steps) / len(steps), "step_s": decode_s / len(steps),
+            "positions": sum(p for r in runs for p in r["positions"]) / len(steps), "n_steps": len(steps)}
+
+
+def main() -> None:
+    from eval_speculative_identity import CLASSES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 80], help="round trips in ms")
+    ap.add_argument("--per-class", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
+    torch.set_num_threads(args.threads)
+    home = data_home(args.home)
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    tok = Tokenizer.load(model_dir)
+    prompts = [(kind, tok.encode_chat([{"role": "user", "content": t}]))
+               for kind, texts in CLASSES.items() for t in texts[:args.per_class]]
+    params = SamplingParams(max_tokens=args.tokens)
+    t_start = time.perf_counter()
+    results: dict[tuple[float, str, str], list[dict]] = {}
+    mismatches = 0
+
+    with LoopbackSwarm(home, args.spans, args.dtype, threads=args.threads) as swarm:
+        async def bench() -> None:
+            nonlocal mismatches
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(args.dtype)))
+                while not await client.covered():
+                    await trio.sleep(0.25)
+                for rtt_ms in args.rtts:
+                    swarm.relay.set_rtt(rtt_ms / 1e3)
+                    spec = SpecConfig()
+                    await run_one(client, swarm, tok, prompts[0][1][:8], SamplingParams(max_tokens=4), None)  # warm
+                    for i, (kind, prompt) in enumerate(prompts):
+                        order = [None, spec] if i % 2 == 0 else [spec, None]
+                        got = {}
+                        for cfg in order:
+                            mode = "spec" if cfg else "plain"
+                            got[mode] = await run_one(client, swarm, tok, prompt, params, cfg)
+                            results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
+                        mismatches += got["spec"]["tokens"] != got["plain"]["tokens"]
+                        print(f"  rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+
+        trio.run(bench)
+
+    kinds = list(CLASSES) + ["mixed"]
+    table = {}
+    for (rtt, kind, mode), runs in results.items():
+        table[(rtt, kind, mode)] = cell(runs)
+    for rtt in args.rtts:
+        for mode in ("plain", "spec"):
+            table[(rtt, "mixed", mode)] = cell([r for k in CLASSES for r in results[(rtt, k, mode)]])
+    # Fit c per mode: step seconds = RTT + c, least squares over the per-class cells (weighted by steps).
+    fixed = {}
+    for mode in ("plain", "spec"):
+        cells = [(rtt, table[(rtt, k, mode)]) for rtt in args.rtts for k in CLASSES]
+        fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / sum(c["n_steps"] for _, c in cells)
+
+    print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
+          f"{args.per_class} prompts/class, up to {args.tokens} tokens, greedy; load {os.getloadavg()}")
+    print(f"fitted fixed time per step: plain {fixed['plain'] * 1e3:.1f} ms, spec {fixed['spec'] * 1e3:.1f} ms")
+    print("| RTT ms | class | tokens/step spec | positions/step | tok/s plain | tok/s spec | speed-up "
+          "| model tok/s plain (err) | model tok/s spec (err) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for rtt in args.rtts:
+        for kind in kinds:
+            p, s = table[(rtt, kind, "plain")], table[(rtt, kind, "spec")]
+            model = {m: table[(rtt, kind, m)]["per_step"] / (rtt / 1e3 + fixed[m]) for m in ("plain", "spec")}
+            err = {m: model[m] / table[(rtt, kind, m)]["tps"] - 1 for m in model}
+            if kind != "mixed":
+                errors += [abs(e) for e in err.values()]
+            print(f"| {rtt:g} | {kind} | {s['per_step']:.2f} | {s['positions']:.1f} | {p['tps']:.1f} | {s['tps']:.1f} "
+                  f"| {s['tps'] / p['tps']:.2f}x | {model['plain']:.1f} ({err['plain']:+.0%}) "
+                  f"| {model['spec']:.1f} ({err['spec']:+.0%}) |")
+    print(f"\nmodel prediction error over per-class cells: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}")
+    print(f"greedy answers differing between plain and spec: {mismatches} of {len(prompts) * len(args.rtts)}")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Speculative decoding through real swarms: a sentinel and fp32 `diffuse join` peers as OS
+processes on 127.0.0.1, every block served twice. Speculating (candidate trees really sent) gives
+the plain greedy answer through the swarm, through `diffuse ask` too, and still does when a
+peer on the route is SIGKILLed mid-generation: the replica is rebuilt by replaying the committed
+inputs as they were first sent, candidate trees and their kept nodes included.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from control_helpers import Procs
+from diffuse.client.generate import Generation, session_length
+from diffuse.client.sampling import SamplingParams
+from diffuse.client.speculative import Cost, SpecConfig, StepCost
+from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+from diffuse.control.host import parse_peer_addr
+from diffuse.control.node import open_node
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ~4 min on a quiet 2-core machine
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+QUESTION = "Write a Python function that returns the n-th Fibonacci number."
+TOKENS = 40
+SPANS = {"A": "1:15", "A2": "1:15", "B": "15:30", "B2": "15:30"}
+
+
+class Fixed(StepCost):
+    """Plan as over an 80 ms round trip, whatever this machine's timing: trees get sent."""
+
+    def fit(self) -> Cost:
+        return Cost(0.118, 0.128, 0.0016)
+
+
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("specswarm")
+    with Procs(home) as procs:
+        boot = procs.start("sentinel", "--identity", str(tmp / "s.key"), "--listen", LOCAL).readline(timeout=120)
+        peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
+                                   "--listen", LOCAL, "--blocks", span, "--dtype", "fp32", "--heartbeat", "2",
+                                   "--ttl", "30")
+                 for name, span in SPANS.items()}
+        ids = {name: parse_peer_addr(p.read_until("serving", timeout=240)[0]).peer_id.to_base58()
+               for name, p in peers.items()}
+        yield procs, boot, peers, ids
+
+
+async def generate(boot: str, home, spec: SpecConfig | None, kill=None) -> tuple[list[int], list[dict]]:
+    """One greedy answer from an in-process client (fp32 like the peers); after every token,
+    kill(remote) may SIGKILL a peer."""
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    tok = Tokenizer.load(model_dir)
+    prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+    params = SamplingParams(max_tokens=TOKENS)
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as node:
+        client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32))
+        with trio.fail_after(60):
+            while not await client.covered():
+                await trio.sleep(0.25)
+        pipe = await client.session(session_length(len(prompt), TOKENS, spec))
+        remote = remote_of(pipe)
+        gen = Generation(pipe, tok, prompt, params, speculate=spec)
+        async for _ in gen:
+            if kill:
+                kill(remote)
+        await pipe.close()
+        return gen.completion.token_ids, remote.stats.failovers
+
+
+@pytest.fixture(scope="module")
+def plain(swarm, home) -> list[int]:
+    _, boot, _, _ = swarm
+    tokens, failovers = trio.run(generate, boot, home, None)
+    assert not failovers and len(tokens) > 8
+    return tokens
+
+
+def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
+    procs, boot, _, _ = swarm
+    spec = SpecConfig(cost=Fixed())
+    tokens, failovers = trio.run(generate, boot, home, spec)
+    assert tokens == plain and not failovers
+    assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
+    # The user-facing path: `ask` speculates through the swarm by default and reports its steps.
+    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32",
+                    "--max-tokens", str(TOKENS), "--wait", "30", QUESTION, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["token_ids"] == plain and got["speculate"] is True
+    assert sum(got["steps"]) + 1 >= len(plain) and got["tokens_per_step"] >= 1.0
+
+
+def test_sigkill_while_speculating_keeps_the_greedy_answer(swarm, home, plain):
+    """The peer serving each half in turn is SIGKILLed after some tokens were committed through
+    speculative steps; the replica replays those steps as sent and the answer does not change."""
+    _, boot, peers, ids = swarm
+    for half, kill_after_steps in ((0, 3), (1, 7)):
+        spec = SpecConfig(cost=Fixed())
+        victim: list[str] = []
+
+        def kill(remote, half=half, steps=kill_after_steps, spec=spec):
+            if not victim and len(spec.stats.tokens) >= steps:
+                peer = remote.route_taken[half]["peer"]
+                victim.append(next(n for n, p in ids.items() if p == peer))
+                peers[victim[0]].signal(signal.SIGKILL)
+
+        tokens, failovers = trio.run(generate, boot, home, spec, kill)
+        assert victim, "the generation ended before the kill"
+        assert tokens == plain, (victim, failovers)
+        assert failovers and failovers[0]["peer"] == ids[victim[0]], failovers
+        assert max(spec.stats.tokens) > 1
+        peers[victim[0]].wait(10)
