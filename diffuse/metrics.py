@@ -8,10 +8,18 @@ prometheus_client's global one, which libraries (libp2p) may fill with theirs.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
 import trio
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from diffuse.data.codec import MAGIC, ErrorCode, MsgType
 
 disable_created_metrics()  # the *_created series double the exposition and no dashboard reads them
 REGISTRY = CollectorRegistry()
@@ -21,8 +29,6 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 TOKENS_GENERATED = Counter("diffuse_tokens_generated", "Tokens sampled for this process's clients",
                            ["model"], registry=REGISTRY)
 PROMPT_TOKENS = Counter("diffuse_prompt_tokens", "Prompt tokens prefilled for this process's clients",
-                        ["model"], registry=REGISTRY)
-TOKENS_SERVED = Counter("diffuse_tokens_served", "Token positions this peer computed through its blocks",
                         ["model"], registry=REGISTRY)
 STEP_SECONDS = Histogram("diffuse_step_seconds", "Latency of one decoding step (role=client: through "
                          "the whole model; role=server: through this peer's span)", ["role"],
@@ -38,6 +44,77 @@ WIRE_BYTES = Counter("diffuse_wire_bytes", "Bytes of inference traffic on the wi
                      ["direction"], registry=REGISTRY)  # direction: sent | received
 REQUESTS = Counter("diffuse_api_requests", "HTTP requests to the API by endpoint and status code",
                    ["endpoint", "code"], registry=REGISTRY)
+
+
+# ERROR replies a peer sends because a request failed one of its checks (not its own trouble).
+_REFUSALS = {ErrorCode.BAD_FRAME, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_MODEL,
+             ErrorCode.BLOCKS_NOT_SERVED, ErrorCode.TOO_LONG, ErrorCode.BAD_STEP, ErrorCode.NUMERIC}
+_TYPE_AT, _CODE_AT = 8, 28  # byte offsets in a frame: u32 length, then the 24-byte header, then the code
+
+
+class MeteredStream:
+    """An inference stream that counts its bytes. On a peer (`server=True`) it also times each
+    step, from the read that brought the request to the write of its STEP_OK (queueing for the
+    compute limiter included: that is what a client waits), and counts refused requests. It reads
+    only the frame header of what the peer writes (one frame per write, see data/codec.py), so
+    the data plane needs no hooks for it."""
+
+    def __init__(self, stream: Any, server: bool = False):
+        self.stream, self.server = stream, server
+        self.t_request = time.perf_counter()
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self.stream.read(n)
+        WIRE_BYTES.labels("received").inc(len(data))
+        self.t_request = time.perf_counter()
+        return data
+
+    async def write(self, data: bytes) -> None:
+        if self.server and len(data) > _TYPE_AT and data[4:6] == MAGIC:
+            if data[_TYPE_AT] == MsgType.STEP_OK:
+                STEP_SECONDS.labels("server").observe(time.perf_counter() - self.t_request)
+            elif data[_TYPE_AT] == MsgType.ERROR and len(data) >= _CODE_AT + 2:
+                code = int.from_bytes(data[_CODE_AT:_CODE_AT + 2], "big")
+                if code in _REFUSALS:
+                    FAILED_CHECKS.labels(f"request:{ErrorCode(code).name.lower()}").inc()
+        await self.stream.write(data)
+        WIRE_BYTES.labels("sent").inc(len(data))
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    def __getattr__(self, name: str) -> Any:  # reset(), muxed_conn, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+class _ServedCollector(Collector):
+    """Tokens and steps a peer served, read from its block server's own counters at scrape time."""
+
+    def __init__(self, model: str, status: Callable[[], Mapping[str, Any]]):
+        self.model, self.status = model, status
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self.status()
+        for name, doc, key in (("diffuse_tokens_served", "Token positions this peer computed through its blocks",
+                                "tokens_served"),
+                               ("diffuse_steps_served", "Steps (requests through its span) this peer answered",
+                                "steps_served")):
+            family = CounterMetricFamily(name, doc, labels=["model"])
+            family.add_metric([self.model], float(s.get(key, 0)))
+            yield family
+
+
+def watch_peer(model: str, status: Callable[[], Mapping[str, Any]],
+               handle: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """Export a peer's counters (`status()` gives steps_served, tokens_served, sessions) and
+    return `handle` wrapped so that every inference stream is metered."""
+    REGISTRY.register(_ServedCollector(model, status))
+    SESSIONS_OPEN.labels("server").set_function(lambda: status().get("sessions", 0))
+
+    async def metered(stream: Any) -> None:
+        await handle(MeteredStream(stream, server=True))
+
+    return metered
 
 
 def exposition() -> tuple[bytes, str]:

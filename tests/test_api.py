@@ -22,7 +22,6 @@ from diffuse.api.answers import Penalized, Sessions
 from diffuse.api.backend import Overloaded
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.home import DEFAULT_MODEL
-from diffuse.metrics import serve_metrics
 from diffuse.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -222,19 +221,3 @@ def test_penalties_count_generated_tokens_only():
     assert Penalized(greedy, 3, 0.5, 0.4).sample(logits, torch.tensor([3, 3, 3])) == 3  # all prompt
     assert Penalized(greedy, 1, -0.5, 0.0).sample(torch.zeros(8), torch.tensor([5, 6])) == 6  # negative: favour
 
-
-def test_peer_metrics_endpoint():
-    async def main():
-        async with trio.open_nursery() as nursery:
-            url = (await nursery.start(serve_metrics, "127.0.0.1:0"))[0]
-            ok = await trio.to_thread.run_sync(httpx.get, url + "/metrics")
-            missing = await trio.to_thread.run_sync(httpx.get, url + "/")
-            nursery.cancel_scope.cancel()
-        return ok, missing
-
-    ok, missing = trio.run(main)
-    assert ok.status_code == 200 and ok.headers["content-type"].startswith("text/plain")
-    for name in ("diffuse_tokens_served_total", "diffuse_step_seconds", "diffuse_sessions_open",
-                 "diffuse_failovers_total", "diffuse_failed_checks_total", "diffuse_wire_bytes_total"):
-        assert f"# TYPE {name.removesuffix('_total')}" in ok.text
-    assert missing.status_code == 404

@@ -29,6 +29,7 @@ PAGE = """<!doctype html>
   .span { background: #dfe6f3; border: 1px solid #9fb0d0; border-radius: 3px; font: 11px ui-monospace, monospace;
           white-space: nowrap; overflow: hidden; text-overflow: ellipsis; padding: 1px 4px; }
   .span.late { background: #f6e3c4; border-color: var(--thin); }
+  .span.banned { background: #f3d0d0; border-color: var(--bad); }
   .label { font-size: 11px; color: var(--muted); white-space: nowrap; padding-right: 6px; }
   table { border-collapse: collapse; width: 100%; font-size: 13px; }
   th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #eee; }
@@ -70,6 +71,8 @@ function runs(blocks) {  // [3,4,5,9] -> "3-5, 9"
 
 function health(p) {
   // A record lives three heartbeats (protocols/); more than 1.5 heartbeats of silence is late.
+  // A peer this API's client banned after it failed a session is "banned" whatever it announces.
+  if (p.banned) return "banned";
   if (p.expires_in_s === undefined) return "ok";
   const beat = (p.last_heartbeat_s + p.expires_in_s) / 3;
   return p.last_heartbeat_s > 1.5 * beat ? "late" : "ok";
@@ -101,16 +104,18 @@ function renderModel(m) {
   });
   card.append(map);
   const table = el("table", {}, el("tr", {}, el("th", {}, "peer"), el("th", {}, "blocks"),
-    el("th", {class: "num"}, "tokens/s"), el("th", {class: "num"}, "cache tokens"), el("th", {}, "dtype"),
+    el("th", {class: "num"}, "tokens/s"), el("th", {class: "num"}, "sessions"), el("th", {class: "num"}, "rtt ms"),
+    el("th", {class: "num"}, "cache tokens"), el("th", {}, "dtype"),
     el("th", {class: "num"}, "up"), el("th", {class: "num"}, "heartbeat"), el("th", {}, "health")));
   for (const p of m.peers) {
     table.append(el("tr", {"data-peer-row": p.peer_id}, el("td", {class: "mono", title: p.peer_id}, p.peer_id),
       el("td", {}, `${p.start}-${p.end - 1}`), el("td", {class: "num"}, Number(p.throughput).toFixed(1)),
+      el("td", {class: "num"}, (p.extra || {}).sessions ?? ""), el("td", {class: "num"}, p.rtt_ms ?? ""),
       el("td", {class: "num"}, p.cache_tokens), el("td", {}, p.dtype || ""), el("td", {class: "num"}, dur(p.age_s)),
       el("td", {class: "num"}, dur(p.last_heartbeat_s) + " ago"), el("td", {}, health(p))));
   }
   for (const [id, why] of Object.entries(m.excluded || {})) {
-    table.append(el("tr", {"data-excluded": id}, el("td", {class: "mono"}, id), el("td", {colspan: 6}, "excluded: " + why),
+    table.append(el("tr", {"data-excluded": id}, el("td", {class: "mono"}, id), el("td", {colspan: 8}, "excluded: " + why),
                     el("td", {}, "excluded")));
   }
   card.append(table);

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from diffuse.cli.ask import add_model_options
+from diffuse.cli.ask import add_swarm_client_options, parse_local_blocks
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -25,10 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8000; port 0 picks a free one)")
     p.add_argument("--local", action="store_true", help="run the whole model in this process instead of the swarm")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
-                   help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
-    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
-    add_model_options(p)
+    add_swarm_client_options(p)
+    p.add_argument("--model", action="append", default=[],
+                   help="store name or HF-layout directory (repeatable; default: the embedded model)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype of the blocks this process runs")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    p.add_argument("--no-trust", action="store_true",
+                   help="skip the trust plane's canaries and spot checks (a private swarm of peers you run)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this Bearer token (repeatable; prefer --api-key-file: argv is visible to "
                         "other users). Without keys the API is open.")
@@ -57,31 +61,50 @@ def api_keys(args) -> frozenset[str]:
 async def local_backend(args) -> AsyncIterator:
     from diffuse.api.backend import LocalBackend
 
-    backend = LocalBackend.open(data_home(args.home), [args.model], args.dtype, args.device)
+    backend = LocalBackend.open(data_home(args.home), args.model or [None], args.dtype, args.device)
     await backend.warm_up()
     yield backend
+
+
+def swarm_backend(args):
+    from diffuse.api.swarm import open_swarm_backend
+    from diffuse.cli.net import _bootstrap_addrs
+    from diffuse.client.swarm import SwarmOptions
+    from diffuse.model.load import parse_dtype
+
+    options = SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype),
+                           parse_dtype(args.wire_dtype), args.step_timeout, args.device)
+    if args.no_trust:
+        options.trust = None
+    return open_swarm_backend(data_home(args.home), args.model or [None], _bootstrap_addrs(args, required=True),
+                              options, args.wait)
 
 
 def open_backend(args):
     """The backend as an async context manager: the swarm's runs a libp2p node for its lifetime."""
     if args.local:
-        if args.bootstrap or args.bootstrap_file:
-            raise DiffuseError("give --local or --bootstrap, not both")
+        if args.bootstrap or args.bootstrap_file or args.client_only:
+            raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
         return local_backend(args)
-    raise DiffuseError("give --local (the swarm backend arrives with the data plane)")
+    if not (args.bootstrap or args.bootstrap_file):
+        raise DiffuseError("give --bootstrap ADDR (a sentinel of the swarm to serve), or --local")
+    return swarm_backend(args)
 
 
 def cmd_api(args) -> int:
     from diffuse.api.app import Settings, create_app
     from diffuse.api.http import parse_listen, serve_http
+    from diffuse.cli.net import _trio_run
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1")
     settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, default_max_tokens=args.max_tokens)
 
+    backend_cm = open_backend(args)
+
     async def main() -> None:
-        async with open_backend(args) as backend, trio.open_nursery() as nursery:
+        async with backend_cm as backend, trio.open_nursery() as nursery:
             binds = await nursery.start(serve_http, create_app(backend, settings), args.listen)
             print(f"listening on {binds[0]}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -89,5 +112,5 @@ def cmd_api(args) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
-    trio.run(main)
+    _trio_run(main)
     return 0

@@ -61,6 +61,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                         "(noise, scale, signflip, zero, replay, skip, quant, minifloat, lowrank)")
     p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
                    help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
+    p.add_argument("--contribution", default="max", choices=list(CONTRIBUTION),
+                   help="how much of this machine to lend: max (all cores, 64 sessions, --cache-tokens), "
+                        "moderate (half), min (1 thread, 8 sessions, 1/8 of the cache), pause (serve nothing)")
+    p.add_argument("--client-only", action="store_true", default=argparse.SUPPRESS,
+                   help="stay in the swarm's DHT without serving blocks (as does --contribution pause)")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.set_defaults(func=cmd_join)
 
     p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
@@ -150,6 +156,11 @@ def cmd_join(args: argparse.Namespace) -> int:
             length = n
     elif args.num_blocks is not None or args.max_memory is not None:
         raise PlacementError("--num-blocks / --max-memory only apply with --blocks auto")
+    serving = _apply_contribution(args)
+    if args.metrics:
+        from diffuse.api.http import parse_listen
+
+        parse_listen(args.metrics)
     hooks = data_plane_hooks(args, model_dir, manifest)
 
     async def main() -> None:
@@ -158,6 +169,17 @@ def cmd_join(args: argparse.Namespace) -> int:
                     announce_addrs=args.announce)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
+            if args.metrics:
+                from diffuse.metrics import serve_metrics
+
+                urls = await nursery.start(serve_metrics, args.metrics)
+                print(f"metrics at {urls[0]}/metrics", file=sys.stderr, flush=True)
+            if not serving:
+                for a in node.full_addrs():
+                    print(a, flush=True)
+                print(f"joined without serving (--{'contribution pause' if args.contribution == 'pause' else 'client-only'})",
+                      flush=True)
+                return
             start, end = span or choose_span(
                 coverage(await node.records(manifest.model_id), manifest.model_id, n,
                          expected_hashes=manifest.block_hashes).replicas, length)
@@ -231,7 +253,7 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
     from diffuse.model.load import parse_dtype
 
     limits = ServerLimits(max_session_tokens=args.max_session_tokens, max_total_tokens=args.cache_tokens,
-                          idle_timeout=args.session_timeout)
+                          idle_timeout=args.session_timeout, max_sessions=args.max_sessions)
     tamper = None
     if args.tamper is not None:
         from diffuse.trust.tamper import Tamper
@@ -241,11 +263,36 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
         log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
                     f"{args.tamper_rate:.0%}", kind, strength)
     service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, tamper)
-    return ServeHooks(handlers={p: service.handle for p in service.protocols}, status_fn=service.status,
+    handle = service.handle
+    if args.metrics:
+        from diffuse.metrics import watch_peer
+
+        handle = watch_peer(manifest.model_id, lambda: service.server.status() if service.server else {}, handle)
+    return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
                       protocols=service.protocols, prepare=service.prepare)
 
 
 # ---- helpers ----
+
+# --contribution: (share of the cores, sessions, share of --cache-tokens); pause serves nothing.
+CONTRIBUTION = {"max": (1.0, 64, 1.0), "moderate": (0.5, 32, 0.5), "min": (0.0, 8, 0.125), "pause": None}
+
+
+def _apply_contribution(args: argparse.Namespace) -> bool:
+    """Bound what this peer lends (torch threads, sessions, KV-cache tokens); False: serve nothing."""
+    level = CONTRIBUTION[args.contribution]
+    args.max_sessions = level[1] if level else 0
+    if level is None or getattr(args, "client_only", False):
+        return False
+    import os
+
+    import torch
+
+    cores, _, cache = level
+    torch.set_num_threads(max(1, int((os.cpu_count() or 1) * cores)))
+    args.cache_tokens = max(1, int(args.cache_tokens * cache))
+    return True
+
 
 TAMPER_DEFAULTS = {"noise": 20.0, "scale": 8.0, "signflip": 8.0, "zero": 0.1, "replay": 1.0,
                    "skip": 1.0, "quant": 4.0, "minifloat": 2.0, "lowrank": 0.1}

@@ -1,0 +1,217 @@
+"""`diffuse api --bootstrap` against a real loopback swarm, through the official `openai` client.
+
+One swarm for the whole module (2 cores): a sentinel, three peers holding every block twice
+(0:30, 0:15, 15:30; each with --metrics), a fourth peer serving only blocks 1:15 of a second
+model id (a hard-linked copy of the same weights) so that model is known but not servable, and
+one `diffuse api` process offering both models. Its status page is rendered in Chromium.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from control_helpers import Procs
+from diffuse.control.host import parse_peer_addr
+from diffuse.home import DEFAULT_MODEL, models_dir
+from test_status_page import ARTIFACTS, Elements, chromium, render
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+KEY = "sk-diffuse-swarm-test"
+PARTIAL = "smollm2-partial"
+ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"
+SPANS = {"A": "0:30", "B": "0:15", "C": "15:30"}
+
+
+def _store(home: Path, dst: Path) -> Path:
+    """A store with the default model and PARTIAL: the same files under another model id."""
+    src = models_dir(home) / DEFAULT_MODEL
+    for name, model_id in ((DEFAULT_MODEL, DEFAULT_MODEL), (PARTIAL, PARTIAL)):
+        d = models_dir(dst) / name
+        d.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name != "manifest.json":
+                os.link(f, d / f.name)
+        manifest = json.loads((src / "manifest.json").read_text()) | {"model_id": model_id}
+        (d / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def _metrics_url(proc, timeout: float = 30.0) -> str:
+    """The /metrics URL a peer logged on stderr (read by a thread: poll briefly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(proc.stderr):
+            if line.startswith("metrics at "):
+                return line.split()[-1]
+        time.sleep(0.1)
+    raise TimeoutError("the peer never logged its metrics address:\n" + "\n".join(proc.stderr))
+
+
+class Swarm:
+    def __init__(self, procs: Procs, tmp: Path):
+        sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
+        self.boot = sentinel.readline(timeout=120)
+        common = ["--bootstrap", self.boot, "--listen", LOCAL, "--heartbeat", "2", "--ttl", "30"]
+        self.peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--blocks", span,
+                                        "--metrics", "127.0.0.1:0", *common)
+                      for name, span in SPANS.items()}
+        self.partial = procs.start("join", "--identity", str(tmp / "D.key"), "--model", PARTIAL, "--blocks", "1:15",
+                                   *common)
+        self.ids, self.metrics = {}, {}
+        for name, proc in self.peers.items():
+            lines = proc.read_until("serving", timeout=300)
+            self.ids[name] = parse_peer_addr(lines[0]).peer_id.to_base58()
+            self.metrics[name] = _metrics_url(proc)
+        self.partial.read_until("serving", timeout=300)
+        self.api_proc = procs.start("api", "--bootstrap", self.boot, "--listen", "127.0.0.1:0", "--model", DEFAULT_MODEL,
+                                    "--model", PARTIAL, "--api-key", KEY, "--max-sessions", "3", "--max-tokens", "32",
+                                    "--wait", "60", "--no-trust")  # the trust plane has its own swarm tests
+        self.api = self.api_proc.read_until("listening on", timeout=300)[-1].split()[-1]
+
+
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("api_swarm")
+    with Procs(_store(home, tmp / "home")) as procs:
+        yield Swarm(procs, tmp)
+
+
+@pytest.fixture
+def client(swarm):
+    return openai.OpenAI(base_url=swarm.api + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A /metrics page as {'name{labels}': value}."""
+    text = httpx.get(url, timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+def test_models_lists_what_the_swarm_can_serve_now(client, swarm):
+    models = client.models.list().data
+    assert [m.id for m in models] == [DEFAULT_MODEL]  # PARTIAL is known but not servable
+    cov = models[0].model_extra["coverage"]
+    assert cov["servable"] and cov["missing"] == [] and cov["num_blocks"] == 30
+    assert {p["peer_id"] for p in cov["peers"]} == set(swarm.ids.values()) | {"local"}
+    assert [b["replicas"] for b in cov["blocks"]] == [3] + [2] * 29  # block 0 also runs in the API
+
+
+def test_chat_streamed_equals_whole_under_greedy(client):
+    whole = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0, max_tokens=16)
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0, max_tokens=16,
+                                                 stream=True, stream_options={"include_usage": True}))
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens > 0
+
+
+def test_completions(client):
+    whole = client.completions.create(model=DEFAULT_MODEL, prompt=COUNTING, temperature=0, max_tokens=8)
+    assert whole.choices[0].text.startswith(" 9, 10") and whole.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=DEFAULT_MODEL, prompt=COUNTING, temperature=0, max_tokens=8, stream=True))
+    assert streamed == whole.choices[0].text
+
+
+def test_bad_request_and_wrong_key(client, swarm):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=5)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    bad = openai.OpenAI(base_url=swarm.api + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=DEFAULT_MODEL, messages=ASK)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def test_unservable_model_is_503_naming_the_blocks(client):
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=PARTIAL, messages=ASK, max_tokens=4)
+    assert e.value.status_code == 503
+    assert e.value.body["missing_blocks"] == list(range(15, 30)) and "15-29" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=ASK)
+
+
+def test_more_sessions_than_allowed_is_429(client):
+    with pytest.raises(openai.RateLimitError) as e:  # n=4 choices need 4 sessions; the API allows 3
+        client.completions.create(model=DEFAULT_MODEL, prompt=COUNTING, max_tokens=4, n=4, temperature=1)
+    assert e.value.status_code == 429
+
+
+def _server_sessions(swarm) -> float:
+    return sum(scrape(url)['diffuse_sessions_open{role="server"}'] for url in swarm.metrics.values())
+
+
+def test_hanging_up_closes_swarm_sessions_and_counters_move(swarm):
+    """A stream the client drops mid-answer frees its sessions on the peers at once; the peers'
+    and the API's counters show the traffic."""
+    before = {name: scrape(url) for name, url in swarm.metrics.items()}
+    api_before = scrape(swarm.api + "/metrics")
+    body = {"model": DEFAULT_MODEL, "prompt": COUNTING, "max_tokens": 2000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", swarm.api + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            lines, chunks = r.iter_lines(), 0  # held: dropping the iterator would hang up at once
+            for line in lines:  # a few tokens in, then hang up
+                chunks += line.startswith("data: {")
+                if chunks == 5:
+                    break
+            assert _server_sessions(swarm) >= 1
+    deadline = time.monotonic() + 60  # bounded wait; the outcome is asserted, not the time
+    while _server_sessions(swarm) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _server_sessions(swarm) == 0, "peers kept the sessions of a client that hung up"
+    assert httpx.get(swarm.api + "/status.json", timeout=30).json()["api"]["sessions_open"] == 0
+
+    after = {name: scrape(url) for name, url in swarm.metrics.items()}
+    model = f'{{model="{DEFAULT_MODEL}"}}'
+    served = [n for n in after if after[n][f"diffuse_tokens_served_total{model}"]
+              > before[n][f"diffuse_tokens_served_total{model}"]]
+    assert served, "no peer counted the tokens it served"
+    for n in served:
+        a, b = after[n], before[n]
+        assert a[f"diffuse_steps_served_total{model}"] >= b[f"diffuse_steps_served_total{model}"] + 5
+        assert a['diffuse_step_seconds_count{role="server"}'] >= b['diffuse_step_seconds_count{role="server"}'] + 5
+        for direction in ("sent", "received"):
+            key = f'diffuse_wire_bytes_total{{direction="{direction}"}}'
+            assert a[key] > b[key] + 5 * 1152  # at least five fp16 hidden states of 576 values
+    api = scrape(swarm.api + "/metrics")
+    assert api[f"diffuse_tokens_generated_total{model}"] >= api_before.get(f"diffuse_tokens_generated_total{model}",
+                                                                           0) + 5
+    assert api['diffuse_wire_bytes_total{direction="sent"}'] > api_before.get(
+        'diffuse_wire_bytes_total{direction="sent"}', 0)
+
+
+def test_status_page_shows_the_swarm(swarm, tmp_path):
+    browser = chromium()
+    dom = render(browser, swarm.api + "/", tmp_path / "profile", "--dump-dom")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "status_page_swarm.png"
+    shot.unlink(missing_ok=True)
+    render(browser, swarm.api + "/", tmp_path / "profile2", "--window-size=1400,1000", f"--screenshot={shot}")
+    page = Elements()
+    page.feed(dom)
+    assert page.ready, "the page never rendered /status.json"
+    assert set(page.found) == {DEFAULT_MODEL, PARTIAL}
+    found = page.found[DEFAULT_MODEL]
+    blocks = {int(a["data-block"]): int(a["data-replicas"]) for a in found if "data-block" in a}
+    assert blocks == {i: 3 if i == 0 else 2 for i in range(30)}
+    peers = set(swarm.ids.values()) | {"local"}
+    assert {a["data-peer"] for a in found if "data-peer" in a} == peers
+    assert {a["data-peer-row"] for a in found if "data-peer-row" in a} == peers
+    partial = {int(a["data-block"]): int(a["data-replicas"]) for a in page.found[PARTIAL] if "data-block" in a}
+    assert [partial[i] for i in range(30)] == [1] * 15 + [0] * 15  # block 0: the API's own
+    assert "NOT servable: blocks 15-29 uncovered" in dom
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
