@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cbor2
-from libp2p.crypto.ed25519 import Ed25519PublicKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
+from diffuse.control.signed import check_signature, decode_payload, sign_payload
 from diffuse.errors import DiffuseError
 
 RECORD_VERSION = 1
@@ -154,34 +154,15 @@ class SignedRecord:
 
 
 def sign(record: PeerRecord, key_pair: KeyPair) -> SignedRecord:
-    if ID.from_pubkey(key_pair.public_key).to_base58() != record.peer_id:
-        raise ValueError("a record must be signed by the key of the peer it describes")
-    payload = cbor2.dumps(record.to_payload(), canonical=True)
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"record payload too large ({len(payload)} bytes)")
-    return SignedRecord(PeerRecord.from_payload(cbor2.loads(payload)), payload,
-                        key_pair.private_key.sign(SIG_DOMAIN + payload))
+    payload, signature = sign_payload(record.to_payload(), key_pair, record.peer_id, SIG_DOMAIN, MAX_PAYLOAD_BYTES,
+                                      "a record")
+    return SignedRecord(PeerRecord.from_payload(cbor2.loads(payload)), payload, signature)
 
 
 def verify(payload: bytes, signature: bytes) -> SignedRecord:
     """Check a (payload, signature) pair; the signer is the key inside the record's peer id."""
-    if not isinstance(payload, bytes) or not isinstance(signature, bytes) or len(signature) != 64:
-        raise InvalidRecord("a record is [payload bytes, 64-byte signature]")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise InvalidRecord("record payload too large")
-    try:
-        d = cbor2.loads(payload)
-        canonical = cbor2.dumps(d, canonical=True) == payload
-    except Exception:
-        raise InvalidRecord("record payload is not valid CBOR") from None
-    if not canonical:
-        raise InvalidRecord("record payload is not canonical CBOR")
-    rec = PeerRecord.from_payload(d)
-    key = ID.from_base58(rec.peer_id).extract_public_key()
-    if not isinstance(key, Ed25519PublicKey):
-        raise InvalidRecord("peer id does not embed an Ed25519 key")
-    if not key.verify(SIG_DOMAIN + payload, signature):
-        raise InvalidRecord(f"bad signature on the record of {rec.peer_id}")
+    rec = PeerRecord.from_payload(decode_payload(payload, signature, MAX_PAYLOAD_BYTES, InvalidRecord, "a record"))
+    check_signature(rec.peer_id, SIG_DOMAIN, payload, signature, InvalidRecord, f"the record of {rec.peer_id}")
     return SignedRecord(rec, payload, signature)
 
 

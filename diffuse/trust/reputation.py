@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import cbor2
-from libp2p.crypto.ed25519 import Ed25519PublicKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from diffuse.control.records import evidence_key
+from diffuse.control.signed import check_signature, decode_payload, sign_payload
 from diffuse.errors import DiffuseError
 from diffuse.trust.canary import CanaryVerdict
 from diffuse.trust.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
@@ -136,32 +136,16 @@ class SignedEvidence:
 
 
 def sign(evidence: Evidence, key_pair: KeyPair) -> SignedEvidence:
-    if ID.from_pubkey(key_pair.public_key).to_base58() != evidence.reporter:
-        raise ValueError("evidence must be signed by the key of its reporter")
-    payload = cbor2.dumps(evidence.to_payload(), canonical=True)
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(f"evidence payload too large ({len(payload)} bytes): open fewer chunks")
-    return SignedEvidence(Evidence.from_payload(cbor2.loads(payload)), payload,
-                          key_pair.private_key.sign(SIG_DOMAIN + payload))
+    payload, signature = sign_payload(evidence.to_payload(), key_pair, evidence.reporter, SIG_DOMAIN,
+                                      MAX_PAYLOAD_BYTES, "evidence")
+    return SignedEvidence(Evidence.from_payload(cbor2.loads(payload)), payload, signature)
 
 
 def verify(payload: bytes, signature: bytes) -> SignedEvidence:
     """Check evidence from anyone: canonical, well-formed, signed by the reporter it names."""
-    if not isinstance(payload, bytes) or not isinstance(signature, bytes) or len(signature) != 64:
-        raise InvalidEvidence("evidence is [payload bytes, 64-byte signature]")
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise InvalidEvidence("evidence payload too large")
-    try:
-        d = cbor2.loads(payload)
-        canonical = cbor2.dumps(d, canonical=True) == payload
-    except Exception:
-        raise InvalidEvidence("evidence payload is not valid CBOR") from None
-    if not canonical:
-        raise InvalidEvidence("evidence payload is not canonical CBOR")
-    ev = Evidence.from_payload(d)
-    key = ID.from_base58(ev.reporter).extract_public_key()
-    if not isinstance(key, Ed25519PublicKey) or not key.verify(SIG_DOMAIN + payload, signature):
-        raise InvalidEvidence(f"bad signature on evidence reported by {ev.reporter}")
+    ev = Evidence.from_payload(decode_payload(payload, signature, MAX_PAYLOAD_BYTES, InvalidEvidence, "evidence"))
+    check_signature(ev.reporter, SIG_DOMAIN, payload, signature, InvalidEvidence,
+                    f"evidence reported by {ev.reporter}")
     return SignedEvidence(ev, payload, signature)
 
 
