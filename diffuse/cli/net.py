@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if all(c.servable for c in covs) or trio.current_time() >= deadline:
                     break
                 await trio.sleep(0.5)
-            result.extend(covs)
+            result.extend([replace(c, evidence=await _evidence(node, c.peers)) for c in covs])
 
     _trio_run(main)
     if args.json:
@@ -228,6 +228,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(format_text(c) for c in result))
     return 0
+
+
+async def _evidence(node, peers) -> dict[str, list[dict]]:
+    """Verified evidence published against each peer, summarised for people and --json."""
+    found: dict[str, list[dict]] = {}
+
+    async def one(pid: str) -> None:
+        with trio.move_on_after(5.0):
+            reports = await node.evidence(pid)
+            if reports:
+                found[pid] = [{"reporter": e.evidence.reporter, "kind": e.evidence.kind, "start": e.evidence.start,
+                               "end": e.evidence.end, "dtype": e.evidence.dtype, "statistic": e.evidence.statistic,
+                               "threshold": e.evidence.threshold, "time": e.evidence.timestamp,
+                               "detail": dict(e.evidence.detail)} for e in reports]
+
+    async with trio.open_nursery() as nursery:
+        for pid in peers:
+            nursery.start_soon(one, pid)
+    return dict(sorted(found.items()))
 
 
 # ---- the data plane's plug ----
