@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from diffuse.cli.ask import add_swarm_client_options, parse_local_blocks
+from diffuse.cli.ask import add_swarm_client_options, swarm_options
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -31,8 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
                    help="compute dtype of the blocks this process runs")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--no-trust", action="store_true",
-                   help="skip the trust plane's canaries and spot checks (a private swarm of peers you run)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept this Bearer token (repeatable; prefer --api-key-file: argv is visible to "
                         "other users). Without keys the API is open.")
@@ -69,13 +67,8 @@ async def local_backend(args) -> AsyncIterator:
 def swarm_backend(args):
     from diffuse.api.swarm import open_swarm_backend
     from diffuse.cli.net import _bootstrap_addrs
-    from diffuse.client.swarm import SwarmOptions
-    from diffuse.model.load import parse_dtype
 
-    options = SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype),
-                           parse_dtype(args.wire_dtype), args.step_timeout, args.device)
-    if args.no_trust:
-        options.trust = None
+    options = swarm_options(args)
     return open_swarm_backend(data_home(args.home), args.model or [None], _bootstrap_addrs(args, required=True),
                               options, args.wait)
 

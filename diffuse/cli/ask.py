@@ -52,6 +52,25 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for the swarm to cover every block")
     p.add_argument("--step-timeout", type=float, default=30.0, help="seconds before a silent peer is replaced")
+    p.add_argument("--trust", default="public", choices=list(TRUST_MODES),
+                   help="public (default): canaries, 10%% spot checks, evidence published; private: fewer "
+                        "checks, nothing published; off: no checks (only for peers you run yourself)")
+    p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
+
+
+# Trust-plane settings per mode (see DESIGN.md, "Trust plane"); None turns the checks off.
+TRUST_MODES = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
+
+
+def swarm_options(args: argparse.Namespace):
+    """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device)."""
+    from diffuse.client.swarm import SwarmOptions
+    from diffuse.model.load import parse_dtype
+    from diffuse.trust.guard import TrustOptions
+
+    mode = TRUST_MODES[args.trust]
+    return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
+                        args.step_timeout, args.device, None if mode is None else TrustOptions(**mode))
 
 
 def parse_local_blocks(text: str) -> tuple[int, int]:
@@ -127,18 +146,16 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
 
     from diffuse.cli.net import _bootstrap_addrs, _trio_run
     from diffuse.client.generate import complete, session_length
-    from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+    from diffuse.client.swarm import SwarmClient, remote_of
     from diffuse.control.node import open_node
     from diffuse.model import store
-    from diffuse.model.load import parse_dtype
     from diffuse.model.tokenizer import Tokenizer
 
     boot = _bootstrap_addrs(args, required=True)
     model_dir = store.resolve(data_home(args.home), args.model)
     tokenizer = Tokenizer.load(model_dir)
     prompt = tokenizer.encode_chat(messages)
-    opts = SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype),
-                        parse_dtype(args.wire_dtype), args.step_timeout, args.device)
+    opts = swarm_options(args)
 
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
@@ -158,7 +175,8 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
                 return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
                 info.update(mode="swarm", route=remote.route_taken, failovers=remote.stats.failovers,
-                            local_blocks=list(opts.local_blocks))
+                            local_blocks=list(opts.local_blocks), trust=args.trust,
+                            checks=client.guard.status() if client.guard else None)
                 await pipeline.close()
                 info["bytes_sent"] = remote.stats.bytes_sent
 
