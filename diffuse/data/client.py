@@ -313,10 +313,11 @@ class RemoteSpan:
             hop = self.hops[i]
             context = hop.inputs() if self.guard is not None and self.guard.pick() else None
             try:
-                out = await hop.step(h, positions, tree_mask, commit)
-                if context is not None:
-                    await self.guard.spot_check(hop, context, h.to(hop.dtype), positions, tree_mask, out)
-                h, i = out, i + 1
+                if context is None:
+                    h = await hop.step(h, positions, tree_mask, commit)
+                else:
+                    h = await self.guard.checked_step(hop, context, h, positions, tree_mask, commit)
+                i += 1
             except Caught as e:
                 await self._failover(i, e, context)  # the step it failed is redone on a replica
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes

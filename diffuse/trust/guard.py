@@ -192,29 +192,45 @@ class Guard:
     def pick(self) -> bool:
         return self.spot.pick()
 
-    async def spot_check(self, session: Any, context: Sequence[Any], h: Tensor, positions: Tensor,
-                         mask: Tensor | None, out: Tensor) -> None:
-        """Recompute a step `session` just answered (its inputs before it: `context`); Caught if off."""
+    async def checked_step(self, session: Any, context: Sequence[Any], h: Tensor, positions: Tensor,
+                           mask: Tensor | None, commit: bool) -> Tensor:
+        """`session.step(...)` with the referee recomputing the same step meanwhile (so on a real
+        network the check costs little beyond the round trip); Caught if the outputs disagree.
+        `context` is what the session had committed before this step."""
         hop = session.hop
         material = await self.material(hop.start, hop.end, session.peer_dtype)
         shadow = self.shadows.get(id(session))
         if shadow is None:
             shadow = self.shadows[id(session)] = _Shadow(material, session.max_len)
+        sent = h.to(session.dtype)
+        refs: list[Tensor] = []
 
-        def recompute() -> Tensor:
+        def recompute() -> None:
             shadow.replay(context)
-            return shadow.step(h, positions, mask)
+            refs.append(shadow.step(sent, positions, mask))
 
-        ref = await trio.to_thread.run_sync(recompute)
+        async def referee() -> None:
+            await trio.to_thread.run_sync(recompute)
+
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(referee)
+            try:
+                out = await session.step(h, positions, mask, commit)
+            except Exception as e:  # noqa: BLE001 - re-raised as is, not wrapped in a group
+                error = e
+        if error is not None:
+            raise error
         self.counts["spot_checks"] += 1
         wire = out.dtype
-        verdict = compare(out.float(), ref.to(wire).float(), material.tolerance, session.peer_dtype,
+        verdict = compare(out.float(), refs[0].to(wire).float(), material.tolerance, session.peer_dtype,
                           torch.float32, positions.tolist())
         if not verdict.ok:
             step, inputs = session.receipt_context
             binding, tree = bind(session.session_id, step, inputs, out, wire)
             await self._convict(spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
                                               session.peer_dtype, "self", binding, tree))
+        return out
 
     def forget(self, session: Any) -> None:
         shadow = self.shadows.pop(id(session), None)
