@@ -82,11 +82,11 @@ class SwarmBackend:
             rtt = client.rtt.get(p["peer_id"])
             p.update(banned=p["peer_id"] in banned,
                      rtt_ms=round(rtt[0] * 1e3, 2) if rtt and now - rtt[1] < 600 else None)
-        if local:
-            cov["peers"].insert(0, {"peer_id": LOCAL_PEER, "start": local[0], "end": local[-1] + 1, "addrs": [],
-                                    "dtype": str(client.opts.dtype).removeprefix("torch."), "throughput": 0.0,
-                                    "cache_tokens": 0, "age_s": round(time.time() - self.started, 1),
-                                    "last_heartbeat_s": 0.0, "extra": {"runs": "in this API process"}})
+        runs = [(a, b) for a, b in ((0, start), (end, cov["num_blocks"])) if a < b]  # front and back blocks
+        cov["peers"][:0] = [{"peer_id": LOCAL_PEER, "start": a, "end": b, "addrs": [], "throughput": 0.0,
+                             "dtype": str(client.opts.dtype).removeprefix("torch."), "cache_tokens": 0,
+                             "age_s": round(time.time() - self.started, 1), "last_heartbeat_s": 0.0,
+                             "extra": {"runs": "in this API process"}} for a, b in runs]
         cov["missing"] = [b for b in range(start, end) if not cov["blocks"][b]["replicas"]]
         cov["servable"] = cov["num_blocks"] > 0 and not cov["missing"]
         cov["min_replicas"] = min((b["replicas"] for b in cov["blocks"]), default=0)
