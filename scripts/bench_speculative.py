@@ -10,6 +10,7 @@ client exchanges with a peer crosses the relay (checked: the client's connection
 must end at a relay port). The client runs in this process (block 0 local, as by default). For
 each RTT, the same prompts (chat, code, grounded) run plain and speculative, alternating;
 speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
+The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
 
 Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
 is 1), decode tokens/s, and the speed-up. The model tokens/s = tokens_per_step / (RTT + c) is
@@ -179,13 +180,13 @@ def main() -> None:
         async def bench() -> None:
             nonlocal mismatches
             async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
-                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(args.dtype)))
+                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(args.dtype), trust=None))
                 while not await client.covered():
                     await trio.sleep(0.25)
                 for rtt_ms in args.rtts:
                     swarm.relay.set_rtt(rtt_ms / 1e3)
                     spec = SpecConfig()
-                    await run_one(client, swarm, tok, prompts[0][1][:8], SamplingParams(max_tokens=4), None)  # warm
+                    await run_one(client, swarm, tok, prompts[0][1], SamplingParams(max_tokens=4), None)  # warm-up
                     for i, (kind, prompt) in enumerate(prompts):
                         order = [None, spec] if i % 2 == 0 else [spec, None]
                         got = {}

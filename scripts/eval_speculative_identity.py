@@ -295,7 +295,7 @@ def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions]
         async def remote():
             async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
                                  server=False) as node:
-                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype)))
+                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
                 with trio.fail_after(120):
                     while not await client.covered():
                         await trio.sleep(0.25)

@@ -409,3 +409,53 @@ def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, m
     assert (k - ref_cache.k[1:, :, :, :n]).abs().max() < 1e-5
     assert (v - ref_cache.v[1:, :, :, :n]).abs().max() < 1e-5
     assert (nxt - ref.forward(torch.tensor([[8, 9, 10]]))).abs().max() < 1e-4
+
+
+def test_latency_relay_keeps_bytes_and_order_under_jitter():
+    """Jitter must delay chunks, never reorder them; the link is changeable; bad commands are refused."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from latency_relay import Link, apply_command, parse_mapping, relay
+
+    link = Link(rtt=0.004, jitter=0.01, bandwidth=2e6, seed=1)
+    chunks = [bytes([i % 251]) * (1 + 97 * i % 3000) for i in range(120)]
+
+    async def echo(stream):
+        async for data in stream:
+            await stream.send_all(data)
+
+    async def run() -> bytes:
+        with trio.fail_after(60):
+            return await relayed()
+
+    async def relayed() -> bytes:
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            nursery.start_soon(trio.serve_listeners, echo, listeners)
+            port = await nursery.start(relay, ("127.0.0.1", listeners[0].socket.getsockname()[1]), link)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            got = bytearray()
+
+            async def reader():
+                while len(got) < sum(map(len, chunks)):
+                    got.extend(await stream.receive_some(65536))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(reader)
+                for i, c in enumerate(chunks):
+                    if i == 60:
+                        apply_command(link, "rtt 0")
+                    await stream.send_all(c)
+            nursery.cancel_scope.cancel()
+        return bytes(got)
+
+    assert trio.run(run) == b"".join(chunks)
+    assert link.rtt == 0 and link.jitter == 0.01
+    assert parse_mapping("7000:127.0.0.1:8000") == (7000, ("127.0.0.1", 8000))
+    with pytest.raises(ValueError, match="mapping"):
+        parse_mapping("nonsense")
+    with pytest.raises(ValueError, match="unknown command"):
+        apply_command(link, "delay 5")
+    with pytest.raises(ValueError, match=">= 0"):
+        apply_command(link, "rtt -1")

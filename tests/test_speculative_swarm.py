@@ -78,8 +78,8 @@ async def generate(boot: str, home, spec: SpecConfig | None, kill=None) -> tuple
 @pytest.fixture(scope="module")
 def plain(swarm, home) -> list[int]:
     _, boot, _, _ = swarm
-    tokens, failovers = trio.run(generate, boot, home, None)
-    assert not failovers and len(tokens) > 8
+    tokens, _ = trio.run(generate, boot, home, None)
+    assert len(tokens) > 8
     return tokens
 
 
@@ -87,7 +87,7 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     procs, boot, _, _ = swarm
     spec = SpecConfig(cost=Fixed())
     tokens, failovers = trio.run(generate, boot, home, spec)
-    assert tokens == plain and not failovers
+    assert tokens == plain, failovers
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
     # The user-facing path: `ask` speculates through the swarm by default and reports its steps.
     out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32",
