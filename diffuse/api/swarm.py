@@ -18,6 +18,7 @@ from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.coverage import coverage
+from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
@@ -51,6 +52,7 @@ class SwarmBackend:
         self.clients = {c.model_id: c for c in clients}
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
+        self.last: dict[str, list[PeerRecord]] = {}  # per model: the records last read
 
     def _client(self, model_id: str) -> SwarmClient:
         if model_id not in self.clients:
@@ -67,10 +69,21 @@ class SwarmBackend:
     async def models(self) -> list[dict[str, Any]]:
         return [await self._coverage(c) for c in self.clients.values()]
 
+    async def _records(self, client: SwarmClient) -> list[PeerRecord]:
+        """This read's records merged with the last ones (newest per peer wins): a DHT lookup
+        that misses a peer on a busy machine must not make the model unservable while that
+        peer's signed record has not expired (coverage drops expired records)."""
+        merged = {r.peer_id: r for r in self.last.get(client.model_id, [])}
+        for r in await client.node.records(client.model_id, include_offline=True):
+            if r.peer_id not in merged or r.timestamp >= merged[r.peer_id].timestamp:
+                merged[r.peer_id] = r
+        self.last[client.model_id] = [r for r in merged.values() if r.fresh()]
+        return [r for r in self.last[client.model_id] if r.online]
+
     async def _coverage(self, client: SwarmClient) -> dict[str, Any]:
         """The DHT's block map (trusted records only), with the blocks this API computes itself
         as the peer 'local', and each peer's standing with this client (banned, RTT)."""
-        cov = coverage(await client.node.records(client.model_id), client.model_id, client.cfg.num_layers,
+        cov = coverage(await self._records(client), client.model_id, client.cfg.num_layers,
                        expected_hashes=client.manifest.block_hashes).to_dict()
         start, end = client.remote_range
         local = [b for b in range(cov["num_blocks"]) if not start <= b < end]
