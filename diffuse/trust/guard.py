@@ -131,12 +131,14 @@ class Guard:
 
     # ---- materials ----
 
-    async def material(self, start: int, end: int, dtype: str) -> SpanMaterial:
+    async def material(self, start: int, end: int, dtype: str | None = None) -> SpanMaterial:
         """Canaries, calibration and referee for a span, able to judge a peer computing in `dtype`."""
         m = self.bank.spans.get((start, end))
-        if m is not None and dtype in m.benign:
+        if m is not None and (dtype is None or dtype in m.benign):
             return m
         try:
+            if dtype is None:
+                return await trio.to_thread.run_sync(self.bank.material, start, end)
             return await trio.to_thread.run_sync(self.bank.judging, start, end, dtype)
         except Exception as e:  # noqa: BLE001 - any failure here means we cannot vouch for anyone
             raise TrustUnavailable(f"cannot judge peers on blocks {start}-{end - 1} ({dtype}): "
@@ -161,6 +163,7 @@ class Guard:
             self.passed[key] = self.passed.get(key, 0) + 1
 
     async def canary(self, hop: Hop, session_factory: Callable[[Hop], Awaitable[Any]]) -> None:
+        await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
         session = await session_factory(hop)
         try:
             dtype = session.peer_dtype
