@@ -22,6 +22,7 @@ from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import open_node
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, ErrorMsg
 from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -32,9 +33,9 @@ TOKENS = 24
 class Swarm:
     """A sentinel plus peers; each peer's process, address and id, restartable by name."""
 
-    def __init__(self, procs: Procs, tmp, spans: dict[str, str]):
+    def __init__(self, procs: Procs, tmp, spans: dict[str, str], extra: dict[str, list[str]] | None = None):
         tmp.mkdir(exist_ok=True)
-        self.procs, self.tmp = procs, tmp
+        self.procs, self.tmp, self.extra = procs, tmp, extra or {}
         sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
         self.boot = sentinel.readline(timeout=120)
         self.spans, self.proc, self.ids, self.addrs = spans, {}, {}, {}
@@ -46,7 +47,7 @@ class Swarm:
     def start(self, name: str) -> None:
         self.proc[name] = self.procs.start(
             "join", "--identity", str(self.tmp / f"{name}.key"), "--bootstrap", self.boot, "--listen", LOCAL,
-            "--blocks", self.spans[name], "--heartbeat", "2", "--ttl", "30")
+            "--blocks", self.spans[name], "--heartbeat", "2", "--ttl", "30", *self.extra.get(name, []))
 
     def wait(self, name: str) -> None:
         lines = self.proc[name].read_until("serving", timeout=180)
@@ -108,8 +109,6 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
             results = []
             async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
                 client = SwarmClient(node, model_dir, SwarmOptions())
-                from diffuse.model.tokenizer import Tokenizer
-
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
                 for run_no in range(10):
@@ -136,6 +135,45 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
             return results
 
         assert len(trio.run(run)) == 10
+
+
+def test_peer_answering_errors_mid_generation_keeps_the_answer(home, tmp_path, reference):
+    """Both replicas of blocks 15:30 end a session idle for 8 s with an ERROR reply: the client
+    pauses 12 s after token k, so the peer on its route answers the next STEP with that error (a
+    real peer's error frame mid-generation); the client bans it and fails over to the other. The
+    trust plane is off: its canaries idle sessions on purpose (pacing), and it has its own tests."""
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    short = ["--session-timeout", "8"]
+    with Procs(home) as procs:
+        swarm = Swarm(procs, tmp_path, {"A": "1:15", "B": "15:30", "B2": "15:30"}, {"B": short, "B2": short})
+
+        async def run() -> list[dict]:
+            results = []
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+                client = SwarmClient(node, model_dir, SwarmOptions(trust=None))
+                tok = Tokenizer.load(model_dir)
+                prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+                for pause_at in (2, 11):
+                    pipe = await client.session(len(prompt) + TOKENS)
+                    remote = remote_of(pipe)
+                    gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
+                    n, erring = 0, None
+                    async for _ in gen:
+                        n += 1
+                        if n == pause_at:
+                            erring = remote.route_taken[1]["peer"]
+                            await trio.sleep(12)
+                    await pipe.close()
+                    other = next(p for name, p in swarm.ids.items() if name.startswith("B") and p != erring)
+                    r = {"tokens": gen.completion.token_ids, "failovers": remote.stats.failovers}
+                    assert r["tokens"] == reference, r
+                    assert [(f["peer"], f["replaced_by"]) for f in r["failovers"]] == [(erring, [other])], r
+                    assert "session idle" in r["failovers"][0]["error"], r
+                    results.append(r)
+                    client.bans.until.clear()
+            return results
+
+        assert len(trio.run(run)) == 2
 
 
 def test_bad_frames_to_a_real_peer_leave_it_serving(home, tmp_path, reference):

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from diffuse.errors import DiffuseError
@@ -28,12 +29,13 @@ CLI = [sys.executable, "-m", "diffuse"]
 
 
 class Child:
-    """A `diffuse` subprocess whose stdout lines are read without blocking the caller."""
+    """A `diffuse` subprocess whose stdout lines are read without blocking the caller; `prefix`
+    runs it under a wrapper that execs it (e.g. `ip netns exec NS`)."""
 
-    def __init__(self, name: str, args: list[str], log: Path):
+    def __init__(self, name: str, args: list[str], log: Path, prefix: Sequence[str] = ()):
         self.name = name
         self.log = open(log, "w")
-        self.p = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=self.log, text=True,
+        self.p = subprocess.Popen([*prefix, *CLI, *args], stdout=subprocess.PIPE, stderr=self.log, text=True,
                                   env=os.environ | {"PYTHONUNBUFFERED": "1"})
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

@@ -38,6 +38,10 @@ from diffuse.trust.guard import Guard, TrustOptions
 
 log = logging.getLogger(__name__)
 RTT_TTL_S = 60.0  # re-measure a peer's round trip after this long, as Petals refreshes routes
+# A session fetches records as it opens; its failovers reuse them while this young (and unexpired),
+# so replacing a dead peer needs no DHT lookup (1.5 s on a loaded box, up to the query timeout per
+# dead node on a WAN). A route they cannot give fetches fresh ones.
+RECORDS_TTL_S = 30.0
 PEERSTORE_TTL_S = 600
 
 
@@ -73,15 +77,22 @@ class SwarmClient:
         self.bans = Bans()
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
         self.rejected: dict[str, str] = {}  # peer -> why its record was refused
+        self._records: tuple[float, list[PeerRecord]] = (-1e9, [])  # last fetch: (when, good ones)
         self.guard: Guard | None = None
         if self.opts.trust is not None:
             t = self.opts.trust
-            bank = CanaryBank(self.model_dir, data_home(), self.opts.wire_dtype, t.canaries, t.canary_tokens)
+            # Canaries live in the store holding the model (home/models/NAME), else the default home.
+            store_home = self.model_dir.parent.parent if self.model_dir.parent.name == "models" else data_home()
+            bank = CanaryBank(self.model_dir, store_home, self.opts.wire_dtype, t.canaries, t.canary_tokens)
             self.guard = Guard(self.model_id, bank, node.key_pair, t, publish=self._publish)
         self.suspects: dict[str, tuple[int, float]] = {}  # peer -> (others' reports, looked up at)
 
-    async def records(self) -> list[PeerRecord]:
-        """Fresh online records that serve exactly the weights our manifest names."""
+    async def records(self, max_age: float = 0.0) -> list[PeerRecord]:
+        """Fresh online records that serve exactly the weights our manifest names; fetched at
+        most `max_age` seconds ago (0: from the DHT now)."""
+        at, cached = self._records
+        if time.monotonic() - at <= max_age:
+            return [r for r in cached if r.fresh()]
         good = []
         for r in await self.node.records(self.model_id):
             if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != self.manifest.block_hashes[r.start:r.end]:
@@ -90,6 +101,7 @@ class SwarmClient:
             if PROTOCOL_ID not in r.protocols:
                 continue
             good.append(r)
+        self._records = (time.monotonic(), good)
         return good
 
     async def covered(self) -> bool:
@@ -101,7 +113,12 @@ class SwarmClient:
     async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
         """The best route avoiding `exclude`, and avoiding peers others published evidence
         against while a route without them exists (evidence is a claim: we never ban on it)."""
-        records = await self.records()
+        try:
+            return await self._plan(start, end, exclude, await self.records(RECORDS_TTL_S))
+        except NoRoute:
+            return await self._plan(start, end, exclude, await self.records())
+
+    async def _plan(self, start: int, end: int, exclude: set[str], records: list[PeerRecord]) -> list[Hop]:
         candidates = [r for r in records if r.peer_id not in exclude and r.start < end and r.end > start]
         await self._measure_rtts(candidates)
         now = time.monotonic()
@@ -169,9 +186,10 @@ class SwarmClient:
         addrs = [parse_multiaddr(a) for a in hop.addrs]
         host = self.node.host
         network = host.get_network()
-        if addrs and not network.get_connections(peer):
+        if addrs and all(c.is_closed for c in network.get_connections(peer)):
             # A restarted peer comes back on new ports: forget the old addresses, and the
             # dialer's memory that they failed, or py-libp2p refuses to dial it for a while.
+            # A closed connection to its old self may linger in the table: it does not count.
             host.get_peerstore().clear_addrs(peer)
             host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
             network.unblock_peer(peer)
@@ -181,6 +199,7 @@ class SwarmClient:
     async def session(self, max_len: int, batch: int = 1) -> Pipeline:
         """Open a session: local front blocks, the swarm's route, local back blocks."""
         start, end = self.remote_range
+        await self.records()  # fresh, for this route and its failovers
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
                             self.opts.wire_dtype, self.opts.step_timeout, guard=self.guard)
         await remote.open()

@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""Greedy decoding through a loopback swarm (1, 2 and 3 hops) against the in-process engine, and
+the time to recover from a SIGKILLed peer, from one run.
+
+    .venv/bin/python scripts/bench_swarm.py [--tokens 64] [--repeats 3] [--kills 3] [--dtype bf16]
+
+A sentinel and seven `diffuse join` processes start on 127.0.0.1: one peer with every block
+(1 hop), two with 15 each (2 hops), three with 10 each (3 hops), and a replica of the second
+2-hop span. The client runs in this process with `local_blocks=(0, 0)`: it keeps embeddings,
+final norm and LM head, and the hops run every block. Each path's sessions are routed only over
+its own peers, and the trust plane is off (this measures the data plane; the trust plane's
+overhead is measured by its own script). Repeats alternate the in-process engine (same model, same dtype, same head) and
+the three paths, so machine noise hits all alike; each cell is the median over repeats of
+decode tokens/s (first to last generated token; prefill excluded). Greedy tokens must be
+identical on every path; the script says so.
+
+Recovery: generations over the 2-hop peers plus the replica; after a chosen token the peer on
+the route for the replicated span is SIGKILLed (and reaped), so the next step fails over: ban,
+new route, replay of the committed inputs, retried step. Reported per kill: the time from the
+peer's death to the next token minus a normal token interval, and the client's own failover
+record. The killed peer restarts (same identity) before the next kill.
+
+Before/after the transport tuning: `GOMP_SPINCOUNT=300000 PY_YAMUX_RELEASE_ON_READ=1` (the
+libraries' defaults) in the environment undoes what `diffuse` sets by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `diffuse` sets it; before torch starts
+
+import trio  # noqa: E402
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+
+from diffuse.cli.demo import Child  # noqa: E402
+from diffuse.client.generate import stream_tokens  # noqa: E402
+from diffuse.client.local import open_local  # noqa: E402
+from diffuse.client.pipeline import Pipeline  # noqa: E402
+from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
+from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
+from diffuse.control.host import parse_peer_addr  # noqa: E402
+from diffuse.control.node import open_node  # noqa: E402
+from diffuse.data.client import RemoteSpan  # noqa: E402
+from diffuse.home import data_home  # noqa: E402
+from diffuse.model import store  # noqa: E402
+from diffuse.model.load import parse_dtype  # noqa: E402
+from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # a count: greedy decoding never ends it by itself
+PATHS = {"1 hop": {"P": "0:30"}, "2 hops": {"Q0": "0:15", "Q1": "15:30"},
+         "3 hops": {"T0": "0:10", "T1": "10:20", "T2": "20:30"}}
+REPLICA = {"R": "15:30"}  # with Q0 and Q1: the failover group
+TARGETS = {"1 hop": 0.9, "3 hops": 0.75}
+RECOVERY_TARGET_S = 1.5
+
+
+class Peers:
+    """The sentinel and peer processes; a peer can be SIGKILLed and restarted on its identity."""
+
+    def __init__(self, home: Path, tmp: Path, dtype: str, timeout: float = 300.0):
+        self.home, self.tmp, self.dtype, self.timeout = home, tmp, dtype, timeout
+        self.spans = {n: s for group in [*PATHS.values(), REPLICA] for n, s in group.items()}
+        self.proc: dict[str, Child] = {}
+        self.ids: dict[str, str] = {}
+        self.sentinel: Child | None = None
+
+    def launch(self) -> None:
+        self.sentinel = Child("sentinel", ["--home", str(self.home), "sentinel", "--identity", str(self.tmp / "s.key"),
+                                                 "--listen", LOCAL], self.tmp / "sentinel.log")
+        self.boot = self.sentinel.wait_for("/ip4/", self.timeout)
+        for name in self.spans:
+            self.start(name)
+        for name in self.spans:
+            self.wait(name)
+
+    def start(self, name: str) -> None:
+        self.proc[name] = Child(name, ["--home", str(self.home), "join", "--bootstrap", self.boot,
+                                       "--blocks", self.spans[name], "--dtype", self.dtype,
+                                       "--identity", str(self.tmp / f"{name}.key"), "--listen", LOCAL],
+                                self.tmp / f"{name}.log")
+
+    def wait(self, name: str) -> None:
+        addr = self.proc[name].wait_for("/ip4/", self.timeout)
+        self.ids[name] = parse_peer_addr(addr).peer_id.to_base58()
+        self.proc[name].wait_for("serving ", self.timeout)
+
+    def kill(self, name: str) -> None:
+        self.proc[name].p.kill()
+        self.proc[name].p.wait()
+        self.proc[name].stop()  # closes its log
+
+    def stop(self) -> None:
+        for child in [*self.proc.values(), *([self.sentinel] if self.sentinel else [])]:
+            child.stop()
+
+
+async def decode(pipe: Pipeline, prompt: list[int], tokens: int, on_token=None) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the time each one appeared; on_token(i) runs after token i."""
+    ids, stamps = [], []
+    try:
+        async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=tokens)), set()):
+            stamps.append(time.perf_counter())
+            ids.append(t)
+            if on_token is not None:
+                on_token(len(ids) - 1)
+    finally:
+        await pipe.close()
+    return ids, stamps
+
+
+def decode_tps(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+async def bench(args, home: Path, peers: Peers) -> None:
+    model_dir = store.resolve(home, None)
+    dtype = parse_dtype(args.dtype)
+    tok = Tokenizer.load(model_dir)
+    prompt = tok.encode(PROMPT)
+    max_len = len(prompt) + args.tokens
+    local, _ = open_local(home, None, args.dtype)
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[peers.boot], server=False) as node:
+        client = SwarmClient(node, model_dir, SwarmOptions(local_blocks=(0, 0), dtype=dtype, trust=None))
+        n = client.cfg.num_layers
+        everyone = set(peers.ids.values())
+        with trio.fail_after(120):
+            while not everyone <= {r.peer_id for r in await client.records()}:
+                await trio.sleep(0.5)
+
+        spent = {"route": 0.0, "dial": 0.0}  # seconds, for the failover breakdown
+
+        async def dial(hop):
+            t0 = time.perf_counter()
+            try:
+                return await client.dial(hop)
+            finally:
+                spent["dial"] += time.perf_counter() - t0
+
+        def remote(names: set[str]) -> RemoteSpan:
+            """A session over blocks [0, n) routed only over these peers."""
+            others = everyone - {peers.ids[m] for m in names}
+
+            async def route(start: int, end: int, exclude: set[str]):
+                t0 = time.perf_counter()
+                try:
+                    return await client.route(start, end, exclude | others)
+                finally:
+                    spent["route"] += time.perf_counter() - t0
+
+            return RemoteSpan(client.model_id, 0, n, dial, route, client.bans, max_len,
+                              dtype=client.opts.wire_dtype, timeout=client.opts.step_timeout)
+
+        async def session(path: str) -> Pipeline:
+            if path == "in-process":
+                return local.session(max_len)
+            span = remote(set(PATHS[path]))
+            await client.records()  # as SwarmClient.session does: fresh records for the route
+            await span.open()
+            return Pipeline(client.head, [span])
+
+        order = ["in-process", *PATHS]
+        tps: dict[str, list[float]] = {p: [] for p in order}
+        tokens: dict[str, set[tuple[int, ...]]] = {p: set() for p in order}
+        for rep in range(args.repeats + 1):  # round 0 warms caches, connections and RTTs
+            for path in order:
+                ids, stamps = await decode(await session(path), prompt, args.tokens)
+                tokens[path].add(tuple(ids))
+                if rep:
+                    tps[path].append(decode_tps(stamps))
+            print(f"round {rep}{' (warm-up)' if not rep else ''}: " + ", ".join(
+                f"{p} {tps[p][-1]:.1f}" for p in order if rep), file=sys.stderr, flush=True)
+
+        recoveries = []
+        group = set(PATHS["2 hops"]) | set(REPLICA)
+        for k in range(args.kills):
+            kill_at = args.tokens // 4 + k * args.tokens // (2 * max(1, args.kills))
+            span = remote(group)
+            await client.records()
+            await span.open()
+            victim = next(m for m in group if peers.ids[m] == span.route_taken[-1]["peer"])
+            died: list[float] = []
+
+            def on_token(i: int) -> None:
+                if i == kill_at:
+                    peers.kill(victim)
+                    died.append(time.perf_counter())
+                    spent.update(route=0.0, dial=0.0)
+
+            ids, stamps = await decode(Pipeline(client.head, [span]), prompt, args.tokens, on_token)
+            normal = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+            record = span.stats.failovers[0] if span.stats.failovers else {}
+            recoveries.append({"kill_at": kill_at, "victim": victim, "same": tuple(ids) in tokens["in-process"],
+                               "gap_s": stamps[kill_at + 1] - died[0] - normal, "normal_s": normal,
+                               "client_s": record.get("recovery_s", float("nan")),
+                               "failovers": len(span.stats.failovers), **spent,
+                               "replayed": record.get("replayed_tokens", 0)})
+            print(f"kill {k}: {recoveries[-1]}", file=sys.stderr, flush=True)
+            peers.start(victim)
+            peers.wait(victim)
+            client.bans.until.clear()
+            with trio.fail_after(120):  # its fresh record (new port) must be what routes read
+                while peers.ids[victim] not in {r.peer_id for r in await client.records()}:
+                    await trio.sleep(0.5)
+
+    report(args, tps, tokens, recoveries)
+
+
+def report(args, tps: dict[str, list[float]], tokens: dict[str, set], recoveries: list[dict]) -> None:
+    base = statistics.median(tps["in-process"])
+    load = os.getloadavg()
+    print(f"\nSmolLM2-135M {args.dtype}, greedy decode of {args.tokens} tokens after a "
+          f"{PROMPT!r} prompt, median of {args.repeats} alternated repeats; client keeps embeddings "
+          f"and head, hops run all blocks; fp16 on the wire; trust plane off")
+    print(f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
+          f"PY_YAMUX_RELEASE_ON_READ={os.environ.get('PY_YAMUX_RELEASE_ON_READ', '0 (diffuse default)')}")
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores\n")
+    print("| path | tokens/s | ratio | ms/token | overhead ms/token | per hop ms | target |")
+    print("|---|---|---|---|---|---|---|")
+    for path, values in tps.items():
+        t = statistics.median(values)
+        hops = int(path.split()[0]) if path != "in-process" else 0
+        over = 1e3 / t - 1e3 / base
+        target = TARGETS.get(path)
+        mark = "" if target is None else f">= {target}x {'met' if t / base >= target else 'MISSED'}"
+        print(f"| {path} | {t:.1f} | {t / base:.2f}x | {1e3 / t:.2f} | "
+              f"{over:.2f} | {over / hops if hops else 0:.2f} | {mark} |")
+    same = all(v == tokens["in-process"] and len(v) == 1 for v in tokens.values())
+    print(f"\ngreedy tokens identical on every path: {'yes' if same else 'NO'}")
+    if recoveries:
+        print("\n| kill after token | victim | recovery s (gap - normal) | client failover s | of which route s "
+              "| dial s | replayed tokens | same answer |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in recoveries:
+            print(f"| {r['kill_at']} | {r['victim']} | {r['gap_s']:.3f} | {r['client_s']:.3f} | {r['route']:.3f} | "
+                  f"{r['dial']:.3f} | {r['replayed']} | {'yes' if r['same'] and r['failovers'] == 1 else 'NO'} |")
+        worst = max(r["gap_s"] for r in recoveries)
+        print(f"\nrecovery: median {statistics.median(r['gap_s'] for r in recoveries):.3f} s, worst "
+              f"{worst:.3f} s (target < {RECOVERY_TARGET_S} s: {'met' if worst < RECOVERY_TARGET_S else 'MISSED'})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    args = ap.parse_args()
+    if args.tokens < 8 or args.repeats < 1 or args.kills < 0:
+        ap.error("need --tokens >= 8, --repeats >= 1, --kills >= 0")
+    logging.basicConfig(level=logging.ERROR)  # failovers are expected here; the table reports them
+    home = data_home(args.home)
+    with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
+        print("starting a sentinel and 7 peers...", file=sys.stderr, flush=True)
+        peers = Peers(home, Path(tmp), args.dtype)
+        try:
+            peers.launch()
+            trio.run(bench, args, home, peers)
+        finally:
+            peers.stop()
+
+
+if __name__ == "__main__":
+    main()

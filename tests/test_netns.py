@@ -1,0 +1,135 @@
+"""A swarm across Linux network namespaces: the sentinel, two peers and the client each in a
+namespace of their own, joined by veth pairs to a bridge in a switch namespace (nothing touches
+the host's own network). Each node sees the others only at their 10.99.0.x addresses, so this
+checks what loopback cannot: announced addresses are the ones that route, and sessions work
+between hosts. Needs root and iproute2's `ip netns`; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from diffuse.cli.demo import CLI, Child
+from diffuse.control.host import parse_peer_addr
+from test_swarm import QUESTION, TOKENS, reference  # noqa: F401 - `reference` is a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SUBNET = "10.99.0"
+NODES = ("sentinel", "peerA", "peerB", "client")  # 10.99.0.1 .. 10.99.0.4
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
+
+
+def missing() -> str | None:
+    """Why namespaces cannot be built here, or None when they can."""
+    if sys.platform != "linux":
+        return f"network namespaces are Linux-only (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return f"creating network namespaces needs root (running as uid {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` command is not installed"
+    probe = f"dfprobe{os.getpid()}"
+    made = ip("netns", "add", probe)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    ip("netns", "del", probe)
+    return None
+
+
+class Net:
+    """A switch namespace with a bridge, and one namespace per node wired to it by a veth pair."""
+
+    def __init__(self, tag: str):
+        self.switch = f"df{tag}sw"
+        self.ns = {name: f"df{tag}n{i}" for i, name in enumerate(NODES)}
+        self.addr = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(NODES)}
+        self.tag = tag
+        self.made: list[str] = []
+
+    def run(self, *args: str) -> None:
+        done = ip(*args)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def build(self) -> None:
+        for ns in [self.switch, *self.ns.values()]:
+            self.run("netns", "add", ns)
+            self.made.append(ns)
+            self.run("-n", ns, "link", "set", "lo", "up")
+        self.run("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        self.run("-n", self.switch, "link", "set", "br0", "up")
+        for i, (name, ns) in enumerate(self.ns.items()):
+            inner, outer = f"df{self.tag}i{i}", f"df{self.tag}o{i}"  # <= 15 characters
+            self.run("link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", self.switch)
+            self.run("-n", self.switch, "link", "set", outer, "master", "br0", "up")
+            self.run("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", inner)
+            self.run("-n", ns, "link", "set", inner, "up")
+
+    def destroy(self) -> None:
+        """Deleting a namespace deletes its ends of the veth pairs, and with them the pairs."""
+        for ns in reversed(self.made):
+            ip("netns", "del", ns)
+
+    def prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[name]]
+
+    def listen(self, name: str) -> str:
+        return f"/ip4/{self.addr[name]}/tcp/0"
+
+
+@pytest.fixture
+def net():
+    why = missing()
+    if why:
+        pytest.skip(why)
+    net = Net(os.urandom(3).hex())
+    try:
+        net.build()
+        yield net
+    finally:
+        net.destroy()
+    leftover = ip("netns", "list").stdout
+    assert net.tag not in leftover, f"namespaces left behind: {leftover}"
+
+
+def test_swarm_across_namespaces_equals_local(home, tmp_path, net, reference):
+    children: list[Child] = []
+    base = ["--home", str(home)]
+
+    def start(name: str, *args: str) -> Child:
+        children.append(Child(name, base + list(args), tmp_path / f"{name}.log", prefix=net.prefix(name)))
+        return children[-1]
+
+    try:
+        sentinel = start("sentinel", "sentinel", "--identity", str(tmp_path / "s.key"),
+                         "--listen", net.listen("sentinel"))
+        boot = sentinel.wait_for("/ip4/", 120)
+        assert boot.startswith(f"/ip4/{net.addr['sentinel']}/")
+        ids = {}
+        for name, span in (("peerA", "1:15"), ("peerB", "15:30")):
+            start(name, "join", "--bootstrap", boot, "--blocks", span, "--heartbeat", "5",
+                  "--identity", str(tmp_path / f"{name}.key"), "--listen", net.listen(name))
+        for child in children[1:]:
+            addr = child.wait_for("/ip4/", 180)
+            assert addr.startswith(f"/ip4/{net.addr[child.name]}/"), addr
+            ids[parse_peer_addr(addr).peer_id.to_base58()] = child.name
+            child.wait_for("serving ", 180)
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
+            "--wait", "60", QUESTION], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["token_ids"] == reference
+        assert [(ids[h["peer"]], h["blocks"]) for h in got["route"]] == [("peerA", [1, 15]), ("peerB", [15, 30])]
+        assert not got["failovers"]
+    finally:
+        for child in reversed(children):
+            child.stop()
