@@ -90,8 +90,8 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     assert tokens == plain, failovers
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
     # The user-facing path: `ask` speculates through the swarm by default and reports its steps.
-    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32",
-                    "--max-tokens", str(TOKENS), "--wait", "30", QUESTION, timeout=300)
+    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32", "--no-trust",
+                    "--max-tokens", str(TOKENS), "--wait", "30", QUESTION, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["token_ids"] == plain and got["speculate"] is True
