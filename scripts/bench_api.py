@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """`diffuse api` vs the client library: N concurrent streaming clients, time to first token and
-tokens/s per client and in total.
+tokens/s per client and in total, on a local model and on a loopback swarm.
 
-    .venv/bin/python scripts/bench_api.py [--clients 1,4,16] [--tokens 32] [--rounds 2] [--threads N]
+    .venv/bin/python scripts/bench_api.py [--backends local,swarm] [--clients 1,4,16] [--tokens 32]
+                                          [--rounds 2] [--threads N]
 
 "direct" runs N `Generation`s concurrently in this process (each in a session of its own);
 "api" runs N streaming clients of the official `openai` package (asyncio) against a
-`diffuse api --local` subprocess serving the same weights in the same dtype. Both generate the
-same greedy tokens from the same prompt (a count that never ends by itself). Rounds alternate
+`diffuse api` subprocess serving the same weights in the same dtype: `--local`, or
+`--bootstrap` into a loopback swarm (a sentinel and one peer serving every block; the API and
+the direct client both run block 0 and the head themselves, as every swarm client does, and
+neither runs the trust plane's canaries). Both generate the same greedy tokens from the same
+prompt (a count that never ends by itself). Every client of a round starts at the same instant,
+so TTFT includes waiting behind the other clients' prefills in both modes. Rounds alternate
 direct and api so machine noise hits both alike; each cell is the median over rounds.
 
 On a busy machine the model's own step time swings by more than the API costs, so a second
@@ -21,11 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import select
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,12 +77,15 @@ def summary(clients: list[Client]) -> dict[str, float]:
 
 
 async def direct_round(open_session: Callable, tokenizer, prompt: list[int], n: int, tokens: int) -> list[Client]:
+    """N sessions at once. They all start now: a start taken when each task first runs would
+    exclude the prefills of the tasks before it (a local model never yields while it computes),
+    which once made direct TTFT look 7x better than the API's at N=16."""
     out: list[Client] = []
     params = SamplingParams(temperature=0.0, max_tokens=tokens)
+    start = time.perf_counter()
 
     async def one() -> None:
-        start = time.perf_counter()
-        pipeline = open_session(len(prompt) + tokens)
+        pipeline = await open_session(len(prompt) + tokens)
         first = None
         try:
             gen = Generation(pipeline, tokenizer, prompt, params)
@@ -136,7 +145,7 @@ class NullBackend:
         self.logits = torch.zeros(1, 1, self.tok.vocab_size)
         self.logits[0, 0, self.tok.encode(" 1")[-1]] = 1.0
 
-    def open_session(self, max_len: int) -> NullPipeline:
+    async def open_session(self, max_len: int) -> NullPipeline:
         return NullPipeline(self.logits)
 
     async def models(self) -> list[dict]:
@@ -149,7 +158,7 @@ class NullBackend:
         return 1 << 20
 
     async def session(self, model_id: str, max_len: int) -> NullPipeline:
-        return self.open_session(max_len)
+        return await self.open_session(max_len)
 
 
 def serve_null(home: str, name: str | None) -> None:
@@ -166,16 +175,61 @@ def serve_null(home: str, name: str | None) -> None:
     trio.run(main)
 
 
-def start_server(cmd: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(cmd: list[str], ready: str = "listening on ") -> tuple[subprocess.Popen, str]:
+    """Start a process and wait for its stdout line starting with `ready`; return it and that
+    line's last word (a URL or multiaddr). Blocking reads with a kill timer: select() on a pipe
+    misses lines a buffered readline has already pulled in."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    if not select.select([proc.stdout], [], [], 300)[0]:
-        proc.kill()
-        sys.exit("a server did not start within 300 s")
-    line = proc.stdout.readline()
-    if not line.startswith("listening on "):
-        proc.kill()
-        sys.exit(f"a server failed to start: {line!r}")
-    return proc, line.split()[-1]
+    timer = threading.Timer(300, proc.kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith(ready):
+                return proc, line.split()[-1]
+    finally:
+        timer.cancel()
+    proc.kill()
+    sys.exit(f"{' '.join(cmd[cmd.index('-c') + 2:][:4])}... did not start within 300 s")
+
+
+def start_swarm(home: str, model: list[str], dtype: str, max_sessions: int, servers: list) -> tuple[str, str]:
+    """A sentinel, one peer serving every block, and `diffuse api --bootstrap` (appended to
+    `servers` as they start); returns the bootstrap address and the API's URL."""
+    base = [*DIFFUSE, "--home", home]
+    listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+    ident = tempfile.mkdtemp(prefix="bench_api_")
+    servers.append(start_server([*base, "sentinel", "--identity", f"{ident}/s.key", *listen], ready=""))
+    boot = servers[-1][1]
+    servers.append(start_server([*base, "join", "--identity", f"{ident}/p.key", "--bootstrap", boot, *listen,
+                                 "--blocks", "0:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30", *model],
+                                ready="serving "))
+    servers.append(start_server([*base, "api", "--bootstrap", boot, "--listen", "127.0.0.1:0", "--dtype", dtype,
+                                 "--no-trust", "--wait", "60", "--max-sessions", str(max_sessions), *model]))
+    return boot, servers[-1][1]
+
+
+def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prompt: list[int], n: int,
+                 tokens: int) -> list[Client]:
+    """A round of direct clients through the swarm: a client node of its own (as `diffuse ask`),
+    warmed by one short session (the API's client has measured its route already)."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.client.swarm import SwarmClient, SwarmOptions
+    from diffuse.control.node import open_node
+    from diffuse.model.load import parse_dtype
+
+    async def run() -> list[Client]:
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
+                             server=False) as node:
+            options = SwarmOptions(dtype=parse_dtype(dtype))
+            options.trust = None  # as the API's --no-trust
+            client = SwarmClient(node, store.resolve(home, model), options)
+            while not await client.covered():
+                await trio.sleep(0.25)
+            await direct_round(client.session, tokenizer, prompt, 1, 2)
+            return await direct_round(client.session, tokenizer, prompt, n, tokens)
+
+    return trio.run(run)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -204,11 +258,23 @@ def compare(sizes: list[int], rounds: int, direct: Callable, api: Callable, serv
     return out
 
 
+def table(title: str, results: dict[int, dict[str, dict]]) -> None:
+    print(f"\n{title}", flush=True)
+    print("| clients | mode | TTFT ms | tok/s per client | tok/s total | ms per token per client | api/direct |")
+    print("|---|---|---|---|---|---|---|")
+    for n, modes in results.items():
+        for mode, m in modes.items():
+            ratio = m["token_ms"] / modes["direct"]["token_ms"]
+            print(f"| {n} | {mode} | {m['ttft_ms']:.0f} | {m['client_tps']:.1f} | {m['total_tps']:.1f} "
+                  f"| {m['token_ms']:.1f} | {ratio:.3f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")
     ap.add_argument("--model")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--backends", default="local,swarm", help="local, swarm or both (comma-separated)")
     ap.add_argument("--clients", default="1,4,16", help="comma-separated numbers of concurrent clients")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per client")
     ap.add_argument("--null-tokens", type=int, default=400, help="tokens per client over the null model")
@@ -217,53 +283,68 @@ def main() -> None:
                     "on a busy machine)")
     args = ap.parse_args()
     sizes = [int(n) for n in args.clients.split(",")]
+    backends = args.backends.split(",")
+    if not set(backends) <= {"local", "swarm"}:
+        sys.exit("--backends takes local, swarm or both")
 
     home = data_home(args.home)
     model, tokenizer = open_local(home, args.model, args.dtype)
     null = NullBackend(home, args.model)
     prompt = tokenizer.encode(PROMPT, add_special=True)  # exactly what /v1/completions feeds the model
     model_arg = ["--model", args.model] if args.model else []
-    servers = [start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                             "--dtype", args.dtype, "--max-sessions", str(max(sizes)), *model_arg])]
+    servers: list[tuple[subprocess.Popen, str]] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally: stop the servers
+    real: dict[str, dict] = {}
+    print(f"{null.model_id} {args.dtype}, prompt {len(prompt)} tokens, {args.tokens} greedy tokens per client, "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, median of {args.rounds} rounds", flush=True)
+
+    async def local_session(max_len: int):
+        return model.session(max_len)
+
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        serve = f"import sys; sys.path.insert(0, {here!r}); import bench_api; bench_api.serve_null({str(home)!r}, "
-        servers.append(start_server([sys.executable, "-c", serve + f"{args.model!r})"]))
-        (_, url), (_, null_url) = servers
-        trio.run(direct_round, model.session, tokenizer, prompt, 1, 4)  # warm-up of both sides
-        asyncio.run(api_round(url, null.model_id, 1, 4))
-        real = compare(sizes, args.rounds,
-                       lambda n: trio.run(direct_round, model.session, tokenizer, prompt, n, args.tokens),
-                       lambda n: asyncio.run(api_round(url, null.model_id, n, args.tokens)), servers[0][0].pid)
-        free = compare(sizes, args.rounds,
-                       lambda n: trio.run(direct_round, null.open_session, tokenizer, prompt, n, args.null_tokens),
-                       lambda n: asyncio.run(api_round(null_url, null.model_id, n, args.null_tokens)),
-                       servers[1][0].pid)
+        if "local" in backends:
+            servers.append(start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
+                                         "--dtype", args.dtype, "--max-sessions", str(max(sizes)), *model_arg]))
+            url, pid = servers[-1][1], servers[-1][0].pid
+            here = os.path.dirname(os.path.abspath(__file__))
+            serve = f"import sys; sys.path.insert(0, {here!r}); import bench_api; bench_api.serve_null({str(home)!r}, "
+            servers.append(start_server([sys.executable, "-c", serve + f"{args.model!r})"]))
+            null_url, null_pid = servers[-1][1], servers[-1][0].pid
+            trio.run(direct_round, local_session, tokenizer, prompt, 1, 4)  # warm-up of both sides
+            asyncio.run(api_round(url, null.model_id, 1, 4))
+            real["local"] = compare(sizes, args.rounds,
+                                    lambda n: trio.run(direct_round, local_session, tokenizer, prompt, n, args.tokens),
+                                    lambda n: asyncio.run(api_round(url, null.model_id, n, args.tokens)), pid)
+            table("local: `diffuse api --local` vs Generation in this process", real["local"])
+            free = compare(sizes, args.rounds,
+                           lambda n: trio.run(direct_round, null.open_session, tokenizer, prompt, n, args.null_tokens),
+                           lambda n: asyncio.run(api_round(null_url, null.model_id, n, args.null_tokens)), null_pid)
+        if "swarm" in backends:
+            boot, swarm_url = start_swarm(str(home), model_arg, args.dtype, max(sizes), servers)
+            asyncio.run(api_round(swarm_url, null.model_id, 1, 4))  # warm-up: routes, RTTs, first forward
+            real["swarm"] = compare(
+                sizes, args.rounds,
+                lambda n: swarm_direct(home, args.model, args.dtype, boot, tokenizer, prompt, n, args.tokens),
+                lambda n: asyncio.run(api_round(swarm_url, null.model_id, n, args.tokens)), servers[-1][0].pid)
+            table("swarm: `diffuse api --bootstrap` vs SwarmClient sessions in this process, one loopback peer "
+                  "(blocks 0:30)", real["swarm"])
     finally:
-        for proc, _ in servers:
+        for proc, _ in reversed(servers):
             proc.terminate()
             proc.wait(30)
 
-    print(f"{null.model_id} {args.dtype}, prompt {len(prompt)} tokens, {args.tokens} greedy tokens per client, "
-          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs, median of {args.rounds} rounds")
-    print("| clients | mode | TTFT ms | tok/s per client | tok/s total | ms per token per client |")
-    print("|---|---|---|---|---|---|")
-    for n in sizes:
-        for mode, m in real[n].items():
-            print(f"| {n} | {mode} | {m['ttft_ms']:.0f} | {m['client_tps']:.1f} | {m['total_tps']:.1f} "
-                  f"| {m['token_ms']:.1f} |")
-    print(f"\nThe API's own cost per token: the same paths over a model that costs nothing "
-          f"({args.null_tokens} tokens per client); CPU counts the clients and the server")
-    print("| clients | direct us/token | api us/token | direct CPU us/token | api CPU us/token "
-          "| API CPU cost us/token | share of a real token (direct) |")
-    print("|---|---|---|---|---|---|---|")
-    for n in sizes:
-        d, a = free[n]["direct"], free[n]["api"]
-        cost = a["cpu_us"] - d["cpu_us"]  # every CPU microsecond the API spends is one the model may wait for
-        real_us = 1e6 / real[n]["direct"]["total_tps"]
-        print(f"| {n} | {1e6 / d['total_tps']:.0f} | {1e6 / a['total_tps']:.0f} | {d['cpu_us']:.0f} "
-              f"| {a['cpu_us']:.0f} | {cost:.0f} | {100 * cost / real_us:.2f}% |")
+    if "local" in real:
+        print(f"\nThe API's own cost per token: the same paths over a model that costs nothing "
+              f"({args.null_tokens} tokens per client); CPU counts the clients and the server")
+        print("| clients | direct us/token | api us/token | direct CPU us/token | api CPU us/token "
+              "| API CPU cost us/token | share of a real token (direct) |")
+        print("|---|---|---|---|---|---|---|")
+        for n in sizes:
+            d, a = free[n]["direct"], free[n]["api"]
+            cost = a["cpu_us"] - d["cpu_us"]  # every CPU microsecond the API spends is one the model may wait for
+            real_us = 1e6 / real["local"][n]["direct"]["total_tps"]
+            print(f"| {n} | {1e6 / d['total_tps']:.0f} | {1e6 / a['total_tps']:.0f} | {d['cpu_us']:.0f} "
+                  f"| {a['cpu_us']:.0f} | {cost:.0f} | {100 * cost / real_us:.2f}% |")
 
 
 if __name__ == "__main__":
