@@ -37,7 +37,7 @@ def bank(tiny, tmp_path_factory):
     return CanaryBank(tiny, tmp_path_factory.mktemp("home"), torch.float16, n=8, length=12)
 
 
-async def guarded_answer(path, bank, spans, tamper, n, options, published):
+async def guarded_answer(path, bank, spans, tamper, n, options, published, max_len=64):
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, path, spans)
         for name, t in tamper.items():
@@ -48,10 +48,10 @@ async def guarded_answer(path, bank, spans, tamper, n, options, published):
             published.append(ev)
 
         guard = Guard(MODEL, bank, create_new_key_pair(), options, publish, rng=random.Random(7))
-        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10, route_wait=0,
-                            guard=guard)
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=max_len, timeout=10,
+                            route_wait=0, guard=guard)
         await remote.open()
-        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64), remote])
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), max_len), remote])
         out = await greedy(pipe, PROMPT, n)
         await pipe.close()
         nursery.cancel_scope.cancel()
@@ -67,6 +67,17 @@ def test_honest_swarm_passes_every_check(tiny, bank):
     assert guard.counts["canaries"] == 3 and guard.counts["spot_checks"] == 11  # prompt + 10 steps
     assert guard.counts["caught"] == 0 and not remote.stats.failovers and not published
     assert not guard.shadows  # referee caches freed with the session
+
+
+def test_canaries_fit_sessions_shorter_than_a_canary(tiny, bank):
+    """A 7-token prompt and 3 new tokens: the session is shorter than a 12-token canary, whose
+    session asks for just enough room instead of being refused as too long."""
+    published = []
+    opts = TrustOptions(vet_canaries=2, spot_rate=1.0)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 4)}, {}, 3, opts, published,
+                                  len(PROMPT) + 3)
+    assert out == local_answer(tiny, PROMPT, 3)
+    assert guard.counts["canaries"] == 2 and not remote.stats.failovers and not published
 
 
 @pytest.mark.parametrize("kind,strength", [("noise", 20.0), ("scale", 8.0), ("skip", 1.0)])

@@ -296,10 +296,11 @@ class RemoteSpan:
     async def open(self) -> None:
         self.hops = await self._build(self.start, self.end, [])
 
-    async def _canary_session(self, hop: Hop) -> HopSession:
-        """A session for a canary: indistinguishable from this span's real sessions."""
-        session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len, self.batch, self.dtype,
-                             self.timeout, True)
+    async def _canary_session(self, hop: Hop, tokens: int) -> HopSession:
+        """A session for a canary of `tokens` tokens: indistinguishable from this span's real
+        sessions (their max_length, unless the canary would not fit)."""
+        session = HopSession(hop, await self.dial(hop), self.model_id, max(self.max_len, tokens), self.batch,
+                             self.dtype, self.timeout, True)
         try:
             await session.open()
         except BaseException:

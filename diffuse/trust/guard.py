@@ -152,7 +152,7 @@ class Guard:
 
     # ---- canaries ----
 
-    async def vet(self, hop: Hop, session_factory: Callable[[Hop], Awaitable[Any]]) -> None:
+    async def vet(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
         """Canaries for `hop` until it has passed enough; raises Caught on a failed test."""
         key = (hop.peer_id, hop.start, hop.end)
         need = self.opts.vet_canaries - self.passed.get(key, 0)
@@ -162,9 +162,9 @@ class Guard:
             await self.canary(hop, session_factory)
             self.passed[key] = self.passed.get(key, 0) + 1
 
-    async def canary(self, hop: Hop, session_factory: Callable[[Hop], Awaitable[Any]]) -> None:
-        await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
-        session = await session_factory(hop)
+    async def canary(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
+        base = await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
+        session = await session_factory(hop, base.canaries[0].hidden.shape[0])
         try:
             dtype = session.peer_dtype
             material = await self.material(hop.start, hop.end, dtype)
