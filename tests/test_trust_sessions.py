@@ -61,10 +61,11 @@ async def guarded_answer(path, bank, spans, tamper, n, options, published, max_l
 def test_honest_swarm_passes_every_check(tiny, bank):
     expected = local_answer(tiny, PROMPT, 10)
     published = []
-    opts = TrustOptions(spot_rate=1.0, vet_canaries=3)
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=3, canary_rate=1.0)
     out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 4)}, {}, 10, opts, published)
     assert out == expected
-    assert guard.counts["canaries"] == 3 and guard.counts["spot_checks"] == 11  # prompt + 10 steps
+    assert guard.counts["canaries"] == 3 + 1  # vetting, then one after the session
+    assert guard.counts["spot_checks"] == 11  # prompt + 10 steps
     assert guard.counts["caught"] == 0 and not remote.stats.failovers and not published
     assert not guard.shadows  # referee caches freed with the session
 
@@ -73,7 +74,7 @@ def test_canaries_fit_sessions_shorter_than_a_canary(tiny, bank):
     """A 7-token prompt and 3 new tokens: the session is shorter than a 12-token canary, whose
     session asks for just enough room instead of being refused as too long."""
     published = []
-    opts = TrustOptions(vet_canaries=2, spot_rate=1.0)
+    opts = TrustOptions(vet_canaries=2, spot_rate=1.0, canary_rate=0.0)
     out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 4)}, {}, 3, opts, published,
                                   len(PROMPT) + 3)
     assert out == local_answer(tiny, PROMPT, 3)

@@ -91,7 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print one JSON object (text, token ids, timings, tokens per step, route, failovers)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
                    help="send guessed continuations with each step, several tokens per round trip "
-                        "(default: on through the swarm, off with --local where a step is no round trip)")
+                        "(default: on through the swarm in fp32, where the answer is provably the plain "
+                        "greedy one; off in bf16/fp16, whose wide verification steps can break exact logit "
+                        "ties the other way, and with --local, where a step is no round trip)")
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -107,7 +109,8 @@ def cmd_ask(args) -> int:
     from diffuse.client.generate import complete, session_length
     from diffuse.client.speculative import SpecConfig
 
-    speculate = SpecConfig() if (args.speculate if args.speculate is not None else not args.local) else None
+    default = not args.local and args.dtype == "fp32"
+    speculate = SpecConfig() if (args.speculate if args.speculate is not None else default) else None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))

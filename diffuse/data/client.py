@@ -359,3 +359,5 @@ class RemoteSpan:
             await s.close()
             if self.guard is not None:
                 self.guard.forget(s)
+        if self.guard is not None:
+            await self.guard.after_session([s.hop for s in self.hops], self._canary_session)

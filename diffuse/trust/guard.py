@@ -1,8 +1,8 @@
 """The client's trust plane in a live swarm: vet peers with canaries, spot-check steps, act on verdicts.
 
 - Vetting: before a peer carries a session's traffic it must have answered `vet_canaries`
-  canaries for the blocks it will serve, and afterwards every session sends it one more with
-  probability `canary_rate`. A canary session looks like a real one: OPEN with the session's
+  canaries for the blocks it will serve, and after every session it carried it gets one more
+  with probability `canary_rate`. A canary session looks like a real one: OPEN with the session's
   max_length, a prefill of the canary's first tokens, then single-token steps paced like the
   client's real decode steps. Replies are scored against the peer's declared compute dtype
   (canary.CanaryMonitor), so benign dtype drift is not tampering.
@@ -155,12 +155,23 @@ class Guard:
     async def vet(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
         """Canaries for `hop` until it has passed enough; raises Caught on a failed test."""
         key = (hop.peer_id, hop.start, hop.end)
-        need = self.opts.vet_canaries - self.passed.get(key, 0)
-        if need <= 0 and self.rng.random() < self.opts.canary_rate:
-            need = 1
-        for _ in range(max(need, 0)):
+        for _ in range(self.opts.vet_canaries - self.passed.get(key, 0)):
             await self.canary(hop, session_factory)
             self.passed[key] = self.passed.get(key, 0) + 1
+
+    async def after_session(self, hops: Sequence[Hop], session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
+        """One more canary for each hop with probability canary_rate, once the user has the answer
+        (off the time to first token and the tokens' pace). A cheat caught here is banned and
+        reported for the sessions to come; nothing is raised, the session is over."""
+        for hop in hops:
+            if self.rng.random() >= self.opts.canary_rate or self.bans.banned(hop.peer_id):
+                continue
+            try:
+                await self.canary(hop, session_factory)
+            except Caught:
+                pass
+            except Exception as e:  # noqa: BLE001 - a peer gone since is the data plane's business
+                log.info("canary for %s not run: %s", hop.peer_id, e)
 
     async def canary(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
         base = await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
