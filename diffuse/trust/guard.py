@@ -80,10 +80,9 @@ class _Shadow:
         while same < min(len(self.done), len(context)) and self.done[same] is context[same]:
             same += 1
         if same < len(self.done):
-            self.cache.rollback(sum(_tokens(x) for x in self.done[:same]))
+            self.cache.rollback(sum(x.tokens for x in self.done[:same]))
             del self.done[same:]
-        rows = [_committed(item, self.cache.length + sum(_tokens(x) for x in context[same:i]))
-                for i, item in enumerate(context[same:], start=same)]
+        rows = [_committed(sent) for sent in context[same:]]
         if rows:
             h = torch.cat([r[0] for r in rows], 1)
             positions = torch.cat([r[1] for r in rows])
@@ -97,17 +96,12 @@ class _Shadow:
         return out
 
 
-def _committed(item: Any, offset: int) -> tuple[Tensor, Tensor]:
-    """The rows an input item committed and their positions: a plain chunk, or a tree's kept path."""
-    if isinstance(item, Tensor):
-        return item, torch.arange(offset, offset + item.shape[1])
-    if item.keep is None:
-        return item.h, item.positions
-    return item.h[:, item.keep], item.positions[item.keep]
-
-
-def _tokens(item: Any) -> int:
-    return item.shape[1] if isinstance(item, Tensor) else item.tokens
+def _committed(sent: Any) -> tuple[Tensor, Tensor]:
+    """The rows a sent step committed (data.client.Sent) and their positions: all of a plain
+    chunk, or a tree's kept path."""
+    if sent.keep is None:
+        return sent.h, sent.positions
+    return sent.h[:, sent.keep], sent.positions[sent.keep]
 
 
 class Guard:
