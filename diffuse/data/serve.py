@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import trio
 
 from diffuse.data.codec import PROTOCOL_ID
 from diffuse.data.server import BlockServer, ServerLimits
@@ -51,7 +50,7 @@ class PeerService:
             served = span if self.tamper is None else self.tamper.wrap(span)
             return BlockServer(self.model_id, served, self.limits), throughput
 
-        self.server, self.throughput = await trio.to_thread.run_sync(load)
+        self.server, self.throughput = load()  # on the main thread, like every step (server.py)
         log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)
         return self.throughput
 
