@@ -26,7 +26,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
-from diffuse.control.signed import check_signature, decode_payload, sign_payload
+from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
 from diffuse.errors import DiffuseError
 
 RECORD_VERSION = 1
@@ -220,31 +220,20 @@ def encode_set(records: Iterable[SignedRecord]) -> bytes:
 def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedRecord]:
     """The records of a DHT value. strict: any bad record refuses the whole value (store path);
     lenient: bad records are dropped one by one, so one forged entry cannot hide honest ones."""
-    if not isinstance(value, bytes) or len(value) > MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES // 8):
-        raise InvalidRecord("value too large")
-    try:
-        items = cbor2.loads(value)
-    except Exception:
-        raise InvalidRecord("value is not valid CBOR") from None
-    if not isinstance(items, list) or len(items) > MAX_SET_RECORDS or (strict and not items):
-        raise InvalidRecord("value is not a record set")
-    out: list[SignedRecord] = []
     seen: set[str] = set()
-    for item in items:
-        try:
-            if not isinstance(item, list) or len(item) != 2:
-                raise InvalidRecord("a record is [payload, signature]")
-            sr = verify(item[0], item[1])
-            check_time(sr.record, now)
-            check_key(key, sr.record)
-            if sr.peer_id in seen:
-                raise InvalidRecord(f"two records of {sr.peer_id} in one value")
-            seen.add(sr.peer_id)
-            out.append(sr)
-        except InvalidRecord:
-            if strict:
-                raise
-    return out
+
+    def check(payload: Any, signature: Any) -> SignedRecord:
+        sr = verify(payload, signature)
+        check_time(sr.record, now)
+        check_key(key, sr.record)
+        if sr.peer_id in seen:
+            raise InvalidRecord(f"two records of {sr.peer_id} in one value")
+        seen.add(sr.peer_id)
+        return sr
+
+    return decode_signed_set(value, check, max_items=MAX_SET_RECORDS,
+                             max_bytes=MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES // 8), error=InvalidRecord,
+                             noun="record", strict=strict)
 
 
 def merge(records: Iterable[SignedRecord], now: float | None = None) -> list[SignedRecord]:

@@ -8,7 +8,7 @@ the peer id the payload names. Anyone can check them without trusting who relaye
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import cbor2
 from libp2p.crypto.ed25519 import Ed25519PublicKey
@@ -50,3 +50,29 @@ def check_signature(signer: str, domain: bytes, payload: bytes, signature: bytes
         raise error(f"the peer id of {noun} does not embed an Ed25519 key")
     if not key.verify(domain + payload, signature):
         raise error(f"bad signature on {noun}")
+
+
+def decode_signed_set(value: Any, check: Callable[[Any, Any], Any], *, max_items: int, max_bytes: int,
+                      error: type[Exception], noun: str, strict: bool) -> list:
+    """The items of a DHT value that is a CBOR list of [payload, signature]; `check(payload,
+    signature)` verifies one and returns it, or raises `error`. strict: one bad item refuses the
+    whole value (store path); lenient: bad items are dropped one by one, so one forgery cannot
+    hide honest ones."""
+    if not isinstance(value, bytes) or len(value) > max_bytes:
+        raise error(f"{noun} value too large")
+    try:
+        items = cbor2.loads(value)
+    except Exception:
+        raise error(f"{noun} value is not valid CBOR") from None
+    if not isinstance(items, list) or len(items) > max_items or (strict and not items):
+        raise error(f"{noun} value is not a list of [payload, signature]")
+    out = []
+    for item in items:
+        try:
+            if not isinstance(item, list) or len(item) != 2:
+                raise error(f"a {noun} item is [payload, signature]")
+            out.append(check(item[0], item[1]))
+        except error:
+            if strict:
+                raise
+    return out

@@ -27,7 +27,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from diffuse.control.records import evidence_key
-from diffuse.control.signed import check_signature, decode_payload, sign_payload
+from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
 from diffuse.errors import DiffuseError
 from diffuse.trust.canary import CanaryVerdict
 from diffuse.trust.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
@@ -261,29 +261,15 @@ def encode_set(items: list[SignedEvidence]) -> bytes:
 
 
 def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedEvidence]:
-    """The verified evidence of a DHT value stored at `key`. strict refuses the whole value for one
-    bad item (store path); lenient drops bad items one by one, so one forgery hides nothing."""
-    if not isinstance(value, bytes) or len(value) > MAX_EVIDENCE * (MAX_PAYLOAD_BYTES + 128):
-        raise InvalidEvidence("evidence value too large")
-    try:
-        items = cbor2.loads(value)
-    except Exception:
-        raise InvalidEvidence("evidence value is not valid CBOR") from None
-    if not isinstance(items, list) or len(items) > MAX_EVIDENCE or (strict and not items):
-        raise InvalidEvidence("evidence value is not a list of evidence")
-    out = []
-    for item in items:
-        try:
-            if not isinstance(item, list) or len(item) != 2:
-                raise InvalidEvidence("evidence is [payload, signature]")
-            ev = verify(item[0], item[1])
-            if evidence_key(ev.evidence.accused) != key:
-                raise InvalidEvidence("evidence stored under another peer's key")
-            out.append(ev)
-        except InvalidEvidence:
-            if strict:
-                raise
-    return out
+    """The verified evidence of a DHT value stored at `key` (strict / lenient as for record sets)."""
+    def check(payload: Any, signature: Any) -> SignedEvidence:
+        ev = verify(payload, signature)
+        if evidence_key(ev.evidence.accused) != key:
+            raise InvalidEvidence("evidence stored under another peer's key")
+        return ev
+
+    return decode_signed_set(value, check, max_items=MAX_EVIDENCE, max_bytes=MAX_EVIDENCE * (MAX_PAYLOAD_BYTES + 128),
+                             error=InvalidEvidence, noun="evidence", strict=strict)
 
 
 def merge_set(items: list[SignedEvidence], now: float | None = None) -> list[SignedEvidence]:
