@@ -11,3 +11,13 @@ class ModelError(DiffuseError):
 
 class ProtocolError(DiffuseError):
     """A peer sent bytes that do not follow the Diffuse wire protocol."""
+
+
+class Rewind(Exception):
+    """Not an error a user sees: a deferred spot check caught a peer, and every stage has been
+    rolled back to `length` committed tokens (the caught peer replaced). Whoever drives the
+    generation recomputes from there; nothing after it may have been shown."""
+
+    def __init__(self, length: int):
+        super().__init__(f"rewind to {length} committed tokens")
+        self.length = length

@@ -12,7 +12,9 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.control.records import evidence_key
 from diffuse.data.client import Bans, HopFailed, HopSession, RemoteSpan
 from diffuse.data.codec import StepOk
@@ -37,7 +39,12 @@ def bank(tiny, tmp_path_factory):
     return CanaryBank(tiny, tmp_path_factory.mktemp("home"), torch.float16, n=8, length=12)
 
 
-async def guarded_answer(path, bank, spans, tamper, n, options, published, max_len=64):
+async def streamed(pipe: Pipeline, prompt: list[int], n: int) -> list[int]:
+    """Greedy through stream_tokens, which lets spot checks run behind it (deferred) and rewinds."""
+    return [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set())]
+
+
+async def guarded_answer(path, bank, spans, tamper, n, options, published, max_len=64, run=greedy):
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, path, spans)
         for name, t in tamper.items():
@@ -52,7 +59,7 @@ async def guarded_answer(path, bank, spans, tamper, n, options, published, max_l
                             route_wait=0, guard=guard)
         await remote.open()
         pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), max_len), remote])
-        out = await greedy(pipe, PROMPT, n)
+        out = await run(pipe, PROMPT, n)
         await pipe.close()
         nursery.cancel_scope.cancel()
     return out, remote, guard
@@ -116,6 +123,38 @@ def test_spot_checks_catch_a_tamperer_mid_generation(tiny, bank):
     (failover,) = remote.stats.failovers
     assert failover["peer"] == CHEAT and failover["during"] == "step" and "Caught" in failover["error"]
     assert HONEST in [h["peer"] for h in remote.route_taken]
+
+
+def test_deferred_spot_checks_rewind_a_caught_step(tiny, bank):
+    """In a generation (stream_tokens) spot checks run behind it: the cheat's corrupted step is
+    used at once, caught by the referee thread, and the generation rewinds to before it; tokens
+    are held back while a check is pending, so what was shown never changes."""
+    expected = local_answer(tiny, PROMPT, 12)
+    published = []
+    spans = {CHEAT: (1, 4), HONEST: (1, 3), peer(): (3, 4)}  # the cheat is the one-hop route
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=0, canary_rate=0.0)
+    # Everything shown is in `out`: a token shown and then rewound would make it differ.
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, spans,
+                                  {CHEAT: Tamper("noise", 10.0, rate=0.25, seed=3)}, 12, opts, published,
+                                  64, streamed)
+    assert out == expected
+    (ev,) = published
+    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
+    assert HONEST in [h["peer"] for h in remote.route_taken]
+    assert guard.counts["spot_checks"] >= 12 and not guard.checks
+
+
+def test_deferred_spot_checks_pass_an_honest_swarm(tiny, bank):
+    expected = local_answer(tiny, PROMPT, 10)
+    published = []
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=1, canary_rate=0.0)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 3), peer(): (3, 4)}, {}, 10, opts,
+                                  published, 64, streamed)
+    assert out == expected
+    assert guard.counts["spot_checks"] == 2 * 10 and guard.counts["caught"] == 0  # prompt + 9 steps, 2 hops
+    assert not remote.stats.failovers and not published and not guard.checks
 
 
 def test_output_commitment_must_match_the_bytes(tiny):

@@ -12,6 +12,7 @@ import torch
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import SpecConfig, kv_headroom, speculative_tokens
+from diffuse.errors import Rewind
 
 
 @dataclass
@@ -45,15 +46,32 @@ async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
         async for token in speculative_tokens(pipeline, prompt, sampler, eos_ids, speculate):
             yield token
         return
-    context = torch.tensor(prompt)
-    logits = (await pipeline.forward(context[None], rows=slice(-1, None)))[0, -1]
-    for _ in range(sampler.p.max_tokens):
-        token = sampler.sample(logits, context)
-        if token in eos_ids:
+    pipeline.defer_checks()
+    tokens = list(prompt)  # then each sampled token; the last one is not in the cache yet
+    fed, shown, done = 0, len(prompt), sampler.p.max_tokens <= 0
+    while True:
+        try:
+            if not done:
+                logits = (await pipeline.forward(torch.tensor([tokens[fed:]]), rows=slice(-1, None)))[0, -1]
+                fed = len(tokens)
+                token = sampler.sample(logits, torch.tensor(tokens))
+                done = token in eos_ids
+                if not done:
+                    tokens.append(token)
+                    done = len(tokens) - len(prompt) == sampler.p.max_tokens
+            if done:
+                await pipeline.settle()
+        except Rewind as r:  # a peer was caught: what followed its bad step is recomputed
+            del tokens[max(r.length + 1, len(prompt)):]
+            fed, done = r.length, False
+            continue
+        # A token is shown once no pending check can rewind past the step that produced it.
+        pending = None if done else pipeline.unverified_from()
+        for token in tokens[shown:len(tokens) if pending is None else pending + 1]:
+            yield token
+            shown += 1
+        if done:
             return
-        yield token
-        context = torch.cat([context, torch.tensor([token])])
-        logits = (await pipeline.forward(torch.tensor([[token]])))[0, -1]
 
 
 class StopText:

@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import Tensor
 
+from diffuse.errors import Rewind
 from diffuse.model.llama import BlockSpan, Head, KVCache
 
 
@@ -62,8 +63,12 @@ class Pipeline:
         if positions is None:
             positions = torch.arange(self.length, self.length + ids.shape[1])
         h = self.head.embed_tokens(ids)
-        for stage in self.stages:
-            h = await stage.forward(h, positions, tree_mask, commit)
+        try:
+            for stage in self.stages:
+                h = await stage.forward(h, positions, tree_mask, commit)
+        except Rewind as r:
+            await self.rollback(r.length)
+            raise
         if commit:
             self.length += ids.shape[1]
         else:
@@ -85,6 +90,29 @@ class Pipeline:
     async def close(self) -> None:
         for stage in self.stages:
             await stage.close()
+
+    # Deferred verification (trust plane): stages that check peers behind the generation.
+
+    def defer_checks(self) -> None:
+        """The caller handles Rewind (stream_tokens does): let stages verify behind it."""
+        for stage in self.stages:
+            if hasattr(stage, "deferred"):
+                stage.deferred = True
+
+    def unverified_from(self) -> int | None:
+        """Tokens past this committed length may still be rewound (None: nothing pending)."""
+        pending = [p for s in self.stages if (p := getattr(s, "unverified_from", lambda: None)()) is not None]
+        return min(pending, default=None)
+
+    async def settle(self) -> None:
+        """Wait for every pending check; Rewind (after rolling back) if one fails."""
+        try:
+            for stage in self.stages:
+                if hasattr(stage, "settle"):
+                    await stage.settle()
+        except Rewind as r:
+            await self.rollback(r.length)
+            raise
 
 
 class LocalModel:

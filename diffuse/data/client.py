@@ -26,7 +26,7 @@ from diffuse.data.codec import (
     encode,
 )
 from diffuse.data.server import READ_CHUNK, ByteStream
-from diffuse.errors import DiffuseError
+from diffuse.errors import DiffuseError, Rewind
 from diffuse.trust.commitments import StepBinding, bind, input_commitment
 from diffuse.trust.guard import Caught, Guard, TrustUnavailable
 
@@ -231,6 +231,7 @@ class RemoteSpan:
         self.max_failovers, self.route_wait = max_failovers, route_wait
         self.hops: list[HopSession] = []
         self.stats = RemoteStats()
+        self.deferred = False  # spot checks of plain steps verified behind the generation (may Rewind)
 
     @property
     def route_taken(self) -> list[dict]:
@@ -309,6 +310,8 @@ class RemoteSpan:
         return session
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
+        if self.deferred:
+            await self.settle(wait=False)
         i, t0 = 0, time.perf_counter()
         while i < len(self.hops):
             hop = self.hops[i]
@@ -316,6 +319,9 @@ class RemoteSpan:
             try:
                 if context is None:
                     h = await hop.step(h, positions, tree_mask, commit)
+                elif self.deferred and commit and tree_mask is None:
+                    h = await hop.step(h, positions, tree_mask, commit)
+                    await self.guard.defer(hop, context, h)
                 else:
                     h = await self.guard.checked_step(hop, context, h, positions, tree_mask, commit)
                 i += 1
@@ -327,12 +333,32 @@ class RemoteSpan:
             self.guard.note_step(time.perf_counter() - t0)
         return h
 
-    async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None) -> None:
+    def unverified_from(self) -> int | None:
+        """Committed length a pending deferred check could still rewind to (None: all verified)."""
+        return self.guard.unverified_from(self.hops) if self.guard is not None else None
+
+    async def settle(self, wait: bool = True) -> None:
+        """Judge deferred spot checks (all of them with `wait`). On a failure: replace the
+        caught hop by a replica rebuilt from the inputs it had committed before the bad step,
+        roll every other hop back to that length, and raise Rewind."""
+        if self.guard is None:
+            return
+        try:
+            await self.guard.settle(self.hops, wait)
+        except Caught as e:
+            check = e.check
+            await self._failover(self.hops.index(check.session), e, check.context, "check")
+            for s in self.hops:
+                s.rollback(check.length)
+            raise Rewind(check.length) from e
+
+    async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None,
+                        during: str = "step") -> None:
         """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs
         (or from `inputs`, what it had committed before a step it was caught cheating on)."""
         old = self.hops[i]
         t0 = time.perf_counter()
-        self._failed(old.hop, error, "step")
+        self._failed(old.hop, error, during)
         record = self.stats.failovers[-1]
         await old.close()
         if self.guard is not None:

@@ -9,7 +9,12 @@
 - Spot checks: each (step, hop) is picked with probability `spot_rate` before it is sent (the
   peer cannot see the pick); a picked step is recomputed by the client's fp32 referee for that
   span, which replays the hop's committed inputs into its own KV cache, and compared within the
-  calibrated tolerance before the output is used, so a caught step never reaches the answer.
+  calibrated tolerance. Deferred (plain steps of a generation that can rewind): the output is
+  used at once and a background thread, at low priority, verifies the step in one batched
+  forward with the inputs since the last check; a failure rewinds the generation to before
+  that step (the data plane's Rewind), and no token after it has been shown (the generation
+  holds back tokens with checks pending). Otherwise (candidate trees): verified before the
+  output is used. Either way a caught step never reaches the answer.
 - Verdicts: a failed canary test or spot check becomes signed Evidence, bans the peer locally for
   a day, is published in the DHT (public mode), and raises `Caught`, which the data plane treats
   like any failed hop: route around it and replay into a replica.
@@ -18,9 +23,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 import torch
@@ -59,6 +67,7 @@ class Caught(Exception):
         super().__init__(f"failed a {e.kind} check on blocks {e.start}-{e.end - 1} "
                          f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})")
         self.evidence = evidence
+        self.check: Check | None = None  # set when a deferred spot check failed: rewind to before it
 
 
 class TrustUnavailable(DiffuseError):
@@ -95,6 +104,16 @@ class _Shadow:
         self.cache.rollback(self.cache.length)
         return out
 
+    def check(self, context: Sequence[Any], step: Any) -> Tensor:
+        """A committed plain step's output, computed in the same forward as the inputs since
+        the last check (one pass over the weights instead of two); the step stays cached."""
+        self.replay(context)
+        rows = [_committed(sent) for sent in (*context[len(self.done):], step)]
+        h = torch.cat([r[0] for r in rows], 1)
+        out = self.span(h.float(), torch.cat([r[1] for r in rows]), self.cache)
+        self.done.append(step)
+        return out[:, -step.tokens:]
+
 
 def _committed(sent: Any) -> tuple[Tensor, Tensor]:
     """The rows a sent step committed (data.client.Sent) and their positions: all of a plain
@@ -102,6 +121,31 @@ def _committed(sent: Any) -> tuple[Tensor, Tensor]:
     if sent.keep is None:
         return sent.h, sent.positions
     return sent.h[:, sent.keep], sent.positions[sent.keep]
+
+
+@dataclass
+class Check:
+    """A deferred spot check of one committed plain step of one hop session."""
+
+    session: Any  # data.client.HopSession
+    length: int  # tokens the session held before the step: where a failed check rewinds to
+    context: list[Any]  # the session's committed inputs before the step (data.client.Sent)
+    step: Any  # the step's input as sent (Sent)
+    out: Tensor  # the peer's output as received
+    receipt: tuple[int, bytes | None]  # the step's number and input commitment
+    material: SpanMaterial
+    result: Future = field(default_factory=Future)  # -> the referee's output
+
+
+def _background() -> None:
+    """The referee thread yields to the data plane: lowest priority and one core (on a loaded
+    or small machine it must not slow the peers or the client's own head; behind the
+    generation, its speed hides). Both settings are per thread on Linux and OpenMP."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    torch.set_num_threads(1)
 
 
 class Guard:
@@ -120,6 +164,9 @@ class Guard:
         self.monitors: dict[tuple[str, int, int, str], CanaryMonitor] = {}
         self.passed: dict[tuple[str, int, int], int] = {}
         self.shadows: dict[int, _Shadow] = {}
+        self.checks: list[Check] = []  # deferred spot checks not yet judged, in order
+        self._referee: ThreadPoolExecutor | None = None
+        self._lagging: dict[int, _Shadow] = {}  # the deferred checks' shadows: referee thread only
         self.pace = 0.0  # seconds between the client's real decode steps (EMA), for canary timing
         self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0}
 
@@ -240,8 +287,76 @@ class Guard:
                                               session.peer_dtype, "self", binding, tree))
         return out
 
+    async def defer(self, session: Any, context: Sequence[Any], out: Tensor) -> None:
+        """Queue a spot check of the plain step `session` just committed (its last input), for
+        the referee thread; `settle` judges it."""
+        material = await self.material(session.hop.start, session.hop.end, session.peer_dtype)
+        check = Check(session, session.committed - session.history[-1].tokens, list(context),
+                      session.history[-1], out, session.receipt_context, material)
+        if self._referee is None:
+            self._referee = ThreadPoolExecutor(1, "diffuse-referee", initializer=_background)
+        self.checks.append(check)
+        self._referee.submit(self._recompute, check)
+
+    def _recompute(self, check: Check) -> None:
+        if check.result.set_running_or_notify_cancel():
+            try:
+                shadow = self._lagging.get(id(check.session))
+                if shadow is None:
+                    shadow = self._lagging[id(check.session)] = _Shadow(check.material, check.session.max_len)
+                check.result.set_result(shadow.check(check.context, check.step))
+            except BaseException as e:  # noqa: BLE001 - handed to settle(), which re-raises it
+                check.result.set_exception(e)
+
+    def unverified_from(self, sessions: Sequence[Any]) -> int | None:
+        """The smallest length a pending check of these sessions could rewind to, or None."""
+        ids = {id(s) for s in sessions}
+        return min((c.length for c in self.checks if id(c.session) in ids), default=None)
+
+    async def settle(self, sessions: Sequence[Any], wait: bool) -> None:
+        """Judge the finished checks of these sessions (with `wait`, all of them), oldest first.
+        Raises Caught with `.check` set at the first failure; its and all later checks of these
+        sessions are dropped (the caller rewinds past them)."""
+        ids = {id(s) for s in sessions}
+        for check in [c for c in self.checks if id(c.session) in ids]:
+            if not check.result.done():
+                if not wait:
+                    return
+                await trio.to_thread.run_sync(check.result.exception, abandon_on_cancel=True)
+            self.checks.remove(check)
+            try:
+                await self._judge(check, check.result.result())
+            except Caught as e:
+                e.check = check
+                for c in [c for c in self.checks if id(c.session) in ids]:
+                    c.result.cancel()
+                    self.checks.remove(c)
+                raise
+
+    async def _judge(self, check: Check, ref: Tensor) -> None:
+        session, out = check.session, check.out
+        self.counts["spot_checks"] += 1
+        verdict = compare(out.float(), ref.to(out.dtype).float(), check.material.tolerance, session.peer_dtype,
+                          torch.float32, check.step.positions.tolist())
+        if not verdict.ok:
+            step, inputs = check.receipt
+            binding, tree = bind(session.session_id, step, inputs, out, out.dtype)
+            hop = session.hop
+            await self._convict(spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
+                                              session.peer_dtype, "self", binding, tree))
+
     def forget(self, session: Any) -> None:
+        for c in [c for c in self.checks if c.session is session]:
+            c.result.cancel()
+            self.checks.remove(c)
         shadow = self.shadows.pop(id(session), None)
+        if shadow is not None:
+            shadow.cache.wipe()
+        if self._referee is not None:  # after any check it is running for this session
+            self._referee.submit(self._drop, id(session))
+
+    def _drop(self, key: int) -> None:
+        shadow = self._lagging.pop(key, None)
         if shadow is not None:
             shadow.cache.wipe()
 
