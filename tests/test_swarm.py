@@ -205,3 +205,62 @@ def test_bad_frames_to_a_real_peer_leave_it_serving(home, tmp_path, reference):
         assert all(isinstance(r, ErrorMsg) for r in replies), replies
         assert "version" in replies[2].message
         assert ask(procs, swarm.boot)["token_ids"] == reference
+
+
+def test_sigterm_drains_then_hands_off(home, tmp_path, reference):
+    """A peer told to stop withdraws at once, lets its open session finish (no failover), then
+    exits; with a short --drain-timeout it instead ends the session with an ERROR and the client
+    replays it into the replica. Both answers equal the local one."""
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    with Procs(home) as procs:
+        swarm = Swarm(procs, tmp_path, {"A": "1:30", "A2": "1:30"})
+
+        async def generate(client, tok, prompt, victim: str, on_token) -> dict:
+            other = next(p for n, p in swarm.ids.items() if n != victim)
+            client.bans.ban(other)  # the session must start on the victim
+            pipe = await client.session(len(prompt) + TOKENS)
+            client.bans.until.clear()
+            remote = remote_of(pipe)
+            assert remote.route_taken[0]["peer"] == swarm.ids[victim]
+            gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
+            n = 0
+            async for _ in gen:
+                n += 1
+                await on_token(n)
+            await pipe.close()
+            return {"tokens": gen.completion.token_ids, "failovers": remote.stats.failovers}
+
+        async def run() -> tuple[dict, dict, list]:
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+                client = SwarmClient(node, model_dir, SwarmOptions(trust=None))
+                tok = Tokenizer.load(model_dir)
+                prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+                online: list = []
+
+                async def drain_at_3(n: int) -> None:
+                    if n == 3:
+                        swarm.proc["A"].signal(signal.SIGTERM)
+                        await trio.sleep(2.0)  # the tombstone is out while the session still runs
+                        online.extend(r.peer_id for r in await node.records(DEFAULT_MODEL))
+
+                finished = await generate(client, tok, prompt, "A", drain_at_3)
+                assert swarm.proc["A"].wait(30) == 0
+                swarm.extra["A"] = ["--drain-timeout", "1"]
+                swarm.start("A")
+                swarm.wait("A")
+
+                async def hand_off_at_3(n: int) -> None:
+                    if n == 3:
+                        swarm.proc["A"].signal(signal.SIGTERM)
+                        await trio.sleep(4.0)  # past the 1 s drain: the peer hands the session off
+
+                handed = await generate(client, tok, prompt, "A", hand_off_at_3)
+                return finished, handed, online
+
+        finished, handed, online = trio.run(run)
+        assert finished["tokens"] == reference and finished["failovers"] == [], finished
+        assert swarm.ids["A"] not in online and swarm.ids["A2"] in online, online
+        assert handed["tokens"] == reference, handed
+        assert [(f["peer"], f["replaced_by"]) for f in handed["failovers"]] == [(swarm.ids["A"], [swarm.ids["A2"]])]
+        assert swarm.proc["A"].wait(30) == 0
+        assert any("handed 1 sessions to replicas" in line for line in swarm.proc["A"].stderr), swarm.proc["A"].stderr

@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--client-only", action="store_true", default=argparse.SUPPRESS,
                    help="stay in the swarm's DHT without serving blocks (as does --contribution pause)")
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM: seconds open sessions get to finish before they are handed "
+                        "to replicas (a second signal stops at once)")
     p.set_defaults(func=cmd_join)
 
     p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
@@ -162,8 +165,24 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         parse_listen(args.metrics)
     hooks = data_plane_hooks(args, model_dir, manifest)
+    if args.drain_timeout < 0:
+        raise DiffuseError("--drain-timeout must be at least 0")
+    node: Node | None = None
+
+    async def drain() -> None:
+        """Leave gracefully: withdraw first (no new client picks us), then let sessions finish."""
+        if node is None or node.announcer is None or hooks.drain is None:
+            return
+        with trio.move_on_after(5.0):
+            await node.withdraw()
+        print(f"draining: announcement withdrawn, {hooks.status_fn().get('sessions', 0)} sessions open "
+              f"(up to {args.drain_timeout:g} s; signal again to stop now)", file=sys.stderr, flush=True)
+        handed = await hooks.drain(args.drain_timeout)
+        if handed:
+            print(f"handed {handed} sessions to replicas", file=sys.stderr, flush=True)
 
     async def main() -> None:
+        nonlocal node
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
                     status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
                     announce_addrs=args.announce)
@@ -194,7 +213,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                 print(a, flush=True)
             print(f"serving {manifest.model_id} blocks {start}:{end} ({end - start} of {n})", flush=True)
 
-    _trio_run(_until_signal, main)
+    _trio_run(_until_signal, main, drain)
     print("stopped; announcement withdrawn", file=sys.stderr, flush=True)
     return 0
 
@@ -262,6 +281,7 @@ class ServeHooks:
     status_fn: Callable[[], Mapping[str, Any]] | None = None
     protocols: tuple[str, ...] = ()
     prepare: Callable[[int, int], Awaitable[float | None]] | None = None
+    drain: Callable[[float], Awaitable[int]] | None = None
 
 
 def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -> ServeHooks:
@@ -288,7 +308,7 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
 
         handle = watch_peer(manifest.model_id, lambda: service.server.status() if service.server else {}, handle)
     return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
-                      protocols=service.protocols, prepare=service.prepare)
+                      protocols=service.protocols, prepare=service.prepare, drain=service.drain)
 
 
 # ---- helpers ----
@@ -371,15 +391,26 @@ def _bootstrap_addrs(args: argparse.Namespace, required: bool | None = None) -> 
     return addrs
 
 
-async def _until_signal(body: Callable[[], Awaitable[None]]) -> None:
-    """Run `body`, then keep running until SIGINT/SIGTERM; cancellation unwinds every node, whose
-    `run` withdraws its announcement on the way out."""
+async def _until_signal(body: Callable[[], Awaitable[None]],
+                        leave: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run `body`, then keep running until SIGINT/SIGTERM; then `leave()` (a peer drains its
+    sessions), unless a second signal comes first. Cancellation unwinds every node, whose `run`
+    withdraws its announcement on the way out."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
+            async def leave_then_stop() -> None:
+                if leave is not None:
+                    await leave()
+                nursery.cancel_scope.cancel()
+
             async def watch() -> None:
+                leaving = False
                 async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
+                    if leave is None or leaving:
+                        nursery.cancel_scope.cancel()
+                        return
+                    leaving = True
+                    nursery.start_soon(leave_then_stop)
 
             nursery.start_soon(watch)
             await body()

@@ -184,17 +184,29 @@ class SwarmClient:
     async def dial(self, hop: Hop):
         peer = ID.from_base58(hop.peer_id)
         addrs = [parse_multiaddr(a) for a in hop.addrs]
-        host = self.node.host
-        network = host.get_network()
+        network = self.node.host.get_network()
         if addrs and all(c.is_closed for c in network.get_connections(peer)):
-            # A restarted peer comes back on new ports: forget the old addresses, and the
-            # dialer's memory that they failed, or py-libp2p refuses to dial it for a while.
-            # A closed connection to its old self may linger in the table: it does not count.
-            host.get_peerstore().clear_addrs(peer)
-            host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
-            network.unblock_peer(peer)
-            await host.connect(PeerInfo(peer, addrs))
-        return await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+            await self._connect(peer, addrs)
+        try:
+            return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        except Exception as e:  # noqa: BLE001 - a connection to its previous self, not yet seen closed
+            if not addrs:
+                raise
+            log.info("stream to %s failed (%s): redialling its announced addresses", hop.peer_id, e)
+            for conn in network.get_connections(peer):
+                with trio.move_on_after(1.0):
+                    await conn.close()
+            await self._connect(peer, addrs)
+            return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+
+    async def _connect(self, peer: ID, addrs: list) -> None:
+        """Dial `addrs` afresh. A restarted peer comes back on new ports: forget the old
+        addresses, and the dialer's memory that they failed, or py-libp2p refuses it for a while."""
+        host = self.node.host
+        host.get_peerstore().clear_addrs(peer)
+        host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
+        host.get_network().unblock_peer(peer)
+        await host.connect(PeerInfo(peer, addrs))
 
     async def session(self, max_len: int, batch: int = 1) -> Pipeline:
         """Open a session: local front blocks, the swarm's route, local back blocks."""

@@ -66,8 +66,8 @@ class PeerService:
         return {"throughput": self.throughput, "cache_tokens": self.server.free_tokens,
                 "sessions": self.server.sessions}
 
-    def stop_accepting(self) -> None:
-        if self.server is not None:
-            self.server.accepting = False
+    async def drain(self, timeout: float) -> int:
+        """Refuse new sessions, give open ones `timeout` s to finish, hand off the rest."""
+        return 0 if self.server is None else await self.server.drain(timeout)
 
     protocols = (PROTOCOL_ID,)

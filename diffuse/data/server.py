@@ -57,6 +57,7 @@ class BlockServer:
         self.steps_served = 0
         self.tokens_served = 0
         self.accepting = True
+        self.conns: set[_Conn] = set()
         self.dtype = span.blocks[0].wo.weight.dtype
 
     @property
@@ -67,9 +68,26 @@ class BlockServer:
         return {"sessions": self.sessions, "free_cache_tokens": self.free_tokens,
                 "steps_served": self.steps_served, "tokens_served": self.tokens_served}
 
+    async def drain(self, timeout: float) -> int:
+        """Stop taking sessions, let open ones finish for up to `timeout` s, then hand off the rest:
+        each gets an ERROR (at a message boundary) and its client replays it into a replica.
+        Returns how many were handed off."""
+        self.accepting = False
+        with trio.move_on_after(timeout):
+            while self.sessions:
+                await trio.sleep(0.05)
+        busy = [c for c in self.conns if c.counted]
+        for conn in busy:
+            conn.hand_off()
+        with trio.move_on_after(2.0):
+            while self.sessions:
+                await trio.sleep(0.05)
+        return len(busy)
+
     async def handle(self, stream: ByteStream) -> None:
         """Run one session to its end; never raises for anything the client did."""
         conn = _Conn(self, stream)
+        self.conns.add(conn)
         try:
             await conn.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
@@ -81,6 +99,7 @@ class BlockServer:
                 log.exception("internal error in a session")
                 await conn.error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
         finally:
+            self.conns.discard(conn)
             conn.release()
             try:
                 await stream.close()
@@ -105,12 +124,27 @@ class _Conn:
         self.reserved = 0
         self.counted = False
         self.last_input: bytes | None = None  # this session's input-commitment chain
+        self.waiting: trio.CancelScope | None = None  # the read between messages, while in it
+        self.leaving = False
+
+    def hand_off(self) -> None:
+        """The peer is shutting down: end this session at the next message boundary."""
+        self.leaving = True
+        if self.waiting is not None:
+            self.waiting.cancel()
 
     async def run(self) -> None:
         limits = self.server.limits
         while True:
+            data = b""
             with trio.move_on_after(limits.idle_timeout) as idle:
-                data = await self.stream.read(READ_CHUNK)
+                self.waiting = idle
+                if not self.leaving:
+                    data = await self.stream.read(READ_CHUNK)
+            self.waiting = None
+            if self.leaving:  # handed off between messages, so the client reads a clean ERROR
+                await self.error(ErrorCode.OVERLOADED, "peer is shutting down: continue on a replica")
+                return
             if idle.cancelled_caught:
                 await self.error(ErrorCode.TIMEOUT, f"session idle for {limits.idle_timeout:g} s: closed")
                 return
