@@ -100,12 +100,15 @@ async def bench(args, home: Path, boot: str) -> int:
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"\n{args.tokens} tokens x {args.repeats} repeats, {args.dtype}, 2 hops; warm-up (canaries, calibration "
           f"and referees for both spans, vetting) {warm:.1f} s")
-    print("| trust plane | tokens/s (median) | ratio to off | all runs | canaries / spot checks / caught |")
-    print("|---|---|---|---|---|")
+    print("| trust plane | tokens/s (median) | ratio to off | all runs | canaries / spot checks / caught "
+          "| deferred referee CPU / session time |")
+    print("|---|---|---|---|---|---|")
     for k in CONFIGS:
         c = counts.get(k)
         checks = f"{c['canaries']} / {c['spot_checks']} / {c['caught']}" if c else "-"
-        print(f"| {k} | {med[k]:.2f} | {med[k] / med['off']:.3f} | {', '.join(f'{r:.2f}' for r in rates[k])} | {checks} |")
+        busy = f"{c['referee_cpu_s'] / sum(args.tokens / r for r in rates[k]):.1%}" if c else "-"
+        print(f"| {k} | {med[k]:.2f} | {med[k] / med['off']:.3f} | {', '.join(f'{r:.2f}' for r in rates[k])} "
+              f"| {checks} | {busy} |")
     print(f"\npublic (default) on/off: {med['public'] / med['off']:.3f} (target >= {TARGET}); failovers {failovers}")
     same = len(answers) == 1
     print("greedy tokens identical with and without the trust plane:", "yes" if same else "NO")

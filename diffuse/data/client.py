@@ -310,8 +310,9 @@ class RemoteSpan:
         return session
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
-        if self.deferred:
-            await self.settle(wait=False)
+        if self.deferred and self.guard is not None:  # judge what the referee has done; wait if it trails
+            pending = self.unverified_from()
+            await self.settle(wait=pending is not None and int(positions.min()) - pending > self.guard.opts.max_lag)
         i, t0 = 0, time.perf_counter()
         while i < len(self.hops):
             hop = self.hops[i]

@@ -57,6 +57,7 @@ class TrustOptions:
     canaries: int = 16  # pool size per span
     canary_tokens: int = 16
     publish: bool = True  # public mode: evidence goes to the DHT
+    max_lag: int = 16  # tokens a deferred spot check may trail the generation (what a stream holds back)
 
 
 class Caught(Exception):
@@ -81,38 +82,35 @@ class _Shadow:
         self.span, self.cache = material.referee, material.referee.new_cache(max_len)
         self.done: list[Any] = []  # the context items already in the cache (by identity)
 
-    def replay(self, context: Sequence[Any]) -> None:
-        """Bring the cache to `context`. What is new since the last check goes in as one causal
+    def replay(self, context: Sequence[Any], wanted: set[int] = frozenset()) -> dict[int, Tensor]:
+        """Bring the cache to `context`. What is new since the last call goes in as one causal
         chunk of the committed rows (a kept tree path is a chain): a prefill's cost, not one
-        decode step per token, and equal to the peer's cache up to fp32 rounding."""
+        decode step per token, and equal to the peer's cache up to fp32 rounding. Returns the
+        outputs of the new items whose id() is in `wanted` (the deferred checks' steps)."""
         same = 0
         while same < min(len(self.done), len(context)) and self.done[same] is context[same]:
             same += 1
         if same < len(self.done):
             self.cache.rollback(sum(x.tokens for x in self.done[:same]))
             del self.done[same:]
-        rows = [_committed(sent) for sent in context[same:]]
-        if rows:
-            h = torch.cat([r[0] for r in rows], 1)
-            positions = torch.cat([r[1] for r in rows])
-            self.span(h.float(), positions, self.cache)
-            self.done.extend(context[same:])
+        new = list(context[same:])
+        if not new:
+            return {}
+        rows = [_committed(sent) for sent in new]
+        y = self.span(torch.cat([r[0] for r in rows], 1).float(), torch.cat([r[1] for r in rows]), self.cache)
+        self.done.extend(new)
+        outs, offset = {}, 0
+        for sent, (h, _) in zip(new, rows):
+            if id(sent) in wanted:
+                outs[id(sent)] = y[:, offset:offset + h.shape[1]]
+            offset += h.shape[1]
+        return outs
 
     def step(self, h: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
         """The step's output as the referee computes it; leaves no trace in the cache."""
         out = self.span(h.float(), positions, self.cache, mask, False)
         self.cache.rollback(self.cache.length)
         return out
-
-    def check(self, context: Sequence[Any], step: Any) -> Tensor:
-        """A committed plain step's output, computed in the same forward as the inputs since
-        the last check (one pass over the weights instead of two); the step stays cached."""
-        self.replay(context)
-        rows = [_committed(sent) for sent in (*context[len(self.done):], step)]
-        h = torch.cat([r[0] for r in rows], 1)
-        out = self.span(h.float(), torch.cat([r[1] for r in rows]), self.cache)
-        self.done.append(step)
-        return out[:, -step.tokens:]
 
 
 def _committed(sent: Any) -> tuple[Tensor, Tensor]:
@@ -138,9 +136,9 @@ class Check:
 
 
 def _background() -> None:
-    """The referee thread yields to the data plane: lowest priority and one core (on a loaded
-    or small machine it must not slow the peers or the client's own head; behind the
-    generation, its speed hides). Both settings are per thread on Linux and OpenMP."""
+    """The referee thread yields to the data plane: the lowest priority, and one core (a team
+    of threads at low priority stalls whenever one of them is preempted). Both are per thread
+    (Linux nice, OpenMP's thread count), so the client's own computation keeps its cores."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
@@ -167,8 +165,10 @@ class Guard:
         self.checks: list[Check] = []  # deferred spot checks not yet judged, in order
         self._referee: ThreadPoolExecutor | None = None
         self._lagging: dict[int, _Shadow] = {}  # the deferred checks' shadows: referee thread only
+        self._inbox: list[Check] = []  # deferred checks the referee thread has not taken yet
+        self._inbox_lock = threading.Lock()
         self.pace = 0.0  # seconds between the client's real decode steps (EMA), for canary timing
-        self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0}
+        self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0, "referee_cpu_s": 0.0}
 
     # ---- materials ----
 
@@ -296,17 +296,35 @@ class Guard:
         if self._referee is None:
             self._referee = ThreadPoolExecutor(1, "diffuse-referee", initializer=_background)
         self.checks.append(check)
-        self._referee.submit(self._recompute, check)
+        with self._inbox_lock:
+            self._inbox.append(check)
+        self._referee.submit(self._recompute)
 
-    def _recompute(self, check: Check) -> None:
-        if check.result.set_running_or_notify_cancel():
+    def _recompute(self) -> None:
+        """Referee thread: every check queued so far, one forward per session (its last check's
+        context and step contain the earlier ones: deferred steps always commit, and a rewind
+        cancels the checks after it)."""
+        with self._inbox_lock:
+            batch, self._inbox = self._inbox, []
+        sessions: dict[int, list[Check]] = {}
+        for check in batch:
+            if check.result.set_running_or_notify_cancel():
+                sessions.setdefault(id(check.session), []).append(check)
+        for key, checks in sessions.items():
+            t0 = time.thread_time()
             try:
-                shadow = self._lagging.get(id(check.session))
+                shadow = self._lagging.get(key)
                 if shadow is None:
-                    shadow = self._lagging[id(check.session)] = _Shadow(check.material, check.session.max_len)
-                check.result.set_result(shadow.check(check.context, check.step))
+                    shadow = self._lagging[key] = _Shadow(checks[0].material, checks[0].session.max_len)
+                last = checks[-1]
+                outs = shadow.replay([*last.context, last.step], {id(c.step) for c in checks})
+                for check in checks:
+                    check.result.set_result(outs[id(check.step)])
             except BaseException as e:  # noqa: BLE001 - handed to settle(), which re-raises it
-                check.result.set_exception(e)
+                for check in checks:
+                    if not check.result.done():
+                        check.result.set_exception(e)
+            self.counts["referee_cpu_s"] += time.thread_time() - t0  # one torch thread: all of it
 
     def unverified_from(self, sessions: Sequence[Any]) -> int | None:
         """The smallest length a pending check of these sessions could rewind to, or None."""

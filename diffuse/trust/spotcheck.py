@@ -33,6 +33,12 @@ from diffuse.trust.canary import FLOOR, drift, dtype_name
 
 DEFAULT_RATE = 0.1
 SPOT_ALPHA = 1e-6  # false-positive probability per checked token
+# No threshold below fp16's relative spacing (2^-10): one rounding flip per element of a token
+# that two honest fp32 computations summed in different orders (a decode step against a batched
+# recomputation, another thread count) stays under it, while the gross tampering spot checks are
+# for (1% noise and up) sits 10x above it. Fitted fp32 thresholds came out near 1e-6 and accused
+# an honest fp32 peer at 5e-6 in testing.
+SPOT_FLOOR = 1e-3
 
 
 class SpotChecker:
@@ -86,7 +92,7 @@ class Tolerance:
             if err.shape[-1] <= EARLY:
                 raise ValueError(f"calibration sequences need more than {EARLY} tokens")
             for early, part in ((True, err[..., :EARLY]), (False, err[..., EARLY:])):
-                thresholds[_key(a, b, early)] = _upper(part.flatten(), z)
+                thresholds[_key(a, b, early)] = max(_upper(part.flatten(), z), SPOT_FLOOR)
         return cls(thresholds, alpha)
 
 
