@@ -135,6 +135,15 @@ class NullPipeline:
     async def close(self) -> None:
         pass
 
+    def defer_checks(self) -> None:  # no trust plane here: nothing is ever checked behind the answer
+        pass
+
+    def unverified_from(self) -> int | None:
+        return None
+
+    async def settle(self) -> None:
+        pass
+
 
 class NullBackend:
     """The Backend protocol over NullPipeline, with the real tokenizer (detokenising is real work)."""
@@ -211,9 +220,13 @@ def start_swarm(home: str, model: list[str], dtype: str, max_sessions: int, serv
 def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prompt: list[int], n: int,
                  tokens: int) -> list[Client]:
     """A round of direct clients through the swarm: a client node of its own (as `diffuse ask`),
-    warmed by one short session (the API's client has measured its route already)."""
+    warmed by one short session (the API's client has measured its route already). Its DHT
+    reads are shared as the API's are (api.swarm.SharedReads): N sessions opening at once would
+    otherwise make N concurrent reads, the DHT nodes reset those past 12 (py-libp2p's limit), and
+    a session whose read came back empty finds no route, for a reason unrelated to the API's cost."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
+    from diffuse.api.swarm import SharedReads
     from diffuse.client.swarm import SwarmClient, SwarmOptions
     from diffuse.control.node import open_node
     from diffuse.model.load import parse_dtype
@@ -223,7 +236,7 @@ def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prom
                              server=False) as node:
             options = SwarmOptions(dtype=parse_dtype(dtype))
             options.trust = None  # as the API's --no-trust
-            client = SwarmClient(node, store.resolve(home, model), options)
+            client = SwarmClient(SharedReads(node), store.resolve(home, model), options)
             while not await client.covered():
                 await trio.sleep(0.25)
             await direct_round(client.session, tokenizer, prompt, 1, 2)

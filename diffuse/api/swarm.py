@@ -3,25 +3,93 @@
 One libp2p node (a DHT client with an ephemeral identity, like `diffuse ask`) and one
 `SwarmClient` per model the API offers. The API holds what a swarm client holds (tokenizer,
 embeddings, head, its local blocks), so token ids never leave it. Coverage is read from the DHT
-on every call: the status page and /v1/models show the swarm as it is, not as it was.
+on every call (through `SharedReads`: concurrent requests share one read): the status page and
+/v1/models show the swarm as it is, not as it was.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client.pipeline import Pipeline
-from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+from diffuse.client.swarm import RECORDS_TTL_S, SwarmClient, SwarmOptions, remote_of
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+SHARE_S = 1.0  # a DHT read this recent answers every request that asks meanwhile
+WARM_RETRY_S = 5.0  # start-up trust warm-up: how often to look again for a route while there is none
+
+
+class SharedReads:
+    """The API node as its SwarmClients see it, with `records` shared by every request.
+
+    Each answer reads the DHT twice (the coverage check, then `SwarmClient.session`), and every
+    read sends a FIND_NODE and a GET_VALUE to each DHT node near the key. py-libp2p 0.8.1 serves at
+    most 12 inbound KAD streams per node at once and resets the rest (`KadDHT.handle_stream`), so
+    N concurrent answers made 2N concurrent reads and those past the limit came back empty: 4 of
+    16 concurrent reads on an idle loopback swarm. Once the records of the last good read had
+    expired (bench_api: a 60 s round of another client in between, records of a 30 s ttl), an
+    empty read made the model unservable (503). Here one read is in flight at a time per model;
+    callers that arrive meanwhile wait for it, and a read younger than `share_s` is reused.
+
+    Records are also kept to their signed expiry when a read misses a peer (newest per peer wins,
+    so a tombstone still removes its peer at once): a loaded DHT node that drops one read must not
+    make the model unservable while the peer's own signature says it is still there.
+    """
+
+    def __init__(self, node: Any, share_s: float = SHARE_S):
+        self.node, self.share_s = node, share_s
+        self.known: dict[str, dict[str, PeerRecord]] = {}  # model -> peer -> newest record read
+        self.read_at: dict[str, float] = {}  # model -> trio time the last read completed
+        self.reading: dict[str, trio.Event] = {}  # model -> set when the read in flight ends
+
+    def __getattr__(self, name: str) -> Any:  # host, dht, key_pair, evidence...: the node's own
+        return getattr(self.node, name)
+
+    async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
+        """`Node.records`, from a read made at most `share_s` ago (or waited for), merged with
+        the unexpired records of earlier reads."""
+        asked = trio.current_time()
+        while self.read_at.get(model, -math.inf) < asked - self.share_s:  # no read recent enough
+            event = self.reading.get(model)
+            if event is not None:  # a read is in flight: wait, then look again (it may have failed)
+                await event.wait()
+                continue
+            event = self.reading[model] = trio.Event()
+            try:
+                self._merge(model, await self.node.records(model, include_offline=True))
+                self.read_at[model] = trio.current_time()
+            finally:
+                del self.reading[model]
+                event.set()
+        now = time.time()
+        recs = [r for r in self.known.get(model, {}).values() if r.fresh(now)]
+        return recs if include_offline else [r for r in recs if r.online]
+
+    def _merge(self, model: str, got: list[PeerRecord]) -> None:
+        known, now = self.known.setdefault(model, {}), time.time()
+        missed = set(known) - {r.peer_id for r in got}
+        for r in got:
+            if r.peer_id not in known or r.timestamp >= known[r.peer_id].timestamp:
+                known[r.peer_id] = r
+        for peer in [p for p, r in known.items() if not r.fresh(now)]:
+            del known[peer]
+        if missed & set(known):
+            log.debug("a DHT read of %s missed %d peers: their records are kept until they expire",
+                      model, len(missed & set(known)))
 
 
 class _MeteredClient(SwarmClient):
@@ -52,7 +120,7 @@ class SwarmBackend:
         self.clients = {c.model_id: c for c in clients}
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
-        self.last: dict[str, list[PeerRecord]] = {}  # per model: the records last read
+        self.trust: dict[str, dict[str, Any]] = {}  # per model: the start-up trust warm-up, for status
 
     def _client(self, model_id: str) -> SwarmClient:
         if model_id not in self.clients:
@@ -70,15 +138,8 @@ class SwarmBackend:
         return [await self._coverage(c) for c in self.clients.values()]
 
     async def _records(self, client: SwarmClient) -> list[PeerRecord]:
-        """This read's records merged with the last ones (newest per peer wins): a DHT lookup
-        that misses a peer on a busy machine must not make the model unservable while that
-        peer's signed record has not expired (coverage drops expired records)."""
-        merged = {r.peer_id: r for r in self.last.get(client.model_id, [])}
-        for r in await client.node.records(client.model_id, include_offline=True):
-            if r.peer_id not in merged or r.timestamp >= merged[r.peer_id].timestamp:
-                merged[r.peer_id] = r
-        self.last[client.model_id] = [r for r in merged.values() if r.fresh()]
-        return [r for r in self.last[client.model_id] if r.online]
+        """Online records (the client's node is a SharedReads: shared, kept to expiry)."""
+        return await client.node.records(client.model_id)
 
     async def _coverage(self, client: SwarmClient) -> dict[str, Any]:
         """The DHT's block map (trusted records only), with the blocks this API computes itself
@@ -103,6 +164,8 @@ class SwarmBackend:
         cov["missing"] = [b for b in range(start, end) if not cov["blocks"][b]["replicas"]]
         cov["servable"] = cov["num_blocks"] > 0 and not cov["missing"]
         cov["min_replicas"] = min((b["replicas"] for b in cov["blocks"]), default=0)
+        if client.model_id in self.trust:
+            cov["trust_warm_up"] = dict(self.trust[client.model_id])
         return cov
 
     async def session(self, model_id: str, max_len: int) -> Pipeline:
@@ -115,23 +178,78 @@ class SwarmBackend:
         except NoRoute as e:  # every block is announced, but no peer took this session now
             raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly") from None
 
+    async def warm_trust(self, client: SwarmClient, retry_s: float = WARM_RETRY_S) -> None:
+        """Compute the trust plane's canary material (canaries, calibration for the dtypes peers
+        declare, the fp32 referee) for the spans of the route a session would take now, so the
+        first request does not pay it (seconds, more on a loaded machine). Runs beside the
+        server; a request that needs a span meanwhile waits for the same computation (the bank
+        computes each span once, under its lock). Spans of later routes are computed when used."""
+        if client.guard is None:
+            return
+        state = self.trust[client.model_id] = {"state": "waiting for a route", "spans": []}
+        start, end = client.remote_range
+        while True:
+            try:
+                hops = await client.route(start, end, client.bans.active() | client.guard.excluded())
+                break
+            except NoRoute:
+                await trio.sleep(retry_s)
+        declared = {r.peer_id: r.dtype for r in await client.records(RECORDS_TTL_S)}
+        bank = client.guard.bank
+        state["state"] = "computing"
+        t0 = time.perf_counter()
+        try:
+            for hop in hops:
+                dtype = _torch_dtype_name(declared.get(hop.peer_id, ""))
+                if dtype:  # calibrated for the peer's dtype, as its first canary will need
+                    m = await trio.to_thread.run_sync(bank.judging, hop.start, hop.end, dtype, abandon_on_cancel=True)
+                else:
+                    m = await trio.to_thread.run_sync(bank.material, hop.start, hop.end, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(lambda: m.referee, abandon_on_cancel=True)  # a spot check's fp32 span
+                state["spans"].append([hop.start, hop.end])
+        except Exception as e:  # noqa: BLE001 - the first session will try again and report it
+            state["state"] = f"failed: {type(e).__name__}: {e}"
+            log.warning("trust warm-up for %s failed (the first session will retry): %s", client.model_id, e)
+            return
+        state["state"] = "ready"
+        log.info("trust: canary material for %s ready in %.1f s (blocks %s)", client.model_id,
+                 time.perf_counter() - t0, ", ".join(f"{a}-{b - 1}" for a, b in state["spans"]))
+
+
+def _torch_dtype_name(declared: str) -> str:
+    """A record's dtype ("bf16") as the data plane names it ("bfloat16"); "" if unknown."""
+    from diffuse.model.load import parse_dtype
+    from diffuse.trust.canary import dtype_name
+
+    try:
+        return dtype_name(parse_dtype(declared))
+    except Exception:  # noqa: BLE001 - an unknown name: the first canary will calibrate what it meets
+        return ""
+
 
 @asynccontextmanager
 async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: list[str],
                              options: SwarmOptions, wait: float = 10.0) -> AsyncIterator[SwarmBackend]:
     """Join the swarm as a client and load each model's client side; waits up to `wait` seconds
-    for full coverage (an API that starts with its swarm need not fail its first requests)."""
-    import trio
+    for full coverage (an API that starts with its swarm need not fail its first requests), then
+    warms the trust plane's material in the background while the caller serves."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.node import open_node
     from diffuse.model import store
 
     async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
-                         server=False) as node:
-        clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
+                         server=False) as node, trio.open_nursery() as background:
+        shared = SharedReads(node)
+        clients = [_MeteredClient(shared, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait
         for client in clients:
             while not await client.covered() and trio.current_time() < deadline:
                 await trio.sleep(0.25)
-        yield SwarmBackend(clients)
+        backend = SwarmBackend(clients)
+        for client in clients:
+            background.start_soon(backend.warm_trust, client)
+        try:
+            yield backend
+        finally:
+            background.cancel_scope.cancel()
