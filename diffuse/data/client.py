@@ -101,6 +101,7 @@ class HopSession:
         self.keep: list[int] = []  # deferred commit, sent with the next STEP
         self.bytes_sent = 0
         self.compute_s = 0.0
+        self.audited = False  # trust plane: every plain step of this session is spot-checked
 
     async def _send(self, msg) -> None:
         data = encode(msg)
@@ -249,6 +250,7 @@ class RemoteSpan:
                         await self.guard.vet(hop, self._canary_session)
                     session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len,
                                          self.batch, self.dtype, self.timeout, self.guard is not None)
+                    session.audited = self.guard is not None and self.guard.pick()
                     new.append(session)
                     await session.open()
                 for sent in inputs:
@@ -316,11 +318,16 @@ class RemoteSpan:
         i, t0 = 0, time.perf_counter()
         while i < len(self.hops):
             hop = self.hops[i]
-            context = hop.inputs() if self.guard is not None and self.guard.pick() else None
+            # Spot checks: behind the generation, every plain step of an audited session (its
+            # history is recomputed anyway, so checking all of it costs no more than one step);
+            # otherwise each step with probability spot_rate, before its output is used.
+            behind = self.deferred and commit and tree_mask is None
+            picked = self.guard is not None and (hop.audited if behind else self.guard.pick())
+            context = hop.inputs() if picked else None
             try:
                 if context is None:
                     h = await hop.step(h, positions, tree_mask, commit)
-                elif self.deferred and commit and tree_mask is None:
+                elif behind:
                     h = await hop.step(h, positions, tree_mask, commit)
                     await self.guard.defer(hop, context, h)
                 else:

@@ -6,15 +6,18 @@
   max_length, a prefill of the canary's first tokens, then single-token steps paced like the
   client's real decode steps. Replies are scored against the peer's declared compute dtype
   (canary.CanaryMonitor), so benign dtype drift is not tampering.
-- Spot checks: each (step, hop) is picked with probability `spot_rate` before it is sent (the
-  peer cannot see the pick); a picked step is recomputed by the client's fp32 referee for that
-  span, which replays the hop's committed inputs into its own KV cache, and compared within the
-  calibrated tolerance. Deferred (plain steps of a generation that can rewind): the output is
-  used at once and a background thread, at low priority, verifies the step in one batched
-  forward with the inputs since the last check; a failure rewinds the generation to before
-  that step (the data plane's Rewind), and no token after it has been shown (the generation
-  holds back tokens with checks pending). Otherwise (candidate trees): verified before the
-  output is used. Either way a caught step never reaches the answer.
+- Spot checks: recomputed by the client's fp32 referee for the hop's span, which replays the
+  hop's committed inputs into its own KV cache, and compared within the calibrated tolerance.
+  Deferred (plain steps of a generation that can rewind): each hop session is audited with
+  probability `spot_rate`, decided in secret as it opens, and then every step of it is
+  checked: a check needs the referee to recompute the session's whole history anyway, so
+  checking all of it costs what checking one late step would (TOPLOC audits whole sequences
+  for the same reason). The output is used at once; a background thread at low priority
+  verifies each batch of steps in one forward, trailing by at most `max_lag` tokens; a failure
+  rewinds the generation to before the bad step (the data plane's Rewind), and no token after
+  it has been shown (the generation holds back tokens with checks pending). Otherwise
+  (candidate trees): each step with probability `spot_rate`, verified before its output is
+  used. Either way a caught step never reaches the answer.
 - Verdicts: a failed canary test or spot check becomes signed Evidence, bans the peer locally for
   a day, is published in the DHT (public mode), and raises `Caught`, which the data plane treats
   like any failed hop: route around it and replay into a replica.
