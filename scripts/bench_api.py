@@ -220,13 +220,9 @@ def start_swarm(home: str, model: list[str], dtype: str, max_sessions: int, serv
 def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prompt: list[int], n: int,
                  tokens: int) -> list[Client]:
     """A round of direct clients through the swarm: a client node of its own (as `diffuse ask`),
-    warmed by one short session (the API's client has measured its route already). Its DHT
-    reads are shared as the API's are (api.swarm.SharedReads): N sessions opening at once would
-    otherwise make N concurrent reads, the DHT nodes reset those past 12 (py-libp2p's limit), and
-    a session whose read came back empty finds no route, for a reason unrelated to the API's cost."""
+    warmed by one short session (the API's client has measured its route already)."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
-    from diffuse.api.swarm import SharedReads
     from diffuse.client.swarm import SwarmClient, SwarmOptions
     from diffuse.control.node import open_node
     from diffuse.model.load import parse_dtype
@@ -236,7 +232,7 @@ def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prom
                              server=False) as node:
             options = SwarmOptions(dtype=parse_dtype(dtype))
             options.trust = None  # as the API's --no-trust
-            client = SwarmClient(SharedReads(node), store.resolve(home, model), options)
+            client = SwarmClient(node, store.resolve(home, model), options)
             while not await client.covered():
                 await trio.sleep(0.25)
             await direct_round(client.session, tokenizer, prompt, 1, 2)

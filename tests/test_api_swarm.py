@@ -219,7 +219,7 @@ def test_status_page_shows_the_swarm(swarm, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-# ---- the API's shared DHT reads and trust warm-up, without processes ----
+# ---- the API's trust warm-up, without processes ----
 
 def _record(peer: str, *, ago: float = 0.0, ttl: float = 30.0, state: str = "online"):
     from diffuse.control.records import PeerRecord
@@ -228,87 +228,6 @@ def _record(peer: str, *, ago: float = 0.0, ttl: float = 30.0, state: str = "onl
     return PeerRecord(peer_id=peer, model="m", num_blocks=30, start=1, end=30, block_hashes=("h",) * 29,
                       dtype="bf16", throughput=10.0, cache_tokens=1000, addrs=("/ip4/127.0.0.1/tcp/1",),
                       timestamp=now, expires=now + ttl, started=now - 60, state=state)
-
-
-class _FakeNode:
-    """Node.records answering from `answers` (one list per read), each read taking `delay` s."""
-
-    def __init__(self, answers: list[list], delay: float = 0.05):
-        self.answers, self.delay, self.reads, self.key_pair = answers, delay, 0, "kp"
-
-    async def records(self, model: str, *, include_offline: bool = False) -> list:
-        self.reads += 1
-        await trio.sleep(self.delay)
-        got = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-        return [r for r in got if include_offline or r.online]
-
-
-def test_concurrent_requests_share_one_dht_read():
-    """Sixteen requests at once make one DHT read, not sixteen: py-libp2p resets inbound KAD
-    streams past 12 per node, and the reads past the limit came back empty (bench_api's 503)."""
-    from diffuse.api.swarm import SharedReads
-
-    node = _FakeNode([[_record("A")]])
-    shared = SharedReads(node, share_s=1.0)
-    got: list[int] = []
-
-    async def main() -> None:
-        async def one() -> None:
-            got.append(len(await shared.records("m")))
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(16):
-                nursery.start_soon(one)
-
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert got == [1] * 16 and node.reads == 1
-    assert shared.key_pair == "kp"  # everything but records is the node's own
-
-
-def test_a_read_that_misses_a_peer_keeps_its_record_until_expiry():
-    from diffuse.api.swarm import SharedReads
-
-    a, b = _record("A"), _record("B")
-    b_gone = _record("B", state="offline")  # B's tombstone, newer than its online record
-    node = _FakeNode([[a, b], [], [b_gone], []])
-    shared = SharedReads(node, share_s=0.0)
-
-    async def main() -> list[set[str]]:
-        seen = [{r.peer_id for r in await shared.records("m")}]
-        seen.append({r.peer_id for r in await shared.records("m")})  # an empty read: both kept
-        seen.append({r.peer_id for r in await shared.records("m")})  # the tombstone removes B at once
-        seen.append({r.peer_id for r in await shared.records("m", include_offline=True)})
-        return seen
-
-    seen = trio.run(main)
-    assert seen[:3] == [{"A", "B"}, {"A", "B"}, {"A"}] and seen[3] == {"A", "B"}
-    stale = SharedReads(_FakeNode([[_record("C", ago=40)]]), share_s=0.0)
-    assert trio.run(stale.records, "m") == []  # expired records never come back
-
-
-def test_a_cancelled_read_leaves_the_waiters_to_read_again():
-    from diffuse.api.swarm import SharedReads
-
-    node = _FakeNode([[_record("A")]], delay=1.0)
-    shared = SharedReads(node, share_s=1.0)
-
-    async def main() -> list:
-        out: list = []
-        async with trio.open_nursery() as nursery:
-            async def first() -> None:
-                with trio.move_on_after(0.5):  # the reader's client hangs up mid-read
-                    await shared.records("m")
-
-            async def second() -> None:
-                await trio.sleep(0.1)
-                out.append(await shared.records("m"))
-
-            nursery.start_soon(first)
-            nursery.start_soon(second)
-        return out
-
-    out = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert [len(x) for x in out] == [1] and node.reads == 2
 
 
 def test_trust_material_is_warmed_for_the_route_at_start_up():

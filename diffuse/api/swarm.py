@@ -3,14 +3,13 @@
 One libp2p node (a DHT client with an ephemeral identity, like `diffuse ask`) and one
 `SwarmClient` per model the API offers. The API holds what a swarm client holds (tokenizer,
 embeddings, head, its local blocks), so token ids never leave it. Coverage is read from the DHT
-on every call (through `SharedReads`: concurrent requests share one read): the status page and
+on every call (concurrent requests share one read, control/reads.py): the status page and
 /v1/models show the swarm as it is, not as it was.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,67 +28,7 @@ from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-SHARE_S = 1.0  # a DHT read this recent answers every request that asks meanwhile
 WARM_RETRY_S = 5.0  # start-up trust warm-up: how often to look again for a route while there is none
-
-
-class SharedReads:
-    """The API node as its SwarmClients see it, with `records` shared by every request.
-
-    Each answer reads the DHT twice (the coverage check, then `SwarmClient.session`), and every
-    read sends a FIND_NODE and a GET_VALUE to each DHT node near the key. py-libp2p 0.8.1 serves at
-    most 12 inbound KAD streams per node at once and resets the rest (`KadDHT.handle_stream`), so
-    N concurrent answers made 2N concurrent reads and those past the limit came back empty: 4 of
-    16 concurrent reads on an idle loopback swarm. Once the records of the last good read had
-    expired (bench_api: a 60 s round of another client in between, records of a 30 s ttl), an
-    empty read made the model unservable (503). Here one read is in flight at a time per model;
-    callers that arrive meanwhile wait for it, and a read younger than `share_s` is reused.
-
-    Records are also kept to their signed expiry when a read misses a peer (newest per peer wins,
-    so a tombstone still removes its peer at once): a loaded DHT node that drops one read must not
-    make the model unservable while the peer's own signature says it is still there.
-    """
-
-    def __init__(self, node: Any, share_s: float = SHARE_S):
-        self.node, self.share_s = node, share_s
-        self.known: dict[str, dict[str, PeerRecord]] = {}  # model -> peer -> newest record read
-        self.read_at: dict[str, float] = {}  # model -> trio time the last read completed
-        self.reading: dict[str, trio.Event] = {}  # model -> set when the read in flight ends
-
-    def __getattr__(self, name: str) -> Any:  # host, dht, key_pair, evidence...: the node's own
-        return getattr(self.node, name)
-
-    async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
-        """`Node.records`, from a read made at most `share_s` ago (or waited for), merged with
-        the unexpired records of earlier reads."""
-        asked = trio.current_time()
-        while self.read_at.get(model, -math.inf) < asked - self.share_s:  # no read recent enough
-            event = self.reading.get(model)
-            if event is not None:  # a read is in flight: wait, then look again (it may have failed)
-                await event.wait()
-                continue
-            event = self.reading[model] = trio.Event()
-            try:
-                self._merge(model, await self.node.records(model, include_offline=True))
-                self.read_at[model] = trio.current_time()
-            finally:
-                del self.reading[model]
-                event.set()
-        now = time.time()
-        recs = [r for r in self.known.get(model, {}).values() if r.fresh(now)]
-        return recs if include_offline else [r for r in recs if r.online]
-
-    def _merge(self, model: str, got: list[PeerRecord]) -> None:
-        known, now = self.known.setdefault(model, {}), time.time()
-        missed = set(known) - {r.peer_id for r in got}
-        for r in got:
-            if r.peer_id not in known or r.timestamp >= known[r.peer_id].timestamp:
-                known[r.peer_id] = r
-        for peer in [p for p, r in known.items() if not r.fresh(now)]:
-            del known[peer]
-        if missed & set(known):
-            log.debug("a DHT read of %s missed %d peers: their records are kept until they expire",
-                      model, len(missed & set(known)))
 
 
 class _MeteredClient(SwarmClient):
@@ -138,7 +77,7 @@ class SwarmBackend:
         return [await self._coverage(c) for c in self.clients.values()]
 
     async def _records(self, client: SwarmClient) -> list[PeerRecord]:
-        """Online records (the client's node is a SharedReads: shared, kept to expiry)."""
+        """Online records (Node.records: one shared read, records kept to their expiry)."""
         return await client.node.records(client.model_id)
 
     async def _coverage(self, client: SwarmClient) -> dict[str, Any]:
@@ -240,8 +179,7 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
 
     async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
                          server=False) as node, trio.open_nursery() as background:
-        shared = SharedReads(node)
-        clients = [_MeteredClient(shared, store.resolve(home, name), options) for name in names]
+        clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait
         for client in clients:
             while not await client.covered() and trio.current_time() < deadline:

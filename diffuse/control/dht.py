@@ -108,12 +108,20 @@ class MergingValueStore(ValueStore):
         self._parsed[key] = (value, recs)
 
 
+INBOUND_KAD_STREAMS = 32
+
+
 def make_dht(host: IHost, server: bool = True) -> KadDHT:
     """A DHT node: server mode stores and serves records (peers, sentinels); client mode only
     queries (status, clients), so short-lived processes never become storage that vanishes."""
     dht = KadDHT(host, DHTMode.SERVER if server else DHTMode.CLIENT, strict_validation=True)
     dht.register_validator(NAMESPACE, RecordValidator())
     dht.value_store = MergingValueStore(host, host.get_id())
+    # py-libp2p serves 12 inbound KAD streams at once and resets the rest (its guard against
+    # floods of public-network peers): a sentinel or peer that a swarm's clients all ask at once
+    # answered some reads empty (bench_api, 16 clients). Clients now share reads (reads.py);
+    # this leaves room for many clients, and stays bounded.
+    dht._inbound_limiter = trio.CapacityLimiter(INBOUND_KAD_STREAMS)
     _only_servers_in_routing_table(dht)
     return dht
 

@@ -36,6 +36,7 @@ from diffuse.control.host import (
     parse_peer_addr,
 )
 from diffuse.control.identity import peer_id as peer_id_of
+from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, blocks_key, evidence_key, peer_key
 from diffuse.errors import DiffuseError
 
@@ -77,6 +78,7 @@ class Node:
             self.host.set_stream_handler(TProtocol(proto), handler)
         self.dht = make_dht(self.host, server=server)
         self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
+        self._reads = SharedReads(self._read_records)
         self.announce_addrs = list(announce_addrs)
         self.bootstrap_timeout = bootstrap_timeout
         self.announcer: Announcer | None = None
@@ -178,9 +180,13 @@ class Node:
         return cur.record if cur else None
 
     async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
-        """Fresh records of every peer serving blocks of `model`, merged from the DHT."""
+        """Fresh records of every peer serving blocks of `model`: concurrent callers share one
+        DHT read, and a peer a read misses keeps its record until it expires (control/reads.py)."""
+        return await self._reads.records(model, include_offline=include_offline)
+
+    async def _read_records(self, model: str) -> list[PeerRecord]:
         found = await fetch_set(self.dht, blocks_key(model))
-        return [s.record for s in found if s.record.model == model and (include_offline or s.record.online)]
+        return [s.record for s in found if s.record.model == model]
 
     async def peer_record(self, peer_id: str) -> PeerRecord | None:
         """A peer's current record by id (online or withdrawn), or None if none is fresh."""
