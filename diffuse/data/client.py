@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Sequence
 
@@ -94,6 +95,7 @@ class HopSession:
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
         self.session_id = os.urandom(16)
         self.decoder = FrameDecoder()
+        self.inbox: deque = deque()  # frames read but not yet consumed
         self.step_no = 0
         self.history: list[Sent] = []  # committed inputs, in order, as sent
         self.committed = 0
@@ -109,21 +111,19 @@ class HopSession:
         await self.stream.write(data)
 
     async def _receive(self):
-        while True:
+        """The next frame (replayed steps are pipelined: one read may bring several)."""
+        while not self.inbox:
             data = await self.stream.read(READ_CHUNK)
             if not data:
                 raise HopFailed(self.hop, "connection closed")
             try:
-                msgs = self.decoder.feed(data)
+                self.inbox.extend(self.decoder.feed(data))
             except WireError as e:
                 raise HopFailed(self.hop, f"sent a bad frame: {e}") from None
-            if msgs:
-                if len(msgs) > 1:
-                    raise HopFailed(self.hop, "unexpected extra frames")
-                msg = msgs[0]
-                if isinstance(msg, ErrorMsg):
-                    raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code)
-                return msg
+        msg = self.inbox.popleft()
+        if isinstance(msg, ErrorMsg):
+            raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code)
+        return msg
 
     async def open(self) -> None:
         with trio.fail_after(self.timeout):
@@ -136,6 +136,47 @@ class HopSession:
 
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
+        msg = self._message(h, positions, mask, commit)
+        with trio.fail_after(timeout or self.timeout):
+            await self._send(msg)
+            reply = await self._receive()
+        out = self._accept(msg, reply)
+        self._advance(msg, positions)
+        return out
+
+    async def replay(self, inputs: Sequence[Sent], timeout: float) -> list[Tensor]:
+        """Send every step of `inputs` as first sent, then read the replies while writing, so a
+        replacement peer's cache is rebuilt in one round trip, not one per step (on a WAN the
+        round trips are most of a failover). A failure leaves this session unusable."""
+        msgs = []
+        for sent in inputs:
+            msgs.append(self._message(sent.h, sent.positions, sent.mask, sent.keep is None))
+            self._advance(msgs[-1], sent.positions)
+            if sent.keep is not None:
+                self.commit(sent.keep)  # rides on the next STEP, as it first did
+        frames = [encode(m) for m in msgs]  # an fp16 overflow surfaces here, unwrapped
+        outs: list[Tensor] = []
+
+        async def write_all() -> None:
+            for data in frames:
+                self.bytes_sent += len(data)
+                await self.stream.write(data)
+
+        failed: BaseException | None = None
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write_all)
+                try:
+                    for msg in msgs:
+                        outs.append(self._accept(msg, await self._receive()))
+                except Exception as e:  # noqa: BLE001 - re-raised bare below, not in a group
+                    failed = e
+                    nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+        return outs
+
+    def _message(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool) -> Step:
         h = h.to(self.dtype)
         # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
         msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
@@ -144,24 +185,29 @@ class HopSession:
             msg.input_commitment = input_commitment(self.session_id, self.step_no, self.last_input, h,
                                                     msg.positions, msg.cache_len, msg.keep, mask, commit,
                                                     self.dtype)
-        with trio.fail_after(timeout or self.timeout):
-            await self._send(msg)
-            reply = await self._receive()
-        if not isinstance(reply, StepOk) or reply.step != self.step_no:
-            raise HopFailed(self.hop, f"bad answer to STEP {self.step_no}")
+        return msg
+
+    def _accept(self, msg: Step, reply) -> Tensor:
+        """A reply's hidden states, once it answers `msg` (and, asked for, commits to its bytes)."""
+        if not isinstance(reply, StepOk) or reply.step != msg.step:
+            raise HopFailed(self.hop, f"bad answer to STEP {msg.step}")
         if self.commitments:
             self._check_commitment(msg, reply)
+        self.compute_s += (reply.compute_us or 0) / 1e6
+        return reply.hidden
+
+    def _advance(self, msg: Step, positions: Tensor) -> None:
+        """The session's state once `msg` has been answered (or, replaying, is on its way)."""
+        self.last_input = msg.input_commitment
         self.step_no += 1
         if self.keep:
             self._commit_pending(self.keep)
         self.keep, self.pending = [], None
-        if commit:
-            self.history.append(Sent(h, positions))
-            self.committed += h.shape[1]
+        if msg.commit:
+            self.history.append(Sent(msg.hidden, positions))
+            self.committed += msg.hidden.shape[1]
         else:
-            self.pending = Sent(h, positions, mask)
-        self.compute_s += (reply.compute_us or 0) / 1e6
-        return reply.hidden
+            self.pending = Sent(msg.hidden, positions, msg.mask)
 
     def _check_commitment(self, msg: Step, reply: StepOk) -> None:
         """The output commitment must name exactly the bytes received, bound to our inputs: what a
@@ -170,7 +216,6 @@ class HopSession:
         commitment = binding.commit(tree.root)
         if reply.output_commitment != commitment:
             raise HopFailed(self.hop, f"STEP {msg.step}: output commitment missing or not over the bytes sent")
-        self.last_input = msg.input_commitment
         self.receipt, self.receipt_context = (binding, commitment), (msg.step, msg.input_commitment)
 
     def _commit_pending(self, keep: Sequence[int]) -> None:
@@ -253,14 +298,11 @@ class RemoteSpan:
                     session.audited = self.guard is not None and self.guard.pick()
                     new.append(session)
                     await session.open()
-                for sent in inputs:
-                    h = sent.h
-                    for session in new:
-                        hop = session.hop
-                        h = await session.step(h, sent.positions, sent.mask, sent.keep is None,
-                                               timeout=self.timeout * 4)
-                        if sent.keep is not None:
-                            session.commit(sent.keep)  # rides on the next STEP, as it first did
+                feed = inputs
+                for session in new:  # each hop's outputs are the next one's inputs
+                    hop = session.hop
+                    outs = await session.replay(feed, timeout=self.timeout * 4 + 0.5 * len(feed))
+                    feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
                 return new
             except (NoRoute, TrustUnavailable):
                 for session in new:
