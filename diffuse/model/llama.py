@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from diffuse.model.config import ModelConfig
+from diffuse.model.kernels import Linear
 
 
 class KVCache:
@@ -86,11 +87,11 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.wqkv = nn.Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
+        self.wo = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w_down = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def load_hf(self, t: dict[str, Tensor]) -> None:
         """Take HF tensor names (relative to the block) into the fused layout."""
@@ -194,7 +195,7 @@ class Head(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied = cfg.tie_word_embeddings
 
     def load_hf(self, t: dict[str, Tensor]) -> None:

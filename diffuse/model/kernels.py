@@ -1,0 +1,74 @@
+"""Matmul paths for a few rows on a CPU: what speculation and prefill cost depends on them.
+
+torch's default `x @ W.T` is fast for one row (a GEMV streaming the weights once) but on an
+AVX2 CPU two to sixteen rows cost 1.5-2x one row in fp32, and bf16 has no native GEMM there at
+all: its cost grows linearly with the rows (16 rows: 10x one row). Verifying a tree of guesses
+sends 2-64 rows, so on such a CPU a wider step looked expensive and speculation did not pay.
+Measured on this project's 2-core AVX2 box (60 matrices of 1536x576, 2 threads, ms):
+
+    rows               1     2     4     8    16    32    64
+    fp32 x @ W.T      32    54    62    51    58    67     -
+    fp32 (W @ x.T).T  32    22    22    38    43    54     -
+    bf16 x @ W.T      11    17    32    61   121   240   465
+    bf16 via fp32     52    28    29    44    39    49    86
+
+So fp32 takes the second form from two rows up, and bf16 without native bf16 kernels is
+computed from four rows up by widening the weights to fp32 (fp32 accumulation, as a bf16
+kernel would do; the result is rounded back to bf16). One row, and every GPU, keep torch's path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emulated kernel
+FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
+WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 / AMX), so torch's own path wins."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias), by the fastest path on this device for x's number of rows."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    if x.device.type != "cpu" or rows < 2:
+        return F.linear(x, weight, bias)
+    if weight.dtype == torch.float32 and rows <= FP32_UP_TO_ROWS:
+        flat = x.reshape(rows, x.shape[-1])
+        out = (weight @ flat.t()).t()
+    elif weight.dtype in (torch.bfloat16, torch.float16) and rows >= WIDEN_FROM_ROWS and not native_bf16():
+        out = _widened(x.reshape(rows, x.shape[-1]).float().t(), weight).to(x.dtype)
+    else:
+        return F.linear(x, weight, bias)
+    if bias is not None:
+        out = out + bias
+    return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _widened(xt: Tensor, weight: Tensor) -> Tensor:
+    """(weight @ xt).t() in fp32, widening at most WIDEN_BLOCK weight rows at a time: the fp32
+    copy of a block stays in cache, where widening a whole LM head (113 MB) would not."""
+    if weight.shape[0] <= 2 * WIDEN_BLOCK:
+        return (weight.float() @ xt).t()
+    out = torch.empty(xt.shape[1], weight.shape[0])
+    for s in range(0, weight.shape[0], WIDEN_BLOCK):
+        out[:, s:s + WIDEN_BLOCK] = (weight[s:s + WIDEN_BLOCK].float() @ xt).t()
+    return out
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) computed by `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,41 @@
+"""The CPU matmul paths of diffuse.model.kernels compute what F.linear computes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffuse.model import kernels
+from diffuse.model.kernels import Linear, linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 16, 64, 65, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_paths_match_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 96, generator=g)
+    w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g) if bias else None
+    out = linear(x, w, b)
+    assert out.shape == (1, rows, 200) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 33])
+def test_bf16_widening_matches_fp32_accumulation(rows, monkeypatch):
+    """Widened bf16 (blockwise, the block made small here) rounds the fp32 product once, as a
+    bf16 kernel accumulating in fp32 does: every value within half a bf16 step of the exact one."""
+    monkeypatch.setattr(kernels, "WIDEN_BLOCK", 16)
+    monkeypatch.setattr(kernels, "native_bf16", lambda: False)
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(2, rows, 64, generator=g).bfloat16(), torch.randn(100, 64, generator=g).bfloat16()
+    exact = F.linear(x.float(), w.float())
+    out = linear(x, w)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, 100)
+    assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+
+
+def test_linear_module_keeps_nn_linear_state_dict():
+    lin = torch.nn.Linear(8, 4)
+    ours = Linear(8, 4)
+    ours.load_state_dict(lin.state_dict())
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(ours(x), lin(x))
