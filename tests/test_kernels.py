@@ -10,7 +10,9 @@ from diffuse.model.kernels import Linear, linear
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 16, 64, 65, 130])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_paths_match_f_linear(rows, bias):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_paths_match_f_linear(rows, bias, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # one row: GEMV or a doubled row
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 96, generator=g)
     w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g) if bias else None

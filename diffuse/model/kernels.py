@@ -1,20 +1,24 @@
 """Matmul paths for a few rows on a CPU: what speculation and prefill cost depends on them.
 
-torch's default `x @ W.T` is fast for one row (a GEMV streaming the weights once) but on an
-AVX2 CPU two to sixteen rows cost 1.5-2x one row in fp32, and bf16 has no native GEMM there at
-all: its cost grows linearly with the rows (16 rows: 10x one row). Verifying a tree of guesses
-sends 2-64 rows, so on such a CPU a wider step looked expensive and speculation did not pay.
-Measured on this project's 2-core AVX2 box (60 matrices of 1536x576, 2 threads, ms):
+torch's default `x @ W.T` is fast for many rows, but on an AVX2 CPU two to sixteen rows cost
+1.5-2x one row in fp32, MKL's threaded GEMV (one row) is slower than its single-threaded one,
+and bf16 has no native GEMM there at all: its cost grows linearly with the rows (16 rows: 10x
+one row). Verifying a tree of guesses sends 2-64 rows, so on such a CPU a wider step looked
+expensive and speculation did not pay. Measured on this project's 2-core AVX2 box (2 threads,
+ms; 60 matrices of 1536x576, the last row: the whole SmolLM2 forward at a 300-token context):
 
-    rows               1     2     4     8    16    32    64
-    fp32 x @ W.T      32    54    62    51    58    67     -
-    fp32 (W @ x.T).T  32    22    22    38    43    54     -
-    bf16 x @ W.T      11    17    32    61   121   240   465
-    bf16 via fp32     52    28    29    44    39    49    86
+    rows                    1     2     4     8    16    32    64
+    fp32 x @ W.T           32    54    62    51    58    67     -
+    fp32 (W @ x.T).T       32    22    22    38    43    54     -
+    bf16 x @ W.T           11    17    32    61   121   240   465
+    bf16 via fp32          52    28    29    44    39    49    86
+    fp32 model, before    106   194   215   197   220   259   375
+    fp32 model, after      86    88    96   133   175   235   350
 
-So fp32 takes the second form from two rows up, and bf16 without native bf16 kernels is
-computed from four rows up by widening the weights to fp32 (fp32 accumulation, as a bf16
-kernel would do; the result is rounded back to bf16). One row, and every GPU, keep torch's path.
+So fp32 takes the second form up to 64 rows (one row is doubled when torch has several
+threads), and bf16 without native bf16 kernels is computed from eight rows up by widening the
+weights to fp32 (fp32 accumulation, as a bf16 kernel would do; the result is rounded back to
+bf16). Every GPU keeps torch's path.
 """
 
 from __future__ import annotations
@@ -42,11 +46,15 @@ def native_bf16() -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), by the fastest path on this device for x's number of rows."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if x.device.type != "cpu" or rows < 2:
+    if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
     if weight.dtype == torch.float32 and rows <= FP32_UP_TO_ROWS:
         flat = x.reshape(rows, x.shape[-1])
-        out = (weight @ flat.t()).t()
+        if rows == 1:
+            if torch.get_num_threads() == 1:
+                return F.linear(x, weight, bias)
+            flat = torch.cat([flat, flat])  # two rows: a threaded GEMM beats MKL's threaded GEMV
+        out = (weight @ flat.t())[:, :rows].t()
     elif weight.dtype in (torch.bfloat16, torch.float16) and rows >= WIDEN_FROM_ROWS and not native_bf16():
         out = _widened(x.reshape(rows, x.shape[-1]).float().t(), weight).to(x.dtype)
     else:
