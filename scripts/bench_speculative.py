@@ -2,14 +2,16 @@
 """Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
-        [--tokens 96] [--dtype bf16] [--spans 1:30]
+        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec heads]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
 client exchanges with a peer crosses the relay (checked: the client's connection to each hop
 must end at a relay port). The client runs in this process (block 0 local, as by default). For
-each RTT, the same prompts (chat, code, grounded) run plain and speculative, alternating;
-speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
+each RTT, the same prompts (chat, code, grounded) run plain and in each speculative mode, in
+alternating order: `spec` guesses by prompt lookup and the lookahead pool, `heads` adds the draft
+heads of `diffuse model draft-heads` (trained on text Python ships, never on these prompts).
+Speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
 The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
 
 Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
@@ -37,12 +39,14 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
+from diffuse.client import draft_heads  # noqa: E402
 from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import SpecConfig  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
+from diffuse.model.config import ModelConfig  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from latency_relay import RelayProcess  # noqa: E402
@@ -163,12 +167,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--modes", nargs="+", default=["spec", "heads"], choices=["spec", "heads"],
+                    help="speculative modes against plain: spec (prompt lookup + lookahead), heads (+ draft heads)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
     torch.set_num_threads(args.threads)
     home = data_home(args.home)
     model_dir = models_dir(home) / DEFAULT_MODEL
     tok = Tokenizer.load(model_dir)
+    heads = draft_heads.load(draft_heads.path(home, DEFAULT_MODEL), ModelConfig.load(model_dir).hidden_size)
+    if "heads" in args.modes and heads is None:
+        sys.exit("no draft heads: run `diffuse model draft-heads` first, or pass --modes spec")
+    spec_modes = list(dict.fromkeys(args.modes))
+    modes = ["plain"] + spec_modes
     prompts = [(kind, tok.encode_chat([{"role": "user", "content": t}]))
                for kind, texts in CLASSES.items() for t in texts[:args.per_class]]
     params = SamplingParams(max_tokens=args.tokens)
@@ -185,16 +196,16 @@ def main() -> None:
                     await trio.sleep(0.25)
                 for rtt_ms in args.rtts:
                     swarm.relay.set_rtt(rtt_ms / 1e3)
-                    spec = SpecConfig()
+                    configs = {"plain": None, "spec": SpecConfig(), "heads": SpecConfig(heads=heads)}
+                    configs = {m: configs[m] for m in modes}
                     await run_one(client, swarm, tok, prompts[0][1], SamplingParams(max_tokens=4), None)  # warm-up
                     for i, (kind, prompt) in enumerate(prompts):
-                        order = [None, spec] if i % 2 == 0 else [spec, None]
+                        order = list(configs) if i % 2 == 0 else list(configs)[::-1]
                         got = {}
-                        for cfg in order:
-                            mode = "spec" if cfg else "plain"
-                            got[mode] = await run_one(client, swarm, tok, prompt, params, cfg)
+                        for mode in order:
+                            got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode])
                             results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
-                        mismatches += got["spec"]["tokens"] != got["plain"]["tokens"]
+                        mismatches += sum(got[m]["tokens"] != got["plain"]["tokens"] for m in spec_modes)
                         print(f"  rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
 
         trio.run(bench)
@@ -204,33 +215,35 @@ def main() -> None:
     for (rtt, kind, mode), runs in results.items():
         table[(rtt, kind, mode)] = cell(runs)
     for rtt in args.rtts:
-        for mode in ("plain", "spec"):
+        for mode in modes:
             table[(rtt, "mixed", mode)] = cell([r for k in CLASSES for r in results[(rtt, k, mode)]])
     # Fit c per mode: step seconds = RTT + c, least squares over the per-class cells (weighted by steps).
     fixed = {}
-    for mode in ("plain", "spec"):
+    for mode in modes:
         cells = [(rtt, table[(rtt, k, mode)]) for rtt in args.rtts for k in CLASSES]
         fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / sum(c["n_steps"] for _, c in cells)
 
     print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
           f"{args.per_class} prompts/class, up to {args.tokens} tokens, greedy; load {os.getloadavg()}")
-    print(f"fitted fixed time per step: plain {fixed['plain'] * 1e3:.1f} ms, spec {fixed['spec'] * 1e3:.1f} ms")
-    print("| RTT ms | class | tokens/step spec | positions/step | tok/s plain | tok/s spec | speed-up "
-          "| model tok/s plain (err) | model tok/s spec (err) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("fitted fixed time per step: " + ", ".join(f"{m} {fixed[m] * 1e3:.1f} ms" for m in modes))
+    print("| RTT ms | class | mode | tokens/step | positions/step | tok/s plain | tok/s | speed-up "
+          "| model tok/s plain (err) | model tok/s (err) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for rtt in args.rtts:
         for kind in kinds:
-            p, s = table[(rtt, kind, "plain")], table[(rtt, kind, "spec")]
-            model = {m: table[(rtt, kind, m)]["per_step"] / (rtt / 1e3 + fixed[m]) for m in ("plain", "spec")}
+            p = table[(rtt, kind, "plain")]
+            model = {m: table[(rtt, kind, m)]["per_step"] / (rtt / 1e3 + fixed[m]) for m in modes}
             err = {m: model[m] / table[(rtt, kind, m)]["tps"] - 1 for m in model}
             if kind != "mixed":
                 errors += [abs(e) for e in err.values()]
-            print(f"| {rtt:g} | {kind} | {s['per_step']:.2f} | {s['positions']:.1f} | {p['tps']:.1f} | {s['tps']:.1f} "
-                  f"| {s['tps'] / p['tps']:.2f}x | {model['plain']:.1f} ({err['plain']:+.0%}) "
-                  f"| {model['spec']:.1f} ({err['spec']:+.0%}) |")
+            for m in spec_modes:
+                s = table[(rtt, kind, m)]
+                print(f"| {rtt:g} | {kind} | {m} | {s['per_step']:.2f} | {s['positions']:.1f} | {p['tps']:.1f} "
+                      f"| {s['tps']:.1f} | {s['tps'] / p['tps']:.2f}x | {model['plain']:.1f} ({err['plain']:+.0%}) "
+                      f"| {model[m]:.1f} ({err[m]:+.0%}) |")
     print(f"\nmodel prediction error over per-class cells: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}")
-    print(f"greedy answers differing between plain and spec: {mismatches} of {len(prompts) * len(args.rtts)}")
+    print(f"greedy answers differing from plain: {mismatches} of {len(prompts) * len(args.rtts) * len(spec_modes)}")
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -107,10 +107,8 @@ def cmd_ask(args) -> int:
     if not args.local and not (args.bootstrap or args.bootstrap_file):
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm")
     from diffuse.client.generate import complete, session_length
-    from diffuse.client.speculative import SpecConfig
-
     default = not args.local and args.dtype == "fp32"
-    speculate = SpecConfig() if (args.speculate if args.speculate is not None else default) else None
+    speculate = _spec_config(args) if (args.speculate if args.speculate is not None else default) else None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -184,3 +182,16 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
                 info["bytes_sent"] = remote.stats.bytes_sent
 
     return _trio_run(run)
+
+
+def _spec_config(args):
+    """Speculation settings, with the draft heads `diffuse model draft-heads` trained, if any."""
+    from diffuse.client import draft_heads
+    from diffuse.client.speculative import SpecConfig
+    from diffuse.model import store
+    from diffuse.model.config import ModelConfig
+
+    home = data_home(args.home)
+    path = store.resolve(home, args.model)
+    heads = draft_heads.load(draft_heads.path(home, path.name), ModelConfig.load(path).hidden_size)
+    return SpecConfig(heads=heads)

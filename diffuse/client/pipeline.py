@@ -55,6 +55,7 @@ class Pipeline:
         self.head, self.stages = head, stages
         self.length = 0  # committed tokens, identical in every stage's cache
         self.pending = 0  # candidate tokens of the last forward(commit=False)
+        self.hidden: Tensor | None = None  # final hidden states of the rows the last forward returned
 
     async def forward(self, ids: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
                 commit: bool = True, rows: Tensor | slice | None = None) -> Tensor:
@@ -74,7 +75,8 @@ class Pipeline:
         else:
             self.pending = ids.shape[1]
         h = h.to(self.head.norm.weight.dtype)
-        return self.head.logits(h if rows is None else h[:, rows])
+        self.hidden = h if rows is None else h[:, rows]  # the rows' final hidden states (draft heads read them)
+        return self.head.logits(self.hidden)
 
     async def commit(self, keep: Sequence[int] | None = None) -> None:
         for stage in self.stages:

@@ -23,8 +23,10 @@ from typing import AsyncIterator, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from diffuse.client.draft_heads import DraftHeads
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
+from diffuse.model.llama import Head
 
 
 @dataclass
@@ -65,6 +67,8 @@ class SpecConfig:
     levels: int = 2
     lookahead_gain: float = 0.2  # tokens per step such a window added on chat and code (measured)
     probe_nodes: int = 8  # tree size while the step-cost slope is still unknown
+    heads: DraftHeads | None = None  # trained draft heads (draft_heads.py), if the client has them
+    head_width: int = 3  # first-head tokens tried per step, each extended by the deeper heads
     seed: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     cost: "StepCost" = field(default_factory=lambda: StepCost())  # shared by calls with this config
@@ -359,8 +363,9 @@ class Step:
 class Speculator:
     """Guessing, planning and learning state of one generation; the loop only does I/O."""
 
-    def __init__(self, cfg: SpecConfig, prompt: Sequence[int]):
-        self.cfg = cfg
+    def __init__(self, cfg: SpecConfig, prompt: Sequence[int], head: Head | None = None):
+        self.cfg, self.head = cfg, head
+        self.z: Tensor | None = None  # final hidden state (pre-norm) of the position that produced the root
         self.lookup = PromptLookup(cfg.ngram)
         self.lookup.extend(prompt)
         self.pool = NGramPool(cfg.pool_per_key)
@@ -383,6 +388,11 @@ class Speculator:
     def draft(self, max_depth: int) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
+        if cfg.heads is not None and self.head is not None and self.z is not None:
+            proposals = cfg.heads.propose(self.head, self.z, cfg.head_width)
+            deeper = [p[0] for p in proposals[1:]]
+            for rank, tok in enumerate(proposals[0]):
+                draft.add([tok, *deeper], f"head{rank}")
         taken = 0
         for n, cont in self.lookup.continuations(max_depth):
             if taken == cfg.matches or draft.full:
@@ -445,9 +455,10 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     beyond len(prompt) + max_tokens.
     """
     cfg = config or SpecConfig()
-    spec = Speculator(cfg, prompt)
+    spec = Speculator(cfg, prompt, getattr(pipeline, "head", None))
     t0 = time.perf_counter()
     logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
+    spec.z = _hidden(pipeline, -1)
     spec.cost.observe(len(prompt), time.perf_counter() - t0)
     root = sampler.sample(logits[0, -1], torch.tensor(prompt))
     produced = 0
@@ -464,6 +475,7 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         logits = (await pipeline.forward(ids, positions, mask, commit=False))[0]
         seconds = time.perf_counter() - t0
         path, root = verify(step.tokens, step.parents, logits, sampler, spec.text, depth)
+        spec.z = _hidden(pipeline, path[-1] if path else 0)
         guesses = [step.tokens[i] for i in path]
         cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
         await pipeline.commit([0] + path[:cut])
@@ -477,3 +489,9 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         spec.push(guesses[:cut])
         if cut < len(guesses):
             return
+
+
+def _hidden(pipeline: Pipeline, row: int) -> Tensor | None:
+    """The final hidden state of one row of the last forward (None for stand-in pipelines)."""
+    hidden = getattr(pipeline, "hidden", None)
+    return None if hidden is None else hidden[0, row]
