@@ -63,3 +63,18 @@ def test_training_learns_the_models_own_continuations(tiny_model):
     assert after[0] > before[0] + 0.05 and after[1] > before[1] + 0.05, (before, after)
     top = trained.propose(tiny_model.head, torch.randn(64), top=3)
     assert all(set(p) <= set(trained.vocab.tolist()) for p in top)  # guesses come from the vocab
+
+
+def test_batched_self_distillation_decodes_each_row_as_alone(tiny_model):
+    """Training answers are decoded 32 at a time: each row must be the greedy answer it would be
+    alone, and the states must carry no autograd graph into training."""
+    import trio
+
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250], [7, 8, 9, 10, 11, 12]])
+    z, choice = trio.run(D._decode, tiny_model, ids, 8)
+    assert z.shape == (2, 8, 64) and choice.shape == (2, 8)
+    assert z.grad_fn is None and not z.requires_grad
+    for b in range(2):
+        zb, cb = trio.run(D._decode, tiny_model, ids[b:b + 1], 8)
+        assert torch.equal(cb[0], choice[b])
+        torch.testing.assert_close(zb[0], z[b], rtol=1e-4, atol=1e-4)

@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "(self-distilled from the model on text Python ships; minutes on a CPU)")
     dh.add_argument("name", nargs="?")
     dh.add_argument("--heads", type=int, default=3, help="tokens guessed past the next one (default 3)")
-    dh.add_argument("--positions", type=int, default=40_000, help="training positions (default 40000)")
+    dh.add_argument("--answers", type=int, default=16_000,
+                    help="positions of the model's own answers to train on (default 16000)")
+    dh.add_argument("--text", type=int, default=16_000, help="positions of teacher-forced text (default 16000)")
     dh.add_argument("--epochs", type=int, default=2)
     dh.set_defaults(func=cmd_draft_heads)
 
@@ -58,13 +60,13 @@ def cmd_draft_heads(args) -> int:
     from diffuse.client.local import open_local
     from diffuse.errors import DiffuseError
 
-    if args.heads < 1 or args.positions < 100 or args.epochs < 1:
-        raise DiffuseError("--heads must be >= 1, --positions >= 100 and --epochs >= 1")
+    if args.heads < 1 or args.answers < 0 or args.text < 0 or args.answers + args.text < 100 or args.epochs < 1:
+        raise DiffuseError("--heads and --epochs must be >= 1, --answers and --text >= 0 with at least 100 in all")
     home = data_home(args.home)
     name = store.resolve(home, args.name).name
     model, tok = open_local(home, name, "fp32")
     file = draft_heads.path(home, name)
-    draft_heads.build(model, tok, file, args.heads, args.positions, args.epochs, _progress)
+    draft_heads.build(model, tok, file, args.heads, args.answers, args.text, args.epochs, _progress)
     print(file)
     return 0
 

@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +128,104 @@ def corpus(seed: int = 0) -> list[tuple[str, str]]:
     return pairs
 
 
+CHAT_SUBJECTS = [
+    "the water cycle", "how bridges stay up", "the history of the printing press", "why cats purr",
+    "how a refrigerator works", "the rules of chess", "how to start running", "the Roman Empire",
+    "how bees make honey", "what inflation is", "how to care for a houseplant", "the life of a star",
+    "how the internet works", "why we dream", "how to write a good resume", "the causes of earthquakes",
+    "how to save money each month", "what a budget is", "the benefits of reading", "how tides work",
+    "how to plan a birthday party", "the invention of the telephone", "how muscles grow",
+    "what makes a good friend", "how electric cars work", "the Great Wall of China", "how to learn guitar",
+    "why the moon has phases", "how coffee is made", "the importance of sleep for children",
+    "how recycling works", "what democracy means", "how to prepare for a job interview",
+    "the migration of birds", "how a camera works", "what causes rainbows", "how to cook rice",
+    "the history of the bicycle", "how antibiotics work", "how to stay focused while studying",
+    "what a volcano is", "how to train a puppy", "the solar system", "how credit cards work",
+    "why oceans are salty", "how to make friends in a new city", "the first moon landing",
+    "how plants drink water", "what a healthy breakfast looks like", "how airplanes fly",
+]
+CHAT_FORMS = ["Tell me about {}.", "Explain {} in simple words.", "What should everyone know about {}?",
+              "Write a short paragraph about {}.", "Give me three facts about {}."]
+CODE_TASKS = [
+    "sorts a list of dictionaries by a key", "finds the largest number in a list", "checks if a number is prime",
+    "converts Celsius to Fahrenheit", "removes duplicates from a list", "merges two sorted lists",
+    "counts the vowels in a string", "computes the factorial of a number", "flattens a nested list",
+    "reads a CSV file and prints each row", "returns the second largest element of a list",
+    "checks whether two strings are anagrams", "generates the first n prime numbers",
+    "converts a binary string to an integer", "computes the average of a list of numbers",
+    "capitalises every word in a sentence", "finds the most common element in a list",
+    "validates an email address with a regular expression", "computes the greatest common divisor",
+    "transposes a matrix", "implements binary search", "parses a date string", "rotates a list by k places",
+    "returns the intersection of two lists", "writes a dictionary to a JSON file",
+]
+CODE_FORMS = ["Write a Python function that {}.", "Show me Python code that {}.",
+              "Write a JavaScript function that {}.", "Write a Python function that {}, with a docstring."]
+GROUND_FORMS = ["Summarise the following text in two or three sentences.\n\n{}",
+                "List the key facts in the following text as bullet points.\n\n{}",
+                "Rewrite the following text for a ten-year-old.\n\n{}"]
+
+
+def questions(seed: int = 0) -> list[str]:
+    """Chat, code and summarising requests to self-distil on: none of them is a benchmark prompt
+    (scripts/eval_speculative_identity.py); passages are paragraphs of pydoc's topics."""
+    import pydoc_data.topics as topics
+
+    qs = [f.format(t) for t in CHAT_SUBJECTS for f in CHAT_FORMS]
+    qs += [f.format(t) for t in CODE_TASKS for f in CODE_FORMS]
+    paras = [p.strip() for text in topics.topics.values() for p in text.split("\n\n")]
+    paras = [" ".join(p.split()) for p in paras if 60 <= len(p.split()) <= 140 and "::" not in p and ">>>" not in p]
+    qs += [GROUND_FORMS[i % len(GROUND_FORMS)].format(p) for i, p in enumerate(paras[:120])]
+    random.Random(seed).shuffle(qs)
+    return qs
+
+
+def generated(model: LocalModel, tok: Tokenizer, qs: list[str], k: int, tokens: int, batch: int = 32,
+              new: int = 128, log: Callable[[str], None] = lambda s: None) -> tuple[Tensor, Tensor]:
+    """(z, labels) as in `examples`, from the model's own greedy answers to `qs`: the contexts the
+    heads will see. Prompts are decoded `batch` at a time, each padded to the longest with blank
+    lines at the start of its request (a batch shares positions)."""
+    import trio
+
+    pad = tok.encode("\n")
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in qs]
+    prompts.sort(key=len)
+    empty = tok.encode_chat([{"role": "user", "content": ""}])
+    split = next(i for i, (a, b) in enumerate(zip(empty, prompts[0] + [-1] * len(empty))) if a != b)  # request starts
+    zs, labels, n, t0 = [], [], 0, time.perf_counter()
+    for at in range(0, len(prompts), batch):
+        group = prompts[at:at + batch]
+        width = max(map(len, group))
+        ids = torch.tensor([p[:split] + pad * (width - len(p)) + p[split:] for p in group])
+        z, choice = trio.run(_decode, model, ids, new)
+        for b in range(len(group)):
+            ends = [i for i, t in enumerate(choice[b].tolist()) if t in tok.eos_ids]
+            m = (ends[0] + 1 if ends else new) - k
+            if m > 0:
+                zs.append(z[b, :m])
+                labels.append(torch.stack([choice[b, 1 + j:1 + j + m] for j in range(k)], dim=1))
+                n += m
+        log(f"{n} positions from {min(at + batch, len(prompts))} answers, {n / (time.perf_counter() - t0):.0f}/s")
+        if n >= tokens:
+            break
+    return torch.cat(zs)[:tokens], torch.cat(labels)[:tokens]
+
+
+async def _decode(model: LocalModel, ids: Tensor, new: int) -> tuple[Tensor, Tensor]:
+    """Greedy decoding of a batch: ([B, new, hidden] normalised final states, [B, new] choices)."""
+    pipe = model.session(ids.shape[1] + new, batch=ids.shape[0])
+    zs, choices = [], []
+    logits = await pipe.forward(ids, rows=slice(-1, None))
+    try:
+        for step in range(new):
+            zs.append(model.head.norm(pipe.hidden[:, -1]).detach().float())
+            choices.append(logits[:, -1].argmax(-1))
+            if step + 1 < new:
+                logits = await pipe.forward(choices[-1][:, None])
+    finally:
+        await pipe.close()
+    return torch.stack(zs, 1), torch.stack(choices, 1)
+
+
 def examples(model: LocalModel, tok: Tokenizer, pairs: list[tuple[str, str]], k: int, tokens: int,
              window: int = 384, log: Callable[[str], None] = lambda s: None) -> tuple[Tensor, Tensor]:
     """(z [N, hidden], labels [N, k]): at each position, the model's normalised final hidden
@@ -200,25 +298,23 @@ def train(heads: DraftHeads, head: Head, z: Tensor, labels: Tensor, epochs: int 
         return [float((pred[j] == labels[held, j]).float().mean()) for j in range(heads.k)]
 
 
-def build(model: LocalModel, tok: Tokenizer, file: Path, k: int = 2, tokens: int = 40_000,
+def build(model: LocalModel, tok: Tokenizer, file: Path, k: int = 3, answers: int = 16_000, text: int = 16_000,
           epochs: int = 2, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[float]:
-    """Collect, train and save draft heads for this model; returns held-out top-1 accuracies."""
+    """Collect (`answers` positions of the model's own answers, `text` of teacher-forced text),
+    train and save draft heads for this model; returns held-out top-1 accuracies."""
     t0 = time.perf_counter()
-    z, labels = examples(model, tok, corpus(), k, tokens, log=log)
+    parts = []
+    if answers:
+        parts.append(generated(model, tok, questions(), k, answers, log=log))
+    if text:
+        parts.append(examples(model, tok, corpus(), k, text, log=log))
+    z, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     log(f"collected {len(z)} positions in {time.perf_counter() - t0:.0f} s")
     torch.manual_seed(0)
     heads = DraftHeads(z.shape[1], k, torch.unique(labels))
     with torch.enable_grad():
         acc = train(heads, model.head, z, labels, epochs, log=log)
-    save(heads, file, {"positions": len(z), "epochs": epochs, "accuracy": acc})
+    save(heads, file, {"answers": answers, "text": text, "epochs": epochs, "accuracy": acc})
     log(f"draft heads: held-out top-1 accuracy {', '.join(f'{a:.2f}' for a in acc)} "
         f"({time.perf_counter() - t0:.0f} s) -> {file}")
     return acc
-
-
-def iter_top(proposals: list[list[int]], width: int) -> Iterator[list[int]]:
-    """Guessed continuations from per-head top lists: head 1's top `width`, each extended by the
-    best of the deeper heads (a chain, as Medusa's sparse tree's heaviest branch)."""
-    deeper = [p[0] for p in proposals[1:]]
-    for tok in proposals[0][:width]:
-        yield [tok, *deeper]
