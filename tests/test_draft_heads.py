@@ -24,7 +24,7 @@ def test_fresh_heads_predict_the_next_token(tiny_model):
     h = torch.randn(64)
     proposals = heads.propose(tiny_model.head, h, top=2)
     assert len(proposals) == 3 and all(len(p) == 2 for p in proposals)
-    assert {p[0] for p in proposals} == {int(tiny_model.head.logits(h).argmax())}
+    assert {tuple(p) for p in proposals} == {tuple(tiny_model.head.logits(h).topk(2).indices.tolist())}
 
 
 def test_file_round_trip_width_check_and_foreign_file(tmp_path):
@@ -78,3 +78,12 @@ def test_batched_self_distillation_decodes_each_row_as_alone(tiny_model):
         zb, cb = trio.run(D._decode, tiny_model, ids[b:b + 1], 8)
         assert torch.equal(cb[0], choice[b])
         torch.testing.assert_close(zb[0], z[b], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("argv", [["--heads", "0"], ["--answers", "-1"], ["--answers", "0", "--text", "50"]])
+def test_draft_heads_cli_rejects_bad_arguments(tmp_path, capsys, argv):
+    from diffuse.cli import main
+
+    assert main(["--home", str(tmp_path), "model", "draft-heads", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --heads and --epochs must be >= 1") and "Traceback" not in err, err

@@ -70,7 +70,9 @@ class DraftHeads(nn.Module):
     @torch.inference_mode()
     def propose(self, head: Head, h: Tensor, top: int) -> list[list[int]]:
         """For one position's final hidden state h [hidden] (before the final norm): the `top`
-        likeliest tokens of each head, best first."""
+        likeliest tokens of each head, best first. (Their probabilities were tried as the
+        planner's acceptance estimate: on chat a 0.6+ guess was right 20% of the time, no better
+        a guide than the learned rate per head and rank.)"""
         z = head.norm(h).float()
         idx = (self.states(z) @ self.rows(head.lm_head.weight).t()).topk(top, dim=-1).indices
         return (self.vocab[idx] if len(self.vocab) else idx).tolist()
