@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from diffuse.client import draft_heads as D
 from diffuse.client.pipeline import LocalModel
+from diffuse.errors import ModelError
 from diffuse.model.load import load_head, load_span
 from tiny import make_tiny
 
@@ -38,8 +39,11 @@ def test_file_round_trip_width_check_and_foreign_file(tmp_path):
     assert D.load(file, 128) is None  # another model's width: not used
     assert D.load(tmp_path / "absent" / D.FILE, 64) is None
     save_file({"x": torch.zeros(2)}, str(tmp_path / "foreign.safetensors"))
-    with pytest.raises(ValueError, match="foreign.safetensors: not a draft-heads file"):
+    with pytest.raises(ModelError, match="foreign.safetensors: not a usable draft-heads file"):
         D.load(tmp_path / "foreign.safetensors", 64)
+    (tmp_path / "torn.safetensors").write_bytes(file.read_bytes()[:100])
+    with pytest.raises(ModelError, match="torn.safetensors: not a usable draft-heads file"):
+        D.load(tmp_path / "torn.safetensors", 64)
 
 
 def test_training_learns_the_models_own_continuations(tiny_model):

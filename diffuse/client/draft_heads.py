@@ -7,8 +7,9 @@ normalised final hidden state z of the position that produced the root, which th
 anyway (it runs the LM head), and predicts the token k + 1 places ahead through the model's own
 LM head: logits_k = lm_head(z + SiLU(W_k z + b_k)). Only W_k, b_k are learned (about 330 k
 numbers per head for SmolLM2), by self-distillation: the labels are the model's own greedy
-choices, so a head learns what this model will say, not what a corpus says. Training reads text
-through the local model once (teacher forcing) and needs no data beyond what Python ships.
+choices, so a head learns what this model will say, not what a corpus says: mostly the model's
+own answers to generated requests, decoded in batches, plus text read once (teacher forcing).
+No data is needed beyond what Python ships.
 
 The heads are a client-side file (`<home>/drafts/<model>/heads.safetensors`); no peer sees them
 and the output does not depend on them: verification accepts only what the model itself picks.
@@ -29,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from diffuse.client.pipeline import LocalModel
+from diffuse.errors import ModelError
 from diffuse.model.llama import Head
 from diffuse.model.tokenizer import Tokenizer
 
@@ -96,18 +98,18 @@ def load(file: Path, hidden: int) -> DraftHeads | None:
         return None
     from safetensors import safe_open
 
-    with safe_open(str(file), "pt") as f:
-        meta = f.metadata() or {}
     try:
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata() or {}
         k, width = int(meta["k"]), int(meta["hidden"])
-    except (KeyError, ValueError):
-        raise ValueError(f"{file}: not a draft-heads file (metadata {meta})") from None
-    if width != hidden:
-        return None
-    state = load_file(str(file))
-    state.setdefault("vocab", torch.zeros(0, dtype=torch.long))  # none: the whole vocabulary
-    heads = DraftHeads(hidden, k, state["vocab"])
-    heads.load_state_dict(state)
+        if width != hidden:
+            return None
+        state = load_file(str(file))
+        heads = DraftHeads(hidden, k, state["vocab"])
+        heads.load_state_dict(state)
+    except Exception as e:  # noqa: BLE001 - whatever is wrong with the file, say which file
+        raise ModelError(f"{file}: not a usable draft-heads file ({type(e).__name__}: {e}); "
+                         "delete it or run `diffuse model draft-heads` again") from None
     return heads.eval()
 
 
