@@ -257,13 +257,15 @@ def examples(model: LocalModel, tok: Tokenizer, pairs: list[tuple[str, str]], k:
 
 @torch.inference_mode()
 def _forward(model: LocalModel, ids: list[int]) -> tuple[Tensor, Tensor]:
-    x = torch.tensor([ids])
-    h = model.head.embed_tokens(x)
-    positions = torch.arange(len(ids))
-    for span in model.spans:
-        h = span(h.to(span.blocks[0].wo.weight.dtype), positions, span.new_cache(len(ids)))
-    z = model.head.norm(h.to(model.head.norm.weight.dtype))[0]
-    return z.float(), model.head.lm_head(z).argmax(-1)
+    """One teacher-forced pass: ([T, hidden] normalised final states, [T] greedy choices)."""
+    import trio
+
+    pipe = model.session(len(ids))
+    try:
+        logits = trio.run(pipe.forward, torch.tensor([ids]))
+    finally:
+        trio.run(pipe.close)
+    return model.head.norm(pipe.hidden[0]).float(), logits[0].argmax(-1)
 
 
 def train(heads: DraftHeads, head: Head, z: Tensor, labels: Tensor, epochs: int = 2, batch: int = 256,
