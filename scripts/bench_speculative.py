@@ -2,15 +2,15 @@
 """Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
-        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec heads]
+        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec draft]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
 client exchanges with a peer crosses the relay (checked: the client's connection to each hop
 must end at a relay port). The client runs in this process (block 0 local, as by default). For
 each RTT, the same prompts (chat, code, grounded) run plain and in each speculative mode, in
-alternating order: `spec` guesses by prompt lookup and the lookahead pool, `heads` adds the draft
-heads of `diffuse model draft-heads` (trained on text Python ships, never on these prompts).
+alternating order: `spec` guesses by prompt lookup and the lookahead pool, `draft` adds the draft
+head of `diffuse model draft-head` (trained on requests and text of its own, never on these prompts).
 Speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
 The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
 
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
-from diffuse.client import draft_heads  # noqa: E402
+from diffuse.client import draft_head  # noqa: E402
 from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import SpecConfig  # noqa: E402
@@ -167,17 +167,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--modes", nargs="+", default=["spec", "heads"], choices=["spec", "heads"],
-                    help="speculative modes against plain: spec (prompt lookup + lookahead), heads (+ draft heads)")
+    ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
+                    help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ draft head)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
     torch.set_num_threads(args.threads)
     home = data_home(args.home)
     model_dir = models_dir(home) / DEFAULT_MODEL
     tok = Tokenizer.load(model_dir)
-    heads = draft_heads.load(draft_heads.path(home, DEFAULT_MODEL), ModelConfig.load(model_dir).hidden_size)
-    if "heads" in args.modes and heads is None:
-        sys.exit("no draft heads: run `diffuse model draft-heads` first, or pass --modes spec")
+    draft = draft_head.load(draft_head.path(home, DEFAULT_MODEL), ModelConfig.load(model_dir).hidden_size)
+    if "draft" in args.modes and draft is None:
+        sys.exit("no draft head: run `diffuse model draft-head` first, or pass --modes spec")
     spec_modes = list(dict.fromkeys(args.modes))
     modes = ["plain"] + spec_modes
     prompts = [(kind, tok.encode_chat([{"role": "user", "content": t}]))
@@ -196,7 +196,7 @@ def main() -> None:
                     await trio.sleep(0.25)
                 for rtt_ms in args.rtts:
                     swarm.relay.set_rtt(rtt_ms / 1e3)
-                    configs = {"plain": None, "spec": SpecConfig(), "heads": SpecConfig(heads=heads)}
+                    configs = {"plain": None, "spec": SpecConfig(), "draft": SpecConfig(draft=draft)}
                     configs = {m: configs[m] for m in modes}
                     await run_one(client, swarm, tok, prompts[0][1], SamplingParams(max_tokens=4), None)  # warm-up
                     for i, (kind, prompt) in enumerate(prompts):

@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/eval_speculative_identity.py [--home DIR] [--out DIR] [--tokens 128]
         [--per-class 17] [--bf16-per-class 4] [--sweep-per-class 4] [--threads 1] [--costs idle]
-        [--swarm] [--heads]
+        [--swarm] [--draft]
 
 --swarm runs phases 2-4 through a real loopback swarm instead (a sentinel and two `diffuse join`
 processes serving blocks 1-14 and 15-29 in the phase's dtype, fp16 on the wire, the client
@@ -239,10 +239,10 @@ async def run_plain(sessions: Sessions, prompts, n: int) -> list[dict]:
     return out
 
 
-async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost, heads=None) -> list[dict]:
+async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost, draft=None) -> list[dict]:
     out = []
     for i, (_, prompt) in enumerate(prompts):
-        cfg = SpecConfig(cost=Modelled(cost), heads=heads)
+        cfg = SpecConfig(cost=Modelled(cost), draft=draft)
         pipe = await sessions(len(prompt) + n + kv_headroom(cfg))
         try:
             toks = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(), cfg)]
@@ -252,12 +252,12 @@ async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost, heads=None) 
     return out
 
 
-async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path, heads=None) -> tuple[list[dict], list[dict]]:
+async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path, draft=None) -> tuple[list[dict], list[dict]]:
     """Plain then speculative per prompt, each pair appended to `path` (JSON lines) as it is done,
     so a long run that is stopped keeps every finished comparison and resumes after it."""
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     for i, prompt in enumerate(prompts[len(done):], len(done)):
-        pair = [(await run_plain(sessions, [prompt], n))[0], (await run_spec(sessions, [prompt], n, cost, heads))[0]]
+        pair = [(await run_plain(sessions, [prompt], n))[0], (await run_spec(sessions, [prompt], n, cost, draft))[0]]
         with path.open("a") as f:
             f.write(json.dumps(pair) + "\n")
         done.append(pair)
@@ -366,7 +366,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="1 on a shared box: threads that wait on "
                     "each other for small matmuls cost more than they save")
     ap.add_argument("--swarm", action="store_true", help="identity through a loopback swarm (phases 2-4)")
-    ap.add_argument("--heads", action="store_true", help="speculate with the draft heads too (diffuse model draft-heads)")
+    ap.add_argument("--draft", action="store_true", help="speculate with the draft head too (diffuse model draft-head)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
     if args.swarm:
@@ -378,33 +378,33 @@ def main() -> None:
     t_start = time.perf_counter()
 
     tok = Tokenizer.load(store.resolve(home, None))
-    heads = None
-    if args.heads:
-        from diffuse.client import draft_heads
+    draft = None
+    if args.draft:
+        from diffuse.client import draft_head
         from diffuse.model.config import ModelConfig
 
         path = store.resolve(home, None)
-        heads = draft_heads.load(draft_heads.path(home, path.name), ModelConfig.load(path).hidden_size)
-        if heads is None:
-            sys.exit("no draft heads: run `diffuse model draft-heads` first")
+        draft = draft_head.load(draft_head.path(home, path.name), ModelConfig.load(path).hidden_size)
+        if draft is None:
+            sys.exit("no draft head: run `diffuse model draft-head` first")
     eos = set(tok.eos_ids)
     prompts = interleaved(prompts_of(tok, args.per_class))
     kinds = [k for k, _ in prompts]
     sub = lambda per: [i for i, k in enumerate(kinds) if kinds[:i].count(k) < per]  # noqa: E731
     sweep = sub(args.sweep_per_class)
-    tag = ("swarm_" if args.swarm else "") + ("heads_" if args.heads else "")
+    tag = ("swarm_" if args.swarm else "") + ("draft_" if args.draft else "")
     where = "through a loopback swarm (2 peers, fp16 wire)" if args.swarm else "in process"
 
     async def fp32(sessions: Sessions):
         costs = IDLE_FP32 if args.costs == "idle" else await cached(out / "costs_fp32.json",
                                                                     lambda: measure_costs(sessions))
         plain, spec80 = await run_pairs(sessions, prompts, args.tokens, fit_cost(costs, 0.08),
-                                        out / f"{tag}pairs_fp32_rtt80_{args.costs}.jsonl", heads)
+                                        out / f"{tag}pairs_fp32_rtt80_{args.costs}.jsonl", draft)
         sweeps = {}
         for rtt in ((0.0, 0.02) if not args.swarm else ()):
             sweeps[rtt] = await cached(out / f"spec_fp32_rtt{int(rtt * 1e3)}_{args.costs}.json",
                                        lambda: run_spec(sessions, [prompts[i] for i in sweep], args.tokens,
-                                                        fit_cost(costs, rtt), heads))
+                                                        fit_cost(costs, rtt), draft))
         return costs, plain, spec80, sweeps
 
     costs, plain, spec80, sweeps = with_sessions(home, "fp32", args.swarm, fp32)
@@ -433,7 +433,7 @@ def main() -> None:
 
     async def bf16(sessions: Sessions):
         return await run_pairs(sessions, bprompts, args.tokens, fit_cost(costs, 0.08),
-                               out / f"{tag}pairs_bf16_rtt80_{args.costs}.jsonl", heads)
+                               out / f"{tag}pairs_bf16_rtt80_{args.costs}.jsonl", draft)
 
     bplain, bspec = with_sessions(home, "bf16", args.swarm, bf16)
     flips = divergences(bplain, bspec)

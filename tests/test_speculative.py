@@ -324,18 +324,18 @@ def tiny_model(tmp_path_factory) -> LocalModel:
     return LocalModel(load_head(path), [load_span(path, 0, 4)])
 
 
-def _random_heads():
-    from diffuse.client.draft_heads import DraftHeads
+def _random_draft():
+    from diffuse.client.draft_head import DraftHead
 
     torch.manual_seed(3)
-    heads = DraftHeads(64, 2)
-    for p in heads.parameters():
+    draft = DraftHead(64, 96)
+    for p in draft.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    return heads
+    return draft
 
 
 @pytest.mark.parametrize("config", [network, lambda: network(lookahead_gain=10.0, width=4, levels=3),
-                                    lambda: network(heads=_random_heads())])
+                                    lambda: network(draft=_random_draft())])
 def test_tiny_greedy_identity_and_clean_cache(tiny_model, config):
     prompt = [5, 17, 42, 99, 3, 250, 7, 17, 42, 99, 3, 11]
     params = SamplingParams(max_tokens=60)

@@ -185,13 +185,12 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
 
 
 def _spec_config(args):
-    """Speculation settings, with the draft heads `diffuse model draft-heads` trained, if any."""
-    from diffuse.client import draft_heads
+    """Speculation settings, with the draft head `diffuse model draft-head` trained, if any."""
+    from diffuse.client import draft_head
     from diffuse.client.speculative import SpecConfig
     from diffuse.model import store
     from diffuse.model.config import ModelConfig
 
     home = data_home(args.home)
     path = store.resolve(home, args.model)
-    heads = draft_heads.load(draft_heads.path(home, path.name), ModelConfig.load(path).hidden_size)
-    return SpecConfig(heads=heads)
+    return SpecConfig(draft=draft_head.load(draft_head.path(home, path.name), ModelConfig.load(path).hidden_size))

@@ -32,15 +32,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("name", nargs="?")
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
-    dh = msub.add_parser("draft-heads", help="train the client's draft heads for speculative decoding "
-                         "(self-distilled from the model on text Python ships; minutes on a CPU)")
+    dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
+                         "(self-distilled from the model on requests and text Python ships; ~20 min on 2 cores)")
     dh.add_argument("name", nargs="?")
-    dh.add_argument("--heads", type=int, default=3, help="tokens guessed past the next one (default 3)")
-    dh.add_argument("--answers", type=int, default=16_000,
-                    help="positions of the model's own answers to train on (default 16000)")
-    dh.add_argument("--text", type=int, default=16_000, help="positions of teacher-forced text (default 16000)")
-    dh.add_argument("--epochs", type=int, default=2)
-    dh.set_defaults(func=cmd_draft_heads)
+    dh.add_argument("--answers", type=int, default=40_000,
+                    help="positions of the model's own answers to train on (default 40000)")
+    dh.add_argument("--text", type=int, default=24_000, help="positions of teacher-forced text (default 24000)")
+    dh.add_argument("--epochs", type=int, default=6)
+    dh.add_argument("--unroll", type=int, default=3, help="draft steps trained on its own predictions (default 3)")
+    dh.set_defaults(func=cmd_draft_head)
 
 
 def cmd_pull(args) -> int:
@@ -55,18 +55,18 @@ def cmd_import(args) -> int:
     return 0
 
 
-def cmd_draft_heads(args) -> int:
-    from diffuse.client import draft_heads
+def cmd_draft_head(args) -> int:
+    from diffuse.client import draft_head
     from diffuse.client.local import open_local
     from diffuse.errors import DiffuseError
 
-    if args.heads < 1 or args.answers < 0 or args.text < 0 or args.answers + args.text < 100 or args.epochs < 1:
-        raise DiffuseError("--heads and --epochs must be >= 1, --answers and --text >= 0 with at least 100 in all")
+    if args.unroll < 1 or args.answers < 0 or args.text < 0 or args.answers + args.text < 100 or args.epochs < 1:
+        raise DiffuseError("--unroll and --epochs must be >= 1, --answers and --text >= 0 with at least 100 in all")
     home = data_home(args.home)
     name = store.resolve(home, args.name).name
     model, tok = open_local(home, name, "fp32")
-    file = draft_heads.path(home, name)
-    draft_heads.build(model, tok, file, args.heads, args.answers, args.text, args.epochs, _progress)
+    file = draft_head.path(home, name)
+    draft_head.build(model, tok, file, args.answers, args.text, args.epochs, args.unroll, _progress)
     print(file)
     return 0
 

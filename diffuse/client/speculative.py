@@ -23,7 +23,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from diffuse.client.draft_heads import DraftHeads
+from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
 from diffuse.model.llama import Head
@@ -67,8 +67,8 @@ class SpecConfig:
     levels: int = 2
     lookahead_gain: float = 0.2  # tokens per step such a window added on chat and code (measured)
     probe_nodes: int = 8  # tree size while the step-cost slope is still unknown
-    heads: DraftHeads | None = None  # trained draft heads (draft_heads.py), if the client has them
-    head_width: int = 3  # first-head tokens tried per step, each extended by the deeper heads
+    draft: DraftHead | None = None  # a trained draft head (draft_head.py), if the client has one
+    draft_nodes: int = 24  # its likeliest guesses offered to the planner per step
     seed: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     cost: "StepCost" = field(default_factory=lambda: StepCost())  # shared by calls with this config
@@ -312,13 +312,14 @@ class Acceptance:
 
     PRIOR_WEIGHT = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, priors: dict[str, float] | None = None) -> None:
         self.hits: Counter = Counter()
         self.trials: Counter = Counter()
+        self.priors = priors or {}  # per source, e.g. a draft head's measured hit rate per confidence band
 
     def rate(self, kind: tuple[str, int, int]) -> float:
-        _, depth, rank = kind
-        prior = (0.25 if depth == 1 else 0.5) * (0.5 if rank else 1.0)
+        source, depth, rank = kind
+        prior = self.priors.get(source, (0.25 if depth == 1 else 0.5) * (0.5 if rank else 1.0))
         return (self.hits[kind] + self.PRIOR_WEIGHT * prior) / (self.trials[kind] + self.PRIOR_WEIGHT)
 
     def scores(self, draft: Draft) -> list[float]:
@@ -370,7 +371,7 @@ class Speculator:
         self.lookup.extend(prompt)
         self.pool = NGramPool(cfg.pool_per_key)
         self.window = Lookahead(cfg.width, cfg.levels, prompt, cfg.seed) if cfg.levels and cfg.width else None
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(cfg.draft.priors() if cfg.draft is not None else None)
         self.cost = cfg.cost
         self.waiting: deque[tuple[Draft, int]] = deque()  # drafts to score once their future is known
 
@@ -388,11 +389,9 @@ class Speculator:
     def draft(self, max_depth: int) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
-        if cfg.heads is not None and self.head is not None and self.z is not None:
-            proposals = cfg.heads.propose(self.head, self.z, cfg.head_width)
-            deeper = [p[0] for p in proposals[1:]]
-            for rank, tok in enumerate(proposals[0]):
-                draft.add([tok, *deeper], f"head{rank}")
+        if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
+            for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], max_depth, cfg.draft_nodes):
+                draft.add(guess, source)
         taken = 0
         for n, cont in self.lookup.continuations(max_depth):
             if taken == cfg.matches or draft.full:
