@@ -33,12 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
-                         "(self-distilled from the model on requests and text Python ships; ~20 min on 2 cores)")
+                         "(self-distilled from the model on requests and text Python ships; ~15 min on 2 cores)")
     dh.add_argument("name", nargs="?")
     dh.add_argument("--answers", type=int, default=40_000,
                     help="positions of the model's own answers to train on (default 40000)")
     dh.add_argument("--text", type=int, default=24_000, help="positions of teacher-forced text (default 24000)")
-    dh.add_argument("--epochs", type=int, default=6)
+    dh.add_argument("--epochs", type=int, default=4)
     dh.add_argument("--unroll", type=int, default=3, help="draft steps trained on its own predictions (default 3)")
     dh.set_defaults(func=cmd_draft_head)
 

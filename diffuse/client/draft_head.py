@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from diffuse.client.pipeline import LocalModel
 from diffuse.errors import ModelError
+from diffuse.model.kernels import Linear, linear
 from diffuse.model.llama import Head
 from diffuse.model.tokenizer import Tokenizer
 
@@ -54,11 +55,11 @@ class DraftHead(nn.Module):
 
     def __init__(self, hidden: int, inter: int, vocab: Tensor | None = None, calibration: Tensor | None = None):
         super().__init__()
-        self.fc = nn.Linear(2 * hidden, hidden)
+        self.fc = Linear(2 * hidden, hidden)  # the few-row matmul paths: a draft step has 1-3 rows
         self.norm = nn.RMSNorm(hidden, eps=1e-5)
-        self.gate = nn.Linear(hidden, inter, bias=False)
-        self.up = nn.Linear(hidden, inter, bias=False)
-        self.down = nn.Linear(inter, hidden, bias=False)
+        self.gate = Linear(hidden, inter, bias=False)
+        self.up = Linear(hidden, inter, bias=False)
+        self.down = Linear(inter, hidden, bias=False)
         with torch.no_grad():  # start as "the next state is this one": guesses repeat the model's next choice
             self.fc.weight.zero_()
             self.fc.weight[:, :hidden].copy_(torch.eye(hidden))
@@ -113,7 +114,7 @@ class DraftHead(nn.Module):
         for level in range(depth):
             last = [paths[i][-1] if paths[i] else root for i, _ in frontier]
             z = self(z, emb[torch.tensor(last)].float())
-            p, idx = (z @ w.t()).softmax(-1).topk(top, dim=-1)
+            p, idx = linear(z, w).softmax(-1).topk(top, dim=-1)
             tokens = (self.vocab[idx] if len(self.vocab) else idx).tolist()
             grown = []
             for row, (i, prob) in enumerate(frontier):
@@ -398,7 +399,7 @@ def train(draft: DraftHead, head: Head, fit: list[Trace], held: list[Trace], unr
     return Report(hits, chain, calibration)
 
 
-def build(model: LocalModel, tok: Tokenizer, file: Path, answers: int = 40_000, text: int = 24_000, epochs: int = 6,
+def build(model: LocalModel, tok: Tokenizer, file: Path, answers: int = 40_000, text: int = 24_000, epochs: int = 4,
           unroll: int = 3, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> Report:
     """Collect `answers` positions of the model's own answers and `text` of teacher-forced text,
     train a draft head on all text and nine tenths of the answers, report on the other tenth,

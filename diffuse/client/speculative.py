@@ -2,10 +2,12 @@
 
 Over the network a step costs a round trip however many positions it carries, so each step
 sends, with the token just sampled (the root), a tree of guesses for the tokens after it, and
-keeps the longest path the model agrees with. The guesses cost no model: they are copied from
-earlier text (prompt lookup: what followed earlier occurrences of the last few tokens) or taken
-from an n-gram pool of the model's own outputs, fed by every verification pass and by a Jacobi
-lookahead branch (Fu et al. 2024) riding along when positions are cheap. Acceptance keeps the
+keeps the longest path the model agrees with. The guesses need no draft model: they are copied
+from earlier text (prompt lookup: what followed earlier occurrences of the last few tokens) or
+taken from an n-gram pool of the model's own outputs, fed by every verification pass and by a
+Jacobi lookahead branch (Fu et al. 2024) riding along when positions are cheap; a client that
+trained a draft head (draft_head.py, a few million numbers on its last hidden state) adds its
+guesses too. Acceptance keeps the
 output exactly that of plain decoding: under greedy the path of argmaxes, under sampling the
 speculative rejection rule (Leviathan et al. / Chen et al.). A planner sizes each step's tree
 from the measured step cost and the observed acceptance, down to one token when guessing
@@ -69,6 +71,7 @@ class SpecConfig:
     probe_nodes: int = 8  # tree size while the step-cost slope is still unknown
     draft: DraftHead | None = None  # a trained draft head (draft_head.py), if the client has one
     draft_nodes: int = 24  # its likeliest guesses offered to the planner per step
+    draft_depth: int = 5  # its levels per step (~3 ms each on the 2-core box; copies reach deeper)
     seed: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     cost: "StepCost" = field(default_factory=lambda: StepCost())  # shared by calls with this config
@@ -390,7 +393,8 @@ class Speculator:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
         if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
-            for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], max_depth, cfg.draft_nodes):
+            depth = min(max_depth, cfg.draft_depth)
+            for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes):
                 draft.add(guess, source)
         taken = 0
         for n, cont in self.lookup.continuations(max_depth):
