@@ -193,10 +193,13 @@ class SwarmClient:
             if not addrs:
                 raise
             log.info("stream to %s failed (%s): redialling its announced addresses", hop.peer_id, e)
-            for conn in network.get_connections(peer):
-                with trio.move_on_after(1.0):
-                    await conn.close()
-            await self._connect(peer, addrs)
+            with trio.move_on_after(1.0):
+                await network.close_peer(peer)
+            for conn in network.get_connections(peer):  # still listed: host.connect would reuse it and not dial
+                network.remove_conn(conn)
+            # The route may come from records cached before the peer restarted on new ports.
+            now = next((r.addrs for r in await self.records() if r.peer_id == hop.peer_id and r.addrs), hop.addrs)
+            await self._connect(peer, [parse_multiaddr(a) for a in now])
             return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
 
     async def _connect(self, peer: ID, addrs: list) -> None:
