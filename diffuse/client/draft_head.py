@@ -234,7 +234,9 @@ def questions(seed: int = 0) -> list[str]:
     return qs
 
 
-Trace = tuple[Tensor, Tensor, Tensor]  # z [T, hidden] normalised final states, the token after each position, the model's choice at each
+# One text the head learns from: [T, hidden] normalised final states, the token after each
+# position, and the model's own choice at each position.
+Trace = tuple[Tensor, Tensor, Tensor]
 
 
 def generated(model: LocalModel, tok: Tokenizer, qs: list[str], tokens: int, batch: int = 32, new: int = 128,
@@ -338,7 +340,8 @@ def _flatten(seqs: list[Trace], unroll: int) -> tuple[Tensor, Tensor, Tensor, Te
             torch.cat(starts))
 
 
-def _unroll(draft: DraftHead, emb: Tensor, z: Tensor, nxt: Tensor, at: Tensor, unroll: int) -> list[tuple[Tensor, Tensor]]:
+def _unroll(draft: DraftHead, emb: Tensor, z: Tensor, nxt: Tensor, at: Tensor,
+            unroll: int) -> list[tuple[Tensor, Tensor]]:
     """(predicted state, target index) per draft step from positions `at`, each step fed the
     previous prediction and the true next token, as in use after an accepted guess."""
     state, out = z[at], []

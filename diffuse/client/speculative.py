@@ -7,11 +7,11 @@ from earlier text (prompt lookup: what followed earlier occurrences of the last 
 taken from an n-gram pool of the model's own outputs, fed by every verification pass and by a
 Jacobi lookahead branch (Fu et al. 2024) riding along when positions are cheap; a client that
 trained a draft head (draft_head.py, a few million numbers on its last hidden state) adds its
-guesses too. Acceptance keeps the
-output exactly that of plain decoding: under greedy the path of argmaxes, under sampling the
-speculative rejection rule (Leviathan et al. / Chen et al.). A planner sizes each step's tree
-from the measured step cost and the observed acceptance, down to one token when guessing
-does not pay (as on a local CPU, where a wider step costs more than its extra tokens gain).
+guesses too. Acceptance keeps the output exactly that of plain decoding: under greedy the path
+of argmaxes, under sampling the speculative rejection rule (Leviathan et al. / Chen et al.). A
+planner sizes each step's tree from the measured step cost and the observed acceptance, down to
+one token when guessing does not pay (as on a local CPU, where a wider step costs more than its
+extra tokens gain).
 """
 
 from __future__ import annotations
