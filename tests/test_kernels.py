@@ -8,7 +8,7 @@ from diffuse.model import kernels
 from diffuse.model.kernels import Linear, linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 16, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 13, 16, 57, 64, 65, 130])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fp32_paths_match_f_linear(rows, bias, threads, monkeypatch):
@@ -21,7 +21,7 @@ def test_fp32_paths_match_f_linear(rows, bias, threads, monkeypatch):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 33])
+@pytest.mark.parametrize("rows", [1, 4, 8, 13, 33])
 def test_bf16_widening_matches_fp32_accumulation(rows, monkeypatch):
     """Widened bf16 (blockwise, the block made small here) rounds the fp32 product once, as a
     bf16 kernel accumulating in fp32 does: every value within half a bf16 step of the exact one."""
@@ -41,3 +41,7 @@ def test_linear_module_keeps_nn_linear_state_dict():
     ours.load_state_dict(lin.state_dict())
     x = torch.randn(5, 8)
     torch.testing.assert_close(ours(x), lin(x))
+
+
+def test_padded_rows_are_multiples_of_eight_from_seven():
+    assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]

@@ -13,8 +13,8 @@ from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalModel
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import (
-    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, StepCost, best_size, kv_headroom,
-    speculative_tokens, tree_inputs, verify,
+    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, Speculator, StepCost, best_size,
+    kv_headroom, speculative_tokens, tree_inputs, verify,
 )
 from diffuse.model.load import load_head, load_span
 from tiny import Sync, make_tiny
@@ -193,6 +193,24 @@ def test_step_cost_fit_and_best_size():
     assert best_size(likely, Cost(0.1, 0.1, 0.001)) == 4  # cheap positions: all but the hopeless one
     assert best_size([0.3, 0.1, 0.05], Cost(0.04, 0.04, 0.04)) == 0  # too dear: plain decoding
     assert best_size([0.3, 0.1, 0.05], Cost(0.03, 0.045, 0.001)) == 0  # the jump from one position
+    # Priced at padded rows: 9 positions cost what 16 do, so the planner fills the granule.
+    assert best_size([0.6] * 8 + [0.05] * 7, Cost(0.1, 0.1, 0.002)) == 15
+
+
+def test_plan_fills_the_rows_the_kernels_pad():
+    cfg = SpecConfig(cost=Fixed(Cost(0.1, 0.1, 0.002)), lookahead_gain=10.0)  # always add the window
+    spec = Speculator(cfg, [1, 2, 3])
+    spec.acceptance = Acceptance({"sure": 0.9, "long shot": 0.001})
+    draft = Draft(3, cfg.max_nodes, cfg.max_depth)
+    draft.add(list(range(10, 18)), "sure")
+    for t in range(20, 40):
+        draft.add([t], "long shot")
+    spec.draft = lambda depth: draft
+    step = spec.plan(cfg.max_depth)
+    # 1 root + 7 sure guesses + the 10-position window = 18 rows, which the kernels pad to 24:
+    # the six padding rows carry the next-best guesses (the eighth sure one, five long shots).
+    assert step.lookahead and len(step.tokens) == 24
+    assert step.tokens[:9] == [3] + list(range(10, 18)) and step.tokens[9:14] == list(range(20, 25))
 
 
 # ---- whole generations on a fake model -------------------------------------------------------

@@ -28,6 +28,7 @@ from torch import Tensor
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
+from diffuse.model.kernels import padded_rows
 from diffuse.model.llama import Head
 
 
@@ -68,7 +69,7 @@ class SpecConfig:
     width: int = 5
     levels: int = 2
     lookahead_gain: float = 0.2  # tokens per step such a window added on chat and code (measured)
-    probe_nodes: int = 8  # tree size while the step-cost slope is still unknown
+    probe_nodes: int = 7  # guesses per step while the step-cost slope is still unknown
     draft: DraftHead | None = None  # a trained draft head (draft_head.py), if the client has one
     draft_nodes: int = 24  # its likeliest guesses offered to the planner per step
     draft_depth: int = 5  # its levels per step (~3 ms each on the 2-core box; copies reach deeper)
@@ -345,11 +346,12 @@ class Acceptance:
 
 def best_size(scores: Sequence[float], cost: Cost) -> int:
     """How many of the best guesses (sorted by P(accepted)) maximise expected tokens per second:
-    a step yields 1 + the sum of its guesses' P(accepted) tokens; 0 means plain decoding."""
+    a step yields 1 + the sum of its guesses' P(accepted) tokens; 0 means plain decoding. A
+    step is priced at the rows its products really compute (kernels.padded_rows)."""
     best, best_rate, gain = 0, 1.0 / cost(1), 1.0
     for n, s in enumerate(scores, 1):
         gain += s
-        rate = gain / cost(1 + n)
+        rate = gain / cost(padded_rows(1 + n))
         if rate > best_rate:
             best, best_rate = n, rate
     return best
@@ -409,7 +411,8 @@ class Speculator:
 
     def plan(self, max_depth: int) -> Step:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
-        the tokens it is expected to add (through the pool, later) are worth its positions."""
+        the tokens it is expected to add (through the pool, later) are worth its positions, and
+        then the next-best guesses in the rows the kernels would pad with zeros anyway."""
         draft = self.draft(max_depth)
         scores = self.acceptance.scores(draft)
         ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
@@ -419,9 +422,11 @@ class Speculator:
         else:
             n = best_size([scores[i] for i in ranked], fit)
             gain = 1 + sum(scores[i] for i in ranked[:n])
-            wide = fit(1 + n + self.cfg.lookahead_positions)
+            wide = fit(padded_rows(1 + n + self.cfg.lookahead_positions))
             lookahead = (self.window is not None and max_depth > 0
-                         and (gain + self.cfg.lookahead_gain) / wide > gain / fit(1 + n))
+                         and (gain + self.cfg.lookahead_gain) / wide > gain / fit(padded_rows(1 + n)))
+            total = 1 + n + (self.cfg.lookahead_positions if lookahead else 0)
+            n = min(len(ranked), n + padded_rows(total) - total)
         sent = [0] + ranked[:n]  # parents rank above children, so they come first
         index = {node: i for i, node in enumerate(sent)}
         tokens = [draft.tokens[i] for i in sent]
@@ -434,7 +439,7 @@ class Speculator:
     def learn(self, step: Step, predictions: list[int], positions: int, seconds: float) -> None:
         """Feed the pool with the model's prediction at every node (after the last levels tokens
         of that node's branch) and advance the Jacobi window."""
-        self.cost.observe(positions, seconds)
+        self.cost.observe(padded_rows(positions), seconds)
         n = self.cfg.levels
         for i in range(len(step.tokens)):
             gram, j = [predictions[i]], i

@@ -19,6 +19,17 @@ So fp32 takes the second form up to 64 rows (one row is doubled when torch has s
 threads), and bf16 without native bf16 kernels is computed from eight rows up by widening the
 weights to fp32 (fp32 accumulation, as a bf16 kernel would do; the result is rounded back to
 bf16). Every GPU keeps torch's path.
+
+MKL's fp32 GEMM is also fast only for row counts that are multiples of 8 (its AVX2 register
+block): 13 rows cost twice 16. Zero rows are appended up to the next multiple of 8 from seven
+rows on (ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
+
+    rows           2    4    6    7    8    9   12   13   15   16   17   23   24   31   32
+    as they come  30   32   43   51   47   56   79  100  123   67   90  128   86  159  101
+    padded to 8    -    -   47   47   47   68   65   65   66   67   89   87   86   98  102
+
+`padded_rows` says how many rows a product really costs, so that a caller choosing how many
+rows to send (the speculation planner) can fill the padding with useful ones.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from torch import Tensor, nn
 
 WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emulated kernel
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
+PAD_FROM_ROWS = 7  # from this many rows, fp32 products are padded to a multiple of PAD_TO
+PAD_TO = 8
 WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
 
 
@@ -41,6 +54,11 @@ def native_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def padded_rows(rows: int) -> int:
+    """Rows a CPU product of `rows` rows computes (and costs): see the module docstring."""
+    return rows if rows < PAD_FROM_ROWS else -(-rows // PAD_TO) * PAD_TO
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -54,14 +72,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             if torch.get_num_threads() == 1:
                 return F.linear(x, weight, bias)
             flat = torch.cat([flat, flat])  # two rows: a threaded GEMM beats MKL's threaded GEMV
-        out = (weight @ flat.t())[:, :rows].t()
+        out = (weight @ _padded(flat).t())[:, :rows].t()
     elif weight.dtype in (torch.bfloat16, torch.float16) and rows >= WIDEN_FROM_ROWS and not native_bf16():
-        out = _widened(x.reshape(rows, x.shape[-1]).float().t(), weight).to(x.dtype)
+        out = _widened(_padded(x.reshape(rows, x.shape[-1]).float()).t(), weight)[:rows].to(x.dtype)
     else:
         return F.linear(x, weight, bias)
     if bias is not None:
         out = out + bias
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _padded(flat: Tensor) -> Tensor:
+    """flat [rows, K] with zero rows appended up to padded_rows(rows)."""
+    extra = padded_rows(flat.shape[0]) - flat.shape[0]
+    return torch.cat([flat, flat.new_zeros(extra, flat.shape[1])]) if extra else flat
 
 
 def _widened(xt: Tensor, weight: Tensor) -> Tensor:
