@@ -52,6 +52,18 @@ def test_propose_is_parent_first_ranked_and_fits_a_draft(tiny_model):
     assert len(tree.tokens) == 11 and {k[0] for k in tree.kinds[1:]} <= set(draft.priors())
 
 
+def test_expansion_stops_below_the_floor(tiny_model):
+    """Every guess keeps a tenth of its parent's calibrated chance: with a floor of 0.05 the
+    paths of chance 0.1 are still expanded, those of 0.01 are not."""
+    draft = D.DraftHead(64, 96, calibration=torch.full((5,), 0.1))
+    h = torch.randn(64)
+
+    def deepest(floor: float) -> int:
+        return max((len(g) for g, _ in draft.propose(tiny_model.head, h, 3, 4, floor=floor)), default=0)
+
+    assert (deepest(0.0), deepest(0.05), deepest(0.2), deepest(2.0)) == (4, 2, 1, 0)
+
+
 def test_file_round_trip_width_check_and_foreign_file(tmp_path):
     draft = D.DraftHead(64, 96, torch.tensor([1, 5, 9]), torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5]))
     torch.nn.init.normal_(draft.gate.weight)

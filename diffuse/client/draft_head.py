@@ -97,38 +97,47 @@ class DraftHead(nn.Module):
 
     @torch.inference_mode()
     def propose(self, head: Head, h: Tensor, root: int, depth: int, nodes: int = 24, beam: int = 3,
-                top: int = 3) -> list[tuple[list[int], str]]:
+                top: int = 3, floor: float = 0.0) -> list[tuple[list[int], str]]:
         """A tree of guesses after `root`, as (path after the root, source) with parents first.
 
         h is the final hidden state (before the final norm) of the position that produced the
         root. Each level expands the `beam` likeliest paths by their `top` next tokens (EAGLE-2's
         dynamic tree); the `nodes` likeliest paths overall are returned. The source names the
-        guess's confidence band, so acceptance is learned per band.
+        guess's confidence band, so acceptance is learned per band. Expansion stops early once no
+        path's calibrated chance of acceptance reaches `floor`: a level costs a read of all the
+        head's weights, wasted on guesses the planner would not send.
         """
         w = self.rows(head.lm_head.weight)
         emb = head.embed.weight
         z = head.norm(h).float()[None]
         paths: list[list[int]] = [[]]
-        frontier = [(0, 1.0)]  # (index into paths, probability of the whole path)
+        cal = self.calibration.tolist()
+        frontier = [(0, 1.0, 1.0)]  # (index into paths, probability of the whole path, its calibrated chance)
         found: list[tuple[float, int, list[int], float]] = []  # (path prob, depth, path, own prob)
         for level in range(depth):
-            last = [paths[i][-1] if paths[i] else root for i, _ in frontier]
+            if max(c for _, _, c in frontier) < floor:
+                break
+            last = [paths[i][-1] if paths[i] else root for i, _, _ in frontier]
             z = self(z, emb[torch.tensor(last)].float())
             p, idx = linear(z, w).softmax(-1).topk(top, dim=-1)
             tokens = (self.vocab[idx] if len(self.vocab) else idx).tolist()
             grown = []
-            for row, (i, prob) in enumerate(frontier):
+            for row, (i, prob, chance) in enumerate(frontier):
                 for r in range(top):
                     q = float(p[row, r])
                     paths.append(paths[i] + [tokens[row][r]])
-                    grown.append((len(paths) - 1, prob * q, row))
+                    grown.append((len(paths) - 1, prob * q, chance * cal[_band(q)], row))
                     found.append((prob * q, level, paths[-1], q))
             grown.sort(key=lambda g: -g[1])
             keep = grown[:beam]
-            z = z[torch.tensor([row for _, _, row in keep])]
-            frontier = [(i, prob) for i, prob, _ in keep]
+            z = z[torch.tensor([row for *_, row in keep])]
+            frontier = [(i, prob, chance) for i, prob, chance, _ in keep]
         found.sort(key=lambda f: (-f[0], f[1]))  # a path is never likelier than its parent: parents first
-        return [(path, f"draft{sum(q >= b for b in BANDS)}") for _, _, path, q in found[:nodes]]
+        return [(path, f"draft{_band(q)}") for _, _, path, q in found[:nodes]]
+
+
+def _band(q: float) -> int:
+    return sum(q >= b for b in BANDS)
 
 
 def path(home: Path, model: str) -> Path:

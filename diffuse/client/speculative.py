@@ -395,8 +395,13 @@ class Speculator:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
         if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
+            # A guess is worth a position only if its chance beats one position's share of a
+            # plain step (tokens per second can only fall otherwise): deeper levels stop there.
+            fit = self.cost.fit()
+            floor = fit.b / fit.plain if fit is not None else 0.0
             depth = min(max_depth, cfg.draft_depth)
-            for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes):
+            for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes,
+                                                   floor=floor):
                 draft.add(guess, source)
         taken = 0
         for n, cont in self.lookup.continuations(max_depth):
