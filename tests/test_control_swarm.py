@@ -161,6 +161,17 @@ async def _foreign_dialers_are_refused(targets: list[str]) -> None:
             assert info.peer_id not in dialer.get_connected_peers(), f"plaintext dialer reached {target}"
 
 
+@pytest.mark.parametrize("value", ["-5", "0", "inf", "fast"])
+def test_join_rejects_a_throughput_that_is_not_a_positive_number(tmp_path, capsys, value):
+    from diffuse.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--home", str(tmp_path), "join", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/x", "--throughput", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --throughput: expected a" in err and repr(value) in err and "Traceback" not in err, err
+
+
 def _len(span: str) -> int:
     a, b = span.split(":")
     return int(b) - int(a)

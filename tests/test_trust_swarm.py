@@ -5,6 +5,7 @@ tamperer, publish signed evidence in the DHT, and `diffuse status` must show tha
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -24,12 +25,29 @@ def ask(procs: Procs, boot: str) -> dict:
     return json.loads(out.stdout)
 
 
+def listed(procs: Procs, boot: str, peers: set[str], timeout: float = 90.0) -> None:
+    """Wait until the DHT lists every peer: a client that asked while the cheat's record was still
+    on its way would route around it without ever meeting it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = procs.run("status", "--bootstrap", boot, "--json", timeout=60)
+        models = json.loads(out.stdout)["models"] if out.returncode == 0 else []
+        if peers <= {p["peer_id"] for m in models for p in m["peers"]}:
+            return
+        assert time.monotonic() < deadline, f"peers not all listed after {timeout} s: {out.stdout}{out.stderr}"
+        time.sleep(1.0)
+
+
 def test_tampering_replica_is_caught_routed_around_and_reported(home, tmp_path, reference):
     with Procs(home) as procs:
-        # The cheat alone covers the swarm's share in one hop, so routes try it first.
+        # The cheat alone covers the swarm's share in one hop, so routes try it first. Equal declared
+        # speeds: start-up measurements of three peers loading at once on 2 cores can make the
+        # cheat look slower than A and B together, and then no client would ever meet it.
+        speed = ["--throughput", "20"]
         swarm = Swarm(procs, tmp_path, {"cheat": "1:30", "A": "1:15", "B": "15:30"},
-                      {"cheat": ["--tamper", "noise:20"]})
+                      {"cheat": ["--tamper", "noise:20", *speed], "A": speed, "B": speed})
         cheat = swarm.ids["cheat"]
+        listed(procs, swarm.boot, set(swarm.ids.values()))
         got = ask(procs, swarm.boot)
         assert got["token_ids"] == reference, got
         assert cheat not in [h["peer"] for h in got["route"]]

@@ -48,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                    "the least-served span that fits --num-blocks / --max-memory")
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
     p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
-    p.add_argument("--throughput", type=float, help="tokens/s to announce (default: a conservative estimate)")
+    p.add_argument("--throughput", type=_positive,
+                   help="tokens/s to announce (default: measured once the span is loaded)")
     p.add_argument("--cache-tokens", type=int, default=65536,
                    help="KV-cache tokens this peer lends to all sessions together")
     p.add_argument("--max-session-tokens", type=int, default=8192, help="KV-cache tokens one session may hold")
@@ -301,7 +302,8 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
         tamper = Tamper(kind, strength, args.tamper_rate)
         log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
                     f"{args.tamper_rate:.0%}", kind, strength)
-    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, tamper)
+    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, tamper,
+                          args.throughput)
     handle = service.handle
     if args.metrics:
         from diffuse.metrics import watch_peer
@@ -335,6 +337,16 @@ def _apply_contribution(args: argparse.Namespace) -> bool:
 
 TAMPER_DEFAULTS = {"noise": 20.0, "scale": 8.0, "signflip": 8.0, "zero": 0.1, "replay": 1.0,
                    "skip": 1.0, "quant": 4.0, "minifloat": 2.0, "lowrank": 0.1}
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
 
 
 def _tamper_arg(text: str) -> tuple[str, float]:
