@@ -205,7 +205,7 @@ def test_plan_fills_the_rows_the_kernels_pad():
     draft.add(list(range(10, 18)), "sure")
     for t in range(20, 40):
         draft.add([t], "long shot")
-    spec.draft = lambda depth: draft
+    spec.draft = lambda depth, fit: draft
     step = spec.plan(cfg.max_depth)
     # 1 root + 7 sure guesses + the 10-position window = 18 rows, which the kernels pad to 24:
     # the six padding rows carry the next-best guesses (the eighth sure one, five long shots).

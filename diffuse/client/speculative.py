@@ -391,13 +391,12 @@ class Speculator:
             draft, root_at = self.waiting.popleft()
             self.acceptance.learn(draft, self.text[root_at + 1:])
 
-    def draft(self, max_depth: int) -> Draft:
+    def draft(self, max_depth: int, fit: Cost | None = None) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
         if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
             # A guess is worth a position only if its chance beats one position's share of a
             # plain step (tokens per second can only fall otherwise): deeper levels stop there.
-            fit = self.cost.fit()
             floor = fit.b / fit.plain if fit is not None else 0.0
             depth = min(max_depth, cfg.draft_depth)
             for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes,
@@ -418,10 +417,10 @@ class Speculator:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
         the tokens it is expected to add (through the pool, later) are worth its positions, and
         then the next-best guesses in the rows the kernels would pad with zeros anyway."""
-        draft = self.draft(max_depth)
+        fit = self.cost.fit()
+        draft = self.draft(max_depth, fit)
         scores = self.acceptance.scores(draft)
         ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
-        fit = self.cost.fit()
         if fit is None:
             n, lookahead = min(len(ranked), self.cfg.probe_nodes), False
         else:
