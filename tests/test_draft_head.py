@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffuse.client import draft_head as D
+from diffuse.client import draft_training as T
 from diffuse.client.pipeline import LocalModel
 from diffuse.client.speculative import Draft
 from diffuse.errors import ModelError
@@ -90,15 +91,15 @@ def test_training_learns_the_models_own_continuations(tiny_model):
     traces = []
     for _ in range(28):
         ids = torch.randint(0, 300, (96,), generator=g).tolist()
-        z, choice = D._forward(tiny_model, ids)
+        z, choice = T._forward(tiny_model, ids)
         traces.append((z, torch.tensor(ids[1:] + [int(choice[-1])]), choice))
     fit, held = traces[4:], traces[:4]
     vocab = torch.unique(torch.cat([t[2] for t in traces]))
     torch.manual_seed(0)
-    before = D.train(D.DraftHead(64, 96, vocab), tiny_model.head, fit, held, unroll=2, epochs=0)
+    before = T.train(D.DraftHead(64, 96, vocab), tiny_model.head, fit, held, unroll=2, epochs=0)
     trained = D.DraftHead(64, 96, vocab)
     with torch.enable_grad():
-        after = D.train(trained, tiny_model.head, fit, held, unroll=2, epochs=8, batch=64, lr=3e-3)
+        after = T.train(trained, tiny_model.head, fit, held, unroll=2, epochs=8, batch=64, lr=3e-3)
     assert after.hits[0] > before.hits[0] + 0.1 and after.hits[1] > before.hits[1] + 0.05, (before, after)
     assert after.chain[1] <= after.chain[0] == after.hits[0]
     assert trained.calibration.tolist() == pytest.approx(after.calibration)
@@ -114,7 +115,7 @@ def test_text_traces_pair_each_position_with_the_token_after_it(tiny_model):
         def encode(self, text):
             return [int(w) for w in text.split()]
 
-    traces = D.examples(tiny_model, Tok(), [("q", " ".join(str(10 + i) for i in range(20)))], tokens=1000)
+    traces = T.examples(tiny_model, Tok(), [("q", " ".join(str(10 + i) for i in range(20)))], tokens=1000)
     z, nxt, choice = traces[0]
     assert len(z) == len(nxt) == len(choice) == 21  # from the prompt's last position on
     assert nxt[:-1].tolist() == list(range(10, 30))
@@ -126,13 +127,65 @@ def test_batched_self_distillation_decodes_each_row_as_alone(tiny_model):
     import trio
 
     ids = torch.tensor([[5, 17, 42, 99, 3, 250], [7, 8, 9, 10, 11, 12]])
-    z, choice = trio.run(D._decode, tiny_model, ids, 8)
+    z, choice = trio.run(T._decode, tiny_model, ids, 8)
     assert z.shape == (2, 8, 64) and choice.shape == (2, 8)
     assert z.grad_fn is None and not z.requires_grad
     for b in range(2):
-        zb, cb = trio.run(D._decode, tiny_model, ids[b:b + 1], 8)
+        zb, cb = trio.run(T._decode, tiny_model, ids[b:b + 1], 8)
         assert torch.equal(cb[0], choice[b])
         torch.testing.assert_close(zb[0], z[b], rtol=1e-4, atol=1e-4)
+
+
+def test_answers_shorter_than_the_unroll_add_no_starting_point():
+    """An answer of one or two tokens (a request the model declines at once) cannot start an
+    unrolled run of three guesses; it is skipped, not an error (it once ended a 20-min build)."""
+    trace = lambda n: (torch.zeros(n, 4), torch.arange(n), torch.arange(n))  # noqa: E731
+    z, nxt, choice, starts = T._flatten([trace(2), trace(6), trace(1)], unroll=3)
+    assert len(z) == len(nxt) == len(choice) == 9
+    assert starts.tolist() == [2, 3, 4]
+
+
+def test_retold_asks_to_retell_prose_answers_only():
+    """Passages come from the model's prose answers of 60-140 words; code and short or long
+    answers are skipped, and every request carries its whole passage."""
+    class Tok:
+        def decode(self, ids):
+            return " ".join(f"w{i}" for i in ids)
+
+    def answer(words, code=False):
+        ids = torch.arange(words)
+        return (torch.zeros(words, 4), ids, ids if not code else torch.full((words,), 7))
+
+    class CodeTok(Tok):
+        def decode(self, ids):
+            return "```" if ids[0] == 7 else super().decode(ids)
+
+    answers = [answer(30), answer(80), answer(200), answer(100), answer(90, code=True)]
+    requests = T.retold(CodeTok(), answers, limit=10)
+    assert len(requests) == 2
+    assert {r.split("\n\n")[1] for r in requests} == {Tok().decode(range(80)), Tok().decode(range(100))}
+    assert all(r.split("\n\n")[0] + "\n\n{}" in T.R.GROUND_FORMS for r in requests)
+    assert len(T.retold(CodeTok(), answers, limit=1)) == 1
+
+
+def test_training_requests_are_not_benchmark_prompts():
+    """The head is judged on the benchmark's prompts: none of them, nor a rewording of one (most
+    words shared, as "checks if a number is prime" with "checks whether a number is prime"), may
+    be trained on."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from eval_speculative_identity import CLASSES
+
+    def words(text):
+        return set(text.lower().replace(".", " ").replace(",", " ").split())
+
+    bench = [words(p) for prompts in CLASSES.values() for p in prompts]
+    assert len(bench) >= 50
+    for q in T.questions():
+        w = words(q)
+        assert all(len(w & b) / len(w | b) < 0.7 for b in bench), q
 
 
 @pytest.mark.parametrize("argv", [["--unroll", "0"], ["--answers", "-1"], ["--answers", "0", "--text", "50"]])

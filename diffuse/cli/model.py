@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
                          "(self-distilled from the model on requests and text Python ships; ~15 min on 2 cores)")
     dh.add_argument("name", nargs="?")
-    dh.add_argument("--answers", type=int, default=40_000,
-                    help="positions of the model's own answers to train on (default 40000)")
+    dh.add_argument("--answers", type=int, default=120_000,
+                    help="positions of the model's own answers to train on (default 120000)")
     dh.add_argument("--text", type=int, default=24_000, help="positions of teacher-forced text (default 24000)")
     dh.add_argument("--epochs", type=int, default=4)
     dh.add_argument("--unroll", type=int, default=3, help="draft steps trained on its own predictions (default 3)")
@@ -56,7 +56,7 @@ def cmd_import(args) -> int:
 
 
 def cmd_draft_head(args) -> int:
-    from diffuse.client import draft_head
+    from diffuse.client import draft_head, draft_training
     from diffuse.client.local import open_local
     from diffuse.errors import DiffuseError
 
@@ -66,7 +66,7 @@ def cmd_draft_head(args) -> int:
     name = store.resolve(home, args.name).name
     model, tok = open_local(home, name, "fp32")
     file = draft_head.path(home, name)
-    draft_head.build(model, tok, file, args.answers, args.text, args.epochs, args.unroll, _progress)
+    draft_training.build(model, tok, file, args.answers, args.text, args.epochs, args.unroll, _progress)
     print(file)
     return 0
 

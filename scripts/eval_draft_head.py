@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""How often draft heads guess the model's own greedy answers to the benchmark prompts, per class.
+
+    .venv/bin/python scripts/eval_draft_head.py [--heads FILE ...] [--per-class 17] [--tokens 128]
+
+The speculation benchmarks (bench_speculative.py, eval_speculative_identity.py) ask the prompts
+of eval_speculative_identity.CLASSES; no draft-head training request is among them. This decodes
+the model's greedy answers to them once (fp32, in process, each class as one batch padded with
+blank lines at the start of the request, as training does; `--cache` keeps them for the next
+run) and reports, for each head file, the share of positions whose first guess is the model's
+choice and the share whose first 1, 2, 3 guesses all are (what a chain of guesses gets
+accepted). Minutes, not the benchmark's quarter hour: a way to compare heads before benching one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from diffuse.client import draft_head, draft_training  # noqa: E402
+from diffuse.client.local import open_local  # noqa: E402
+from diffuse.home import data_home  # noqa: E402
+from diffuse.model import store  # noqa: E402
+from diffuse.model.config import ModelConfig  # noqa: E402
+
+
+def main() -> None:
+    from eval_speculative_identity import CLASSES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--model", help="store name (default: the default model)")
+    ap.add_argument("--heads", type=Path, nargs="+", help="draft-head files (default: the installed one)")
+    ap.add_argument("--per-class", type=int, default=17)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--cache", type=Path, help="file keeping the decoded answers between runs")
+    args = ap.parse_args()
+    home = data_home(args.home)
+    path = store.resolve(home, args.model)
+    name = path.name
+    model, tok = open_local(home, name, "fp32")
+    hidden = ModelConfig.load(path).hidden_size
+    heads = args.heads or [draft_head.path(home, name)]
+    key = {"per_class": args.per_class, "tokens": args.tokens, "model": name}
+    traces = None
+    if args.cache and args.cache.exists():
+        saved = torch.load(args.cache, weights_only=True)
+        traces = saved["traces"] if saved["key"] == key else None
+    if traces is None:
+        traces = {kind: draft_training.generated(model, tok, texts[:args.per_class], 10**9, batch=args.per_class,
+                                             new=args.tokens) for kind, texts in CLASSES.items()}
+        if args.cache:
+            torch.save({"key": key, "traces": traces}, args.cache)
+    print(f"{name}: greedy answers to {args.per_class} prompts per class, up to {args.tokens} tokens; "
+          f"positions {', '.join(f'{k} {sum(len(t[0]) for t in v)}' for k, v in traces.items())}")
+    print("| head | class | first guess | chain 1 / 2 / 3 |")
+    print("|---|---|---|---|")
+    for file in heads:
+        draft = draft_head.load(file, hidden)
+        if draft is None:
+            sys.exit(f"{file}: no draft head for this model")
+        for kind, held in [*traces.items(), ("all", [t for v in traces.values() for t in v])]:
+            r = draft_training.evaluate(draft, model.head, held)
+            print(f"| {file.parent.name}/{file.name} | {kind} | {r.hits[0]:.2f} | "
+                  f"{' / '.join(f'{c:.2f}' for c in r.chain)} |")
+
+
+if __name__ == "__main__":
+    main()
