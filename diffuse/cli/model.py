@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
-                         "(self-distilled from the model on requests and text Python ships; ~15 min on 2 cores)")
+                         "(self-distilled from the model on requests and text Python ships; ~35 min on 2 cores)")
     dh.add_argument("name", nargs="?")
     dh.add_argument("--answers", type=int, default=120_000,
                     help="positions of the model's own answers to train on (default 120000)")
