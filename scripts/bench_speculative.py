@@ -2,7 +2,7 @@
 """Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
-        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec draft]
+        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec draft] [--exact]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
@@ -135,8 +135,8 @@ class LoopbackSwarm:
 
 
 async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, prompt: list[int],
-                  params: SamplingParams, spec: SpecConfig | None) -> dict:
-    pipe = await client.session(session_length(len(prompt), params.max_tokens, spec))
+                  params: SamplingParams, spec: SpecConfig | None, exact: bool = False) -> dict:
+    pipe = await client.session(session_length(len(prompt), params.max_tokens, spec), exact=exact)
     try:
         swarm.check_relayed(pipe)
         gen = Generation(pipe, tok, prompt, params, speculate=spec)
@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
                     help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ draft head)")
+    ap.add_argument("--exact", action="store_true", help="speculative sessions use exact (batch-invariant) "
+                    "kernels, as `diffuse ask` does; plain keeps the fast ones, the baseline to beat")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
     torch.set_num_threads(args.threads)
@@ -203,7 +205,8 @@ def main() -> None:
                         order = list(configs) if i % 2 == 0 else list(configs)[::-1]
                         got = {}
                         for mode in order:
-                            got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode])
+                            got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode],
+                                                      args.exact and mode != "plain")
                             results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
                         mismatches += sum(got[m]["tokens"] != got["plain"]["tokens"] for m in spec_modes)
                         print(f"  rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
@@ -224,6 +227,7 @@ def main() -> None:
         fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / sum(c["n_steps"] for _, c in cells)
 
     print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
+          f"{'exact kernels when speculating, ' if args.exact else ''}"
           f"{args.per_class} prompts/class, up to {args.tokens} tokens, greedy; load {os.getloadavg()}")
     print("fitted fixed time per step: " + ", ".join(f"{m} {fixed[m] * 1e3:.1f} ms" for m in modes))
     print("| RTT ms | class | mode | tokens/step | positions/step | tok/s plain | tok/s | speed-up "

@@ -274,13 +274,15 @@ def interleaved(prompts: list) -> list:
     return [p for group in zip(*by_kind.values()) for p in group]
 
 
-def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions], Awaitable]):
-    """Run body(sessions) in one trio loop, sessions from an in-process model or a fresh swarm."""
+def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions], Awaitable],
+                  exact: bool = False):
+    """Run body(sessions) in one trio loop, sessions from an in-process model or a fresh swarm;
+    exact: batch-invariant kernels everywhere (every peer must grant them)."""
     if not swarm:
         model, _ = open_local(home, None, dtype)
 
         async def local(max_len: int):
-            return model.session(max_len)
+            return model.session(max_len, exact=exact)
 
         return trio.run(body, local)
     from bench_speculative import LoopbackSwarm
@@ -295,7 +297,7 @@ def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions]
         async def remote():
             async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
                                  server=False) as node:
-                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
+                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype), exact=exact, trust=None))
                 with trio.fail_after(120):
                     while not await client.covered():
                         await trio.sleep(0.25)
@@ -367,6 +369,8 @@ def main() -> None:
                     "each other for small matmuls cost more than they save")
     ap.add_argument("--swarm", action="store_true", help="identity through a loopback swarm (phases 2-4)")
     ap.add_argument("--draft", action="store_true", help="speculate with the draft head too (diffuse model draft-head)")
+    ap.add_argument("--exact", action="store_true", help="batch-invariant kernels (sessions opened exact): "
+                    "the identity then holds by construction, not by the luck of near-ties")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
     if args.swarm:
@@ -392,8 +396,9 @@ def main() -> None:
     kinds = [k for k, _ in prompts]
     sub = lambda per: [i for i, k in enumerate(kinds) if kinds[:i].count(k) < per]  # noqa: E731
     sweep = sub(args.sweep_per_class)
-    tag = ("swarm_" if args.swarm else "") + ("draft_" if args.draft else "")
-    where = "through a loopback swarm (2 peers, fp16 wire)" if args.swarm else "in process"
+    tag = ("swarm_" if args.swarm else "") + ("draft_" if args.draft else "") + ("exact_" if args.exact else "")
+    where = ("through a loopback swarm (2 peers, fp16 wire)" if args.swarm else "in process") + (
+        ", exact kernels" if args.exact else "")
 
     async def fp32(sessions: Sessions):
         costs = IDLE_FP32 if args.costs == "idle" else await cached(out / "costs_fp32.json",
@@ -407,7 +412,7 @@ def main() -> None:
                                                         fit_cost(costs, rtt), draft))
         return costs, plain, spec80, sweeps
 
-    costs, plain, spec80, sweeps = with_sessions(home, "fp32", args.swarm, fp32)
+    costs, plain, spec80, sweeps = with_sessions(home, "fp32", args.swarm, fp32, args.exact)
     fit = fit_cost(costs, 0.0)
     print(f"fp32 step cost (ms) by positions: { {t: round(s * 1e3, 1) for t, s in costs.items()} }; "
           f"fit a={fit.a * 1e3:.1f} ms + b={fit.b * 1e3:.2f} ms/position")
@@ -435,7 +440,7 @@ def main() -> None:
         return await run_pairs(sessions, bprompts, args.tokens, fit_cost(costs, 0.08),
                                out / f"{tag}pairs_bf16_rtt80_{args.costs}.jsonl", draft)
 
-    bplain, bspec = with_sessions(home, "bf16", args.swarm, bf16)
+    bplain, bspec = with_sessions(home, "bf16", args.swarm, bf16, args.exact)
     flips = divergences(bplain, bspec)
     bties = sum(g < 0.05 for r in bplain for g in r["gaps"][:args.tokens])
     print(f"\nbf16 {where}: {len(flips)} of {len(bprompts)} prompts diverge; (first differing token, top-2 "

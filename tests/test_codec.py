@@ -109,8 +109,8 @@ def steps(draw) -> Step:
 messages = st.one_of(
     st.builds(Open, sids.filter(any), st.text(min_size=1, max_size=60), st.integers(0, 100),
               st.integers(101, 200), st.integers(1, 2**32 - 1), st.integers(1, 0xFFFF), dtypes,
-              st.booleans(), st.integers(0, 255), unknown_exts),
-    st.builds(OpenOk, sids, st.integers(1, 2**32 - 1), st.text(max_size=20),
+              st.booleans(), st.booleans(), st.integers(0, 255), unknown_exts),
+    st.builds(OpenOk, sids, st.integers(1, 2**32 - 1), st.text(max_size=20), st.booleans(),
               st.integers(0, 255), unknown_exts),
     steps(),
     st.builds(lambda sid, s, t, c, us, e: StepOk(sid, s, t, c, us, extensions=e), sids, u32,
@@ -286,7 +286,7 @@ def test_bad_step_fields():
 
 def test_unsupported_major_names_both_versions():
     frame = corrupt(GOOD, B + 2, b"\x02\x05")
-    with pytest.raises(UnsupportedVersion, match=r"2\.5.*1\.0") as info:
+    with pytest.raises(UnsupportedVersion, match=r"2\.5.*1\.1") as info:
         decode(frame)
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 
@@ -488,12 +488,25 @@ def test_session_checks_dtype_hidden_size_and_replies():
 
 def test_session_minor_and_client_error():
     s = ServerSession()
-    assert s.minor == 0
-    s.receive(Open(SID, "m", 0, 4, 100, minor=3))
-    assert s.minor == 0  # min(client 3, ours 0)
+    assert s.minor == 1
+    s.receive(Open(SID, "m", 0, 4, 100, minor=0))
+    assert s.minor == 0  # min(client 0, ours 1): a 1.0 client gets no 1.1 feature
     s.send(OpenOk(SID, 100))
     s.receive(ErrorMsg(ErrorCode.INTERNAL, "client gave up", SID))
     assert s.state is SessionState.CLOSED
+
+
+def test_exact_flags_travel_on_their_bits():
+    """1.1's EXACT: OPEN flag bit 1 (asked), OPEN_OK flag bit 0 (granted); header flags sit at
+    frame bytes 10-11 (after the length prefix, magic, versions, type and reserved byte)."""
+    frame = encode(Open(SID, "m", 0, 4, 100, exact=True))
+    assert struct.unpack(">H", frame[10:12])[0] == 0x0002 and frame[7] == 1
+    assert decode(frame).exact and not decode(encode(Open(SID, "m", 0, 4, 100))).exact
+    both = decode(encode(Open(SID, "m", 0, 4, 100, want_commitments=True, exact=True)))
+    assert both.want_commitments and both.exact
+    ok = encode(OpenOk(SID, 100, "float32", exact=True))
+    assert struct.unpack(">H", ok[10:12])[0] == 0x0001 and decode(ok).exact
+    assert not decode(encode(OpenOk(SID, 100, "float32"))).exact
 
 
 def test_large_frame_in_64k_reads():

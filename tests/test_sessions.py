@@ -301,6 +301,48 @@ def test_peer_answering_errors_is_replaced(tiny):
     assert failover["replaced_by"] == ["good"]
 
 
+def test_exact_session_tree_steps_match_plain_steps_bit_for_bit(tiny):
+    """Peers grant EXACT; a tree of guesses with wrong siblings, through two hops and an fp16
+    wire, yields the very logits of one-token steps. A peer that cannot grant it (here: one
+    computing on a GPU) is routed around like a failed one."""
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery, tiny, {"gpu": (1, 4), "a": (1, 3), "b": (3, 4)})
+            swarm.servers["gpu"].device = torch.device("cuda")  # declines EXACT, computes nothing
+
+            async def session():
+                remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10,
+                                    exact=True)
+                await remote.open()
+                return remote, Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64, exact=True),
+                                                          remote], exact=True)
+
+            remote, plain = await session()
+            await plain.forward(torch.tensor([PROMPT]))
+            want = torch.cat([(await plain.forward(torch.tensor([[t]])))[0] for t in range(20, 32)])
+            _, tree = await session()
+            await tree.forward(torch.tensor([PROMPT]))
+            got, p = [], len(PROMPT)
+            for chunk in (range(20, 25), range(25, 27), range(27, 32)):
+                nodes = torch.tensor([[x for t in chunk for x in (t, 7)]])  # each guess and a wrong sibling
+                mask = torch.eye(nodes.shape[1], dtype=torch.bool)
+                for r in range(nodes.shape[1]):
+                    mask[r, [2 * j for j in range(r // 2)]] = True
+                positions = torch.arange(p, p + len(chunk)).repeat_interleave(2)
+                got.append((await tree.forward(nodes, positions, mask, commit=False))[0, 0::2])
+                await tree.commit(list(range(0, nodes.shape[1], 2)))
+                p += len(chunk)
+            nursery.cancel_scope.cancel()
+        return remote, want, torch.cat(got)
+
+    remote, want, got = trio.run(run)
+    assert torch.equal(got, want)
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == "gpu" and "does not grant exact" in failover["error"]
+    assert [h["blocks"] for h in remote.route_taken] == [[1, 3], [3, 4]]
+
+
 def _needles(prompt: list[int], embed: torch.Tensor) -> list[bytes]:
     """Byte patterns that would betray the prompt: runs of 3 ids as u16/i32/i64 in either byte
     order, and the first 16 values of each prompt token's embedding row in every float dtype."""

@@ -54,14 +54,14 @@ def swarm(home, tmp_path_factory):
 
 
 async def generate(boot: str, home, spec: SpecConfig | None, kill=None) -> tuple[list[int], list[dict]]:
-    """One greedy answer from an in-process client (fp32 like the peers); after every token,
-    kill(remote) may SIGKILL a peer."""
+    """One greedy answer from an in-process client (fp32 like the peers, exact kernels: what
+    `ask` uses when it speculates); after every token, kill(remote) may SIGKILL a peer."""
     model_dir = models_dir(home) / DEFAULT_MODEL
     tok = Tokenizer.load(model_dir)
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     params = SamplingParams(max_tokens=TOKENS)
     async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as node:
-        client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32))
+        client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, exact=True))
         with trio.fail_after(60):
             while not await client.covered():
                 await trio.sleep(0.25)
@@ -94,7 +94,7 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
                     "--max-tokens", str(TOKENS), "--wait", "30", QUESTION, timeout=600)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
-    assert got["token_ids"] == plain and got["speculate"] is True
+    assert got["token_ids"] == plain and got["speculate"] is True and got["exact"] is True
     assert sum(got["steps"]) + 1 >= len(plain) and got["tokens_per_step"] >= 1.0
 
 

@@ -48,7 +48,7 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
     p.add_argument("--local-blocks", default="1,0", metavar="N,M",
                    help="run the first N and last M blocks here (default 1,0: embeddings never leave)")
-    p.add_argument("--wire-dtype", default="fp16", choices=["fp16", "bf16"], help="activations on the wire")
+    p.add_argument("--wire-dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="activations on the wire")
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for the swarm to cover every block")
     p.add_argument("--step-timeout", type=float, default=30.0, help="seconds before a silent peer is replaced")
@@ -70,7 +70,8 @@ def swarm_options(args: argparse.Namespace):
 
     mode = TRUST_MODES[args.trust]
     return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
-                        args.step_timeout, args.device, None if mode is None else TrustOptions(**mode))
+                        args.step_timeout, args.device, bool(getattr(args, "exact", False)),
+                        None if mode is None else TrustOptions(**mode))
 
 
 def parse_local_blocks(text: str) -> tuple[int, int]:
@@ -91,9 +92,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print one JSON object (text, token ids, timings, tokens per step, route, failovers)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
                    help="send guessed continuations with each step, several tokens per round trip "
-                        "(default: on through the swarm in fp32, where the answer is provably the plain "
-                        "greedy one; off in bf16/fp16, whose wide verification steps can break exact logit "
-                        "ties the other way, and with --local, where a step is no round trip)")
+                        "(default: on through the swarm in fp32; off in bf16/fp16, which have no exact "
+                        "kernels worth their cost here, and with --local, where a step is no round trip)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels here and on every peer (peers that cannot are routed "
+                        "around): a token's logits have the same bits whether it is decoded alone, "
+                        "verified in a tree of guesses or replayed after a failover, so speculation "
+                        "returns exactly the greedy answer of --exact without it (default: on with "
+                        "--speculate; costs up to 2x per plain step)")
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -109,6 +115,8 @@ def cmd_ask(args) -> int:
     from diffuse.client.generate import complete, session_length
     default = not args.local and args.dtype == "fp32"
     speculate = _spec_config(args) if (args.speculate if args.speculate is not None else default) else None
+    if args.exact is None:
+        args.exact = speculate is not None
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -120,7 +128,7 @@ def cmd_ask(args) -> int:
         prompt = tokenizer.encode_chat(messages)
 
         async def run():
-            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate))
+            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=args.exact)
             try:
                 return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
@@ -135,6 +143,7 @@ def cmd_ask(args) -> int:
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
                           "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculate is not None,
+                          "exact": args.exact,
                           "tokens_per_step": round(result.tokens_per_step, 3), "steps": result.steps,
                           "positions": result.positions} | info))
     else:

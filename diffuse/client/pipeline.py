@@ -31,9 +31,9 @@ class Stage(Protocol):
 class LocalStage:
     """A block span computed in this process, with its own KV cache for one session."""
 
-    def __init__(self, span: BlockSpan, max_len: int, batch: int = 1):
+    def __init__(self, span: BlockSpan, max_len: int, batch: int = 1, exact: bool = False):
         self.span, self.start, self.end = span, span.start, span.end
-        self.cache: KVCache = span.new_cache(max_len, batch)
+        self.cache: KVCache = span.new_cache(max_len, batch, exact)
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
         return self.span(h.to(self.cache.k.dtype), positions, self.cache, tree_mask, commit)
@@ -51,8 +51,9 @@ class LocalStage:
 class Pipeline:
     """One session: embed -> stages -> logits, tracking how many tokens are committed."""
 
-    def __init__(self, head: Head, stages: list[Stage]):
+    def __init__(self, head: Head, stages: list[Stage], exact: bool = False):
         self.head, self.stages = head, stages
+        self.exact = exact  # batch-invariant LM head (the stages were opened exact too)
         self.length = 0  # committed tokens, identical in every stage's cache
         self.pending = 0  # candidate tokens of the last forward(commit=False)
         self.hidden: Tensor | None = None  # final hidden states of the rows the last forward returned
@@ -76,7 +77,7 @@ class Pipeline:
             self.pending = ids.shape[1]
         h = h.to(self.head.norm.weight.dtype)
         self.hidden = h if rows is None else h[:, rows]  # the rows' final hidden states (draft heads read them)
-        return self.head.logits(self.hidden)
+        return self.head.logits(self.hidden, self.exact)
 
     async def commit(self, keep: Sequence[int] | None = None) -> None:
         for stage in self.stages:
@@ -123,5 +124,7 @@ class LocalModel:
     def __init__(self, head: Head, spans: list[BlockSpan]):
         self.head, self.spans = head, spans
 
-    def session(self, max_len: int, batch: int = 1) -> Pipeline:
-        return Pipeline(self.head, [LocalStage(s, max_len, batch) for s in self.spans])
+    def session(self, max_len: int, batch: int = 1, exact: bool = False) -> Pipeline:
+        """exact: batch-invariant kernels, so that speculative and plain greedy decoding (and a
+        replay) compute every position to the same bits (kernels.exact_linear)."""
+        return Pipeline(self.head, [LocalStage(s, max_len, batch, exact) for s in self.spans], exact)

@@ -52,6 +52,7 @@ class SwarmOptions:
     wire_dtype: torch.dtype = torch.float16
     step_timeout: float = 30.0
     device: str = "cpu"
+    exact: bool = False  # batch-invariant kernels on every hop: speculation = plain greedy, bit for bit
     trust: TrustOptions | None = field(default_factory=TrustOptions)  # None: no checks (private swarms)
 
 
@@ -211,16 +212,18 @@ class SwarmClient:
         host.get_network().unblock_peer(peer)
         await host.connect(PeerInfo(peer, addrs))
 
-    async def session(self, max_len: int, batch: int = 1) -> Pipeline:
-        """Open a session: local front blocks, the swarm's route, local back blocks."""
+    async def session(self, max_len: int, batch: int = 1, exact: bool | None = None) -> Pipeline:
+        """Open a session: local front blocks, the swarm's route, local back blocks; exact (default
+        the options'): batch-invariant kernels here and on every hop."""
         start, end = self.remote_range
+        exact = self.opts.exact if exact is None else exact
         await self.records()  # fresh, for this route and its failovers
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout, guard=self.guard)
+                            self.opts.wire_dtype, self.opts.step_timeout, guard=self.guard, exact=exact)
         await remote.open()
-        stages = ([LocalStage(self.front, max_len, batch)] if self.front else []) + [remote] + (
-            [LocalStage(self.back, max_len, batch)] if self.back else [])
-        return Pipeline(self.head, stages)
+        stages = ([LocalStage(self.front, max_len, batch, exact)] if self.front else []) + [remote] + (
+            [LocalStage(self.back, max_len, batch, exact)] if self.back else [])
+        return Pipeline(self.head, stages, exact)
 
 
 def remote_of(pipeline: Pipeline) -> RemoteSpan:

@@ -85,9 +85,10 @@ class HopSession:
     """One session on one peer: the protocol exchange plus the inputs it has committed."""
 
     def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
-                 dtype: torch.dtype, timeout: float, commitments: bool = False):
+                 dtype: torch.dtype, timeout: float, commitments: bool = False, exact: bool = False):
         self.hop, self.stream, self.model_id = hop, stream, model_id
         self.commitments = commitments  # ask for, and check, per-step output commitments
+        self.exact = exact  # require batch-invariant kernels (protocol 1.1 OPEN flag EXACT)
         self.peer_dtype = ""  # the compute dtype the peer declared in OPEN_OK
         self.last_input: bytes | None = None  # input-commitment chain, as the server computes it
         self.receipt: tuple[StepBinding, bytes] | None = None  # last step's output binding, commitment
@@ -128,10 +129,13 @@ class HopSession:
     async def open(self) -> None:
         with trio.fail_after(self.timeout):
             await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
-                                  self.max_len, self.batch, self.dtype, self.commitments))
+                                  self.max_len, self.batch, self.dtype, self.commitments, self.exact))
             ok = await self._receive()
         if not isinstance(ok, OpenOk) or ok.max_length < self.max_len:
             raise HopFailed(self.hop, f"bad answer to OPEN: {ok!r}")
+        if self.exact and not (ok.exact and ok.minor >= 1):
+            raise HopFailed(self.hop, "peer does not grant exact (batch-invariant) computation: it "
+                            f"speaks protocol 1.{ok.minor} or computes on a GPU")
         self.peer_dtype = ok.compute_dtype
 
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
@@ -269,8 +273,9 @@ class RemoteSpan:
     def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
                  max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
                  timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0,
-                 guard: Guard | None = None):
+                 guard: Guard | None = None, exact: bool = False):
         self.model_id, self.start, self.end = model_id, start, end
+        self.exact = exact  # every hop must compute with batch-invariant kernels
         self.guard = guard  # the trust plane: vets new hops, spot-checks steps
         self.dial, self.route, self.bans = dial, route, bans
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
@@ -294,7 +299,7 @@ class RemoteSpan:
                     if self.guard is not None:
                         await self.guard.vet(hop, self._canary_session)
                     session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len,
-                                         self.batch, self.dtype, self.timeout, self.guard is not None)
+                                         self.batch, self.dtype, self.timeout, self.guard is not None, self.exact)
                     session.audited = self.guard is not None and self.guard.pick()
                     new.append(session)
                     await session.open()
@@ -345,7 +350,7 @@ class RemoteSpan:
         """A session for a canary of `tokens` tokens: indistinguishable from this span's real
         sessions (their max_length, unless the canary would not fit)."""
         session = HopSession(hop, await self.dial(hop), self.model_id, max(self.max_len, tokens), self.batch,
-                             self.dtype, self.timeout, True)
+                             self.dtype, self.timeout, True, self.exact)
         try:
             await session.open()
         except BaseException:

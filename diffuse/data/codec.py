@@ -28,7 +28,7 @@ from diffuse.errors import ProtocolError
 PROTOCOL_ID = "/diffuse/inference/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1.1: OPEN/OPEN_OK flag EXACT (batch-invariant kernels)
 MAX_FRAME = 64 * 1024 * 1024  # default bound on a frame body; checked from the length prefix
 MAX_MODEL_ID = 255  # bytes of utf-8 (u8 length field)
 MAX_DTYPE_NAME = 255  # bytes of utf-8 (u8 length field)
@@ -49,6 +49,8 @@ _TENSOR_HEAD = struct.Struct(">BB")  # dtype code, rank
 
 # Flag bits (header `flags` field; meaning depends on the message type).
 OPEN_WANT_COMMITMENTS = 0x0001
+OPEN_EXACT = 0x0002  # since 1.1: the client asks for batch-invariant kernels
+OPEN_OK_EXACT = 0x0001  # since 1.1: the server grants them for this session
 STEP_COMMIT = 0x0001
 STEP_HAS_MASK = 0x0002
 STEP_REPLAY = 0x0004
@@ -153,6 +155,7 @@ class Open:
     batch_size: int = 1
     dtype: torch.dtype = torch.bfloat16  # wire dtype of every hidden tensor in the session
     want_commitments: bool = False
+    exact: bool = False  # every position's output bits independent of what shares its step
     minor: int = VERSION_MINOR  # sender's protocol minor version (frame header)
     extensions: dict[int, bytes] = field(default_factory=dict)
 
@@ -162,6 +165,7 @@ class OpenOk:
     session_id: bytes
     max_length: int  # granted, <= requested
     compute_dtype: str = ""  # e.g. "bfloat16": what the server computes in
+    exact: bool = False  # the server computes this session with batch-invariant kernels
     minor: int = VERSION_MINOR  # sender's protocol minor version (frame header)
     extensions: dict[int, bytes] = field(default_factory=dict)
 
@@ -322,12 +326,13 @@ def _payload(msg: Message) -> tuple[int, list]:
     flags = 0
     if isinstance(msg, Open):
         mid = msg.model_id.encode()
-        flags = OPEN_WANT_COMMITMENTS if msg.want_commitments else 0
+        flags = (OPEN_WANT_COMMITMENTS if msg.want_commitments else 0) | (OPEN_EXACT if msg.exact else 0)
         code = _CODES[msg.dtype]
         fixed = _OPEN.pack(msg.start, msg.end, msg.max_length, msg.batch_size, code, len(mid))
         parts = [fixed, mid]
     elif isinstance(msg, OpenOk):
         name = msg.compute_dtype.encode()
+        flags = OPEN_OK_EXACT if msg.exact else 0
         parts = [_U32.pack(msg.max_length), _U8.pack(len(name)), name]
     elif isinstance(msg, Step):
         keep, pos = msg.keep, msg.positions
@@ -434,13 +439,13 @@ def _read_open(r: _Reader, flags: int, sid: bytes) -> Open:
         raise WireError(f"OPEN: unknown wire dtype code {code}")
     model_id = r.text(n, "OPEN model_id")
     return Open(sid, model_id, start, end, max_length, batch, _DTYPES[code],
-                bool(flags & OPEN_WANT_COMMITMENTS))
+                bool(flags & OPEN_WANT_COMMITMENTS), bool(flags & OPEN_EXACT))
 
 
 def _read_open_ok(r: _Reader, flags: int, sid: bytes) -> OpenOk:
     (max_length,) = r.unpack(_U32, "OPEN_OK max_length")
     (n,) = r.unpack(_U8, "OPEN_OK compute_dtype length")
-    return OpenOk(sid, max_length, r.text(n, "OPEN_OK compute_dtype"))
+    return OpenOk(sid, max_length, r.text(n, "OPEN_OK compute_dtype"), bool(flags & OPEN_OK_EXACT))
 
 
 def _read_error(r: _Reader, flags: int, sid: bytes) -> ErrorMsg:

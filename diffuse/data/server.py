@@ -59,6 +59,7 @@ class BlockServer:
         self.accepting = True
         self.conns: set[_Conn] = set()
         self.dtype = span.blocks[0].wo.weight.dtype
+        self.device = span.blocks[0].wo.weight.device
 
     @property
     def free_tokens(self) -> int:
@@ -196,14 +197,17 @@ class _Conn:
                                     f"no KV cache room: {tokens} tokens asked, {srv.free_tokens} free, "
                                     f"{srv.sessions} sessions open")
         self.span = span.view(m.start, m.end)
+        # Batch-invariant kernels are checked for CPU BLAS only (kernels.exact_linear); a GPU declines.
+        exact = m.exact and self.state.minor >= 1 and srv.device.type == "cpu"
         try:
-            self.cache = self.span.new_cache(m.max_length, m.batch_size)
+            self.cache = self.span.new_cache(m.max_length, m.batch_size, exact)
         except (RuntimeError, MemoryError) as e:
             return await self.error(ErrorCode.NO_CAPACITY, f"cannot allocate the KV cache: {e}")
         srv.tokens_reserved += tokens
         srv.sessions += 1
         self.reserved, self.counted = tokens, True
-        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, str(srv.dtype).removeprefix("torch."))))
+        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length,
+                                                       str(srv.dtype).removeprefix("torch."), exact)))
         return False
 
     async def on_step(self, m: Step) -> bool:

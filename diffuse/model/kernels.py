@@ -30,6 +30,16 @@ rows on (ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
 
 `padded_rows` says how many rows a product really costs, so that a caller choosing how many
 rows to send (the speculation planner) can fill the padding with useful ones.
+
+None of these paths is batch-invariant: a row's result changes in the last bits with the number
+of rows beside it (MKL picks its kernel by shape: x @ W.T gives one bit pattern for 1 row,
+another for 2-3, a third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11, 12+). Speculation
+computes a position in a tree of 2-64 rows that plain decoding computes alone, so an fp32 near-tie
+(top-2 logit gap ~1e-4) could resolve differently. A session that asks for exact kernels gets
+`exact_linear` (always x @ W.T, padded to 4 rows: one kernel for every row count) and
+`exact_attention` (fp64, so that which keys are masked or how many rows share the call changes
+nothing once rounded back). Then a position's output bits depend only on its inputs, and greedy
+speculation, plain decoding and a replay chunk produce the same tokens and the same KV cache.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emul
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
 PAD_FROM_ROWS = 7  # from this many rows, fp32 products are padded to a multiple of PAD_TO
 PAD_TO = 8
+EXACT_ROWS = 4  # exact products take a multiple of 4 rows: see exact_linear
+EXACT_QUERY_BLOCK = 128  # query rows per fp64 score matrix (bounds its memory during a prefill)
 WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
 
 
@@ -99,8 +111,56 @@ def _widened(xt: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) computed by `linear`."""
+def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear computed in fp32 so that each output row's bits depend on that row alone.
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    Rows are padded to a multiple of EXACT_ROWS: MKL's x @ W.T takes other kernels for 1 and for
+    2-3 rows, and with 2 threads it hands them 4-row slices, so 5 rows went 4 + 1 (measured on
+    AVX2, torch 2.13; tests/test_exact.py checks it on the running machine). bf16/fp16 weights
+    are widened block by block; the bias is added after the product (addmm fuses it differently).
+    """
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    flat = x.reshape(rows, x.shape[-1]).float()
+    extra = -rows % EXACT_ROWS
+    if extra:
+        flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
+    if weight.dtype == torch.float32:
+        out = F.linear(flat, weight)
+    else:
+        out = torch.cat([F.linear(flat, weight[s:s + WIDEN_BLOCK].float())
+                         for s in range(0, weight.shape[0], WIDEN_BLOCK)], dim=1)
+    out = out[:rows]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v in fp64, rounded back to q's dtype: batch-invariant attention.
+
+    q [B, H, T, D]; k, v [B, KV, L, D] with H a multiple of KV (query head h reads key head
+    h // (H // KV), as in grouped-query attention); mask [T, L] bool, True = may attend, None =
+    all. A product of two fp32 numbers is exact in fp64 and sums differ only by ~1e-16 with their
+    order, so masked keys, their layout, and the number of query rows leave the fp32 result as is.
+    """
+    b, h, t, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    g = h // kv
+    k64, v64 = k.double(), v.double()
+    q64 = q.double().reshape(b, kv, g, t, d)
+    out = torch.empty(b, kv, g, t, d, dtype=torch.float64, device=q.device)
+    for s in range(0, t, EXACT_QUERY_BLOCK):
+        e = min(t, s + EXACT_QUERY_BLOCK)
+        scores = (q64[:, :, :, s:e] @ k64.transpose(-1, -2).unsqueeze(2)) * d ** -0.5  # [B, KV, g, t', L]
+        if mask is not None:
+            scores.masked_fill_(~mask[s:e].to(q.device), float("-inf"))
+        out[:, :, :, s:e] = scores.softmax(-1) @ v64.unsqueeze(2)
+    return out.reshape(b, h, t, d).to(q.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) computed by `linear`, or by
+    `exact_linear` for a session that asked for batch-invariant kernels."""
+
+    def forward(self, x: Tensor, exact: bool = False) -> Tensor:
+        return exact_linear(x, self.weight, self.bias) if exact else linear(x, self.weight, self.bias)

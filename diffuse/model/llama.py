@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from diffuse.model.config import ModelConfig
-from diffuse.model.kernels import Linear
+from diffuse.model.kernels import Linear, exact_attention
 
 
 class KVCache:
@@ -28,11 +28,12 @@ class KVCache:
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False):
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self.exact = exact  # batch-invariant kernels for this session (kernels.exact_linear)
         self.length = 0
         self.pending = 0
 
@@ -107,21 +108,24 @@ class Block(nn.Module):
             self.w_down.weight.copy_(t[m + "down_proj.weight"])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                start: int, mask: Tensor | None) -> Tensor:
+                start: int, mask: Tensor | None, exact: bool = False) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = self.wqkv(self.attn_norm(x)).split(
+        q, k, v = self.wqkv(self.attn_norm(x), exact).split(
             [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q = _rope(q.view(b, t, self.n_heads, self.hd).transpose(1, 2), cos, sin)
         k = _rope(k.view(b, t, self.n_kv, self.hd).transpose(1, 2), cos, sin)
         k_cache[:, :, start:start + t] = k
         v_cache[:, :, start:start + t] = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
         end = start + t
-        causal = mask is None and start == 0 and t > 1
-        y = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end],
-                                           attn_mask=mask, is_causal=causal, enable_gqa=True)
-        h = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
-        gate, up = self.w_gate_up(self.mlp_norm(h)).chunk(2, dim=-1)
-        return h + self.w_down(F.silu(gate) * up)
+        if exact:
+            y = exact_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)
+        else:
+            causal = mask is None and start == 0 and t > 1
+            y = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end],
+                                               attn_mask=mask, is_causal=causal, enable_gqa=True)
+        h = x + self.wo(y.transpose(1, 2).reshape(b, t, -1), exact)
+        gate, up = self.w_gate_up(self.mlp_norm(h), exact).chunk(2, dim=-1)
+        return h + self.w_down(F.silu(gate) * up, exact)
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -153,10 +157,10 @@ class BlockSpan(nn.Module):
         sub.blocks = nn.ModuleList(self.blocks[start - self.start:end - self.start])
         return sub
 
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+    def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:
         p = self.blocks[0].wo.weight
         return KVCache(len(self.blocks), batch, self.cfg.num_kv_heads, self.cfg.head_dim,
-                       max_len, p.dtype, p.device)
+                       max_len, p.dtype, p.device, exact)
 
     @torch.inference_mode()
     def forward(self, h: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
@@ -174,14 +178,14 @@ class BlockSpan(nn.Module):
         if self.inv_freq.device != h.device:
             self.inv_freq = self.inv_freq.to(h.device)
         freqs = positions.to(h.device, torch.float32)[:, None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        emb = torch.cat((freqs, freqs), dim=-1).double()  # fp64: the same bits whatever T (torch
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)  # may vectorise fp32 cos by size)
         mask = None
-        if tree_mask is not None or (start > 0 and t > 1):
+        if tree_mask is not None or (start > 0 and t > 1) or (cache.exact and t > 1):
             new = tree_mask if tree_mask is not None else torch.ones(t, t, dtype=torch.bool).tril_()
             mask = torch.cat([torch.ones(t, start, dtype=torch.bool), new.bool().cpu()], dim=1).to(h.device)
         for i, block in enumerate(self.blocks):
-            h = block(h, cos, sin, cache.k[i], cache.v[i], start, mask)
+            h = block(h, cos, sin, cache.k[i], cache.v[i], start, mask, cache.exact)
         cache.pending = t
         if commit:
             cache.commit()
@@ -212,6 +216,7 @@ class Head(nn.Module):
         return self.embed(ids)
 
     @torch.inference_mode()
-    def logits(self, h: Tensor) -> Tensor:
-        """Logits in fp32; callers pass only the positions whose logits they need."""
-        return self.lm_head(self.norm(h)).float()
+    def logits(self, h: Tensor, exact: bool = False) -> Tensor:
+        """Logits in fp32; callers pass only the positions whose logits they need. exact: each
+        row's logits independent of the other rows (see kernels.exact_linear)."""
+        return self.lm_head(self.norm(h), exact).float()

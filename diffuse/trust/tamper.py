@@ -168,8 +168,8 @@ class TamperedSpan:
         return TamperedSpan(self.tamper, self.honest.view(start, end),
                             None if t is None else t.view(start, end))
 
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        return self.honest.new_cache(max_len, batch)
+    def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:
+        return self.honest.new_cache(max_len, batch, exact)
 
     def __call__(self, h: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  commit: bool = True) -> Tensor:
