@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from diffuse.client.pipeline import LocalModel
+from diffuse.model import kernels
 from diffuse.model.kernels import exact_attention, exact_linear
 from diffuse.model.load import load_head, load_span
 from tiny import Sync, make_tiny
@@ -52,7 +53,7 @@ def test_exact_linear_computes_f_linear():
     torch.testing.assert_close(exact_linear(xb, wb).float(), F.linear(xb.float(), wb.float()), rtol=1e-2, atol=1e-2)
 
 
-def test_exact_attention_sees_only_a_rows_keys_and_computes_sdpa():
+def test_exact_attention_sees_only_a_rows_keys_and_computes_sdpa(monkeypatch):
     """Each query row, computed among others with a tree mask, has the bits it has computed alone
     against exactly the keys it may see, in order (what plain decoding does)."""
     g = torch.Generator().manual_seed(2)
@@ -67,6 +68,8 @@ def test_exact_attention_sees_only_a_rows_keys_and_computes_sdpa():
         assert torch.equal(out[:, :, i:i + 1], alone), i
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(kernels, "EXACT_QUERY_BLOCK", 4)  # a long prefill goes in blocks of rows
+    assert torch.equal(exact_attention(q, k, v, mask), out)
 
 
 @pytest.fixture(scope="module")

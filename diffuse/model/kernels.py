@@ -36,7 +36,7 @@ of rows beside it (MKL picks its kernel by shape: x @ W.T gives one bit pattern 
 another for 2-3, a third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11, 12+). Speculation
 computes a position in a tree of 2-64 rows that plain decoding computes alone, so an fp32 near-tie
 (top-2 logit gap ~1e-4) could resolve differently. A session that asks for exact kernels gets
-`exact_linear` (always x @ W.T, padded to 4 rows: one kernel for every row count) and
+`exact_linear` (always x @ W.T, padded to a multiple of 4 rows: one kernel for every count) and
 `exact_attention` (fp64, so that which keys are masked or how many rows share the call changes
 nothing once rounded back). Then a position's output bits depend only on its inputs, and greedy
 speculation, plain decoding and a replay chunk produce the same tokens and the same KV cache.
@@ -144,11 +144,10 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     order, so masked keys, their layout, and the number of query rows leave the fp32 result as is.
     """
     b, h, t, d = q.shape
-    kv, length = k.shape[1], k.shape[2]
-    g = h // kv
+    g = h // k.shape[1]
     k64, v64 = k.double(), v.double()
-    q64 = q.double().reshape(b, kv, g, t, d)
-    out = torch.empty(b, kv, g, t, d, dtype=torch.float64, device=q.device)
+    q64 = q.double().reshape(b, k.shape[1], g, t, d)
+    out = torch.empty_like(q64)
     for s in range(0, t, EXACT_QUERY_BLOCK):
         e = min(t, s + EXACT_QUERY_BLOCK)
         scores = (q64[:, :, :, s:e] @ k64.transpose(-1, -2).unsqueeze(2)) * d ** -0.5  # [B, KV, g, t', L]
