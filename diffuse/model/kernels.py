@@ -36,9 +36,9 @@ of rows beside it (MKL picks its kernel by shape: x @ W.T gives one bit pattern 
 another for 2-3, a third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11, 12+). Speculation
 computes a position in a tree of 2-64 rows that plain decoding computes alone, so an fp32 near-tie
 (top-2 logit gap ~1e-4) could resolve differently. A session that asks for exact kernels gets
-`exact_linear` (always x @ W.T, padded to a multiple of 4 rows: one kernel for every count) and
-`exact_attention` (fp64, so that which keys are masked or how many rows share the call changes
-nothing once rounded back). Then a position's output bits depend only on its inputs, and greedy
+`exact_linear` (one product form, padded so that every row count takes the same MKL kernel; the
+form is checked on this machine) and `exact_attention` (fp64, so that which keys are masked or
+how many rows share the call changes nothing once rounded back). Then a position's output bits depend only on its inputs, and greedy
 speculation, plain decoding and a replay chunk produce the same tokens and the same KV cache.
 """
 
@@ -54,7 +54,6 @@ WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emul
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
 PAD_FROM_ROWS = 7  # from this many rows, fp32 products are padded to a multiple of PAD_TO
 PAD_TO = 8
-EXACT_ROWS = 4  # exact products take a multiple of 4 rows: see exact_linear
 EXACT_QUERY_BLOCK = 128  # query rows per fp64 score matrix (bounds its memory during a prefill)
 WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
 
@@ -111,28 +110,63 @@ def _widened(xt: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
+# Exact products: (form, row multiple, minimum rows). "wide" is (W @ x.T).T from 16 rows up, as
+# cheap as the fast path for a tree of guesses; "rows" is x @ W.T from 4 rows up, slower but
+# invariant with more threads too. The first form that passes `exact_form`'s check is used.
+EXACT_FORMS = (("wide", 8, 16), ("rows", 4, 4))
+EXACT_CHECK_ROWS = (*range(1, 41), 48, 63, 64, 72)
+
+
+def _exact_product(flat: Tensor, weight: Tensor, form: tuple[str, int, int]) -> Tensor:
+    """flat [rows, K] @ weight.T in fp32 by `form`, rows padded with zeros as the form requires."""
+    name, multiple, least = form
+    rows = flat.shape[0]
+    padded = max(least, -(-rows // multiple) * multiple)
+    if padded > rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+    out = (weight @ flat.t()).t() if name == "wide" else F.linear(flat, weight)
+    return out[:rows]
+
+
+@functools.cache
+def exact_form(n: int, k: int, threads: int) -> tuple[str, int, int]:
+    """The first EXACT_FORMS entry whose rows, for an [n, k] weight with `threads` torch threads,
+    come out with the same bits whatever the rows beside them: checked once per process on this
+    machine's BLAS, because the property is MKL's choice of kernel by shape, not a promise.
+
+    Measured here (AVX2, MKL 2024.2): x @ W.T has one bit pattern for 1 row, another for 2-3, a
+    third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11 and 12+, and with 3-4 threads MKL
+    cuts 17-24 rows into slices under 12 (so "wide" fails there and "rows" is taken)."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(max(EXACT_CHECK_ROWS) + 8, k, generator=g)
+    for form in EXACT_FORMS:
+        alone = torch.cat([_exact_product(x[i:i + 1], w, form) for i in range(8)])
+        if all(torch.equal(_exact_product(x[:m], w, form)[:8], alone[:min(m, 8)]) for m in EXACT_CHECK_ROWS) \
+                and torch.equal(_exact_product(x[3:20], w, form)[:5], alone[3:8]):
+            return form
+    raise RuntimeError(f"no batch-invariant product form for a {n}x{k} weight with {threads} threads "
+                       "on this machine: exact sessions are not available")
+
+
 def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear computed in fp32 so that each output row's bits depend on that row alone.
 
-    Rows are padded to a multiple of EXACT_ROWS: MKL's x @ W.T takes other kernels for 1 and for
-    2-3 rows, and with 2 threads it hands them 4-row slices, so 5 rows went 4 + 1 (measured on
-    AVX2, torch 2.13; tests/test_exact.py checks it on the running machine). bf16/fp16 weights
-    are widened block by block; the bias is added after the product (addmm fuses it differently).
+    Products take the form `exact_form` found batch-invariant here, with their rows padded as it
+    requires; bf16/fp16 weights are widened block by block (the check is made for the block's
+    shape); the bias is added after the product (addmm fuses it differently).
     """
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    flat = x.reshape(rows, x.shape[-1]).float()
-    extra = -rows % EXACT_ROWS
-    if extra:
-        flat = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])])
+    flat = x.reshape(rows, x.shape[-1]).float().contiguous()  # strides pick MKL's kernel too
+    n, k = weight.shape
     if weight.dtype == torch.float32:
-        out = F.linear(flat, weight)
+        out = _exact_product(flat, weight, exact_form(n, k, torch.get_num_threads()))
     else:
-        out = torch.cat([F.linear(flat, weight[s:s + WIDEN_BLOCK].float())
-                         for s in range(0, weight.shape[0], WIDEN_BLOCK)], dim=1)
-    out = out[:rows]
+        form = exact_form(min(n, WIDEN_BLOCK), k, torch.get_num_threads())
+        out = torch.cat([_exact_product(flat, weight[s:s + WIDEN_BLOCK].float(), form)
+                         for s in range(0, n, WIDEN_BLOCK)], dim=1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(x.dtype).contiguous().reshape(*x.shape[:-1], n)
 
 
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -142,18 +176,21 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     h // (H // KV), as in grouped-query attention); mask [T, L] bool, True = may attend, None =
     all. A product of two fp32 numbers is exact in fp64 and sums differ only by ~1e-16 with their
     order, so masked keys, their layout, and the number of query rows leave the fp32 result as is.
+    The query heads sharing a key head are stacked as rows of one product per key head.
     """
     b, h, t, d = q.shape
-    g = h // k.shape[1]
-    k64, v64 = k.double(), v.double()
-    q64 = q.double().reshape(b, k.shape[1], g, t, d)
+    kv = k.shape[1]
+    g = h // kv
+    q64 = q.double().mul_(d ** -0.5).reshape(b, kv, g * t, d)  # row r: head r // t, token r % t
+    kt, v64 = k.double().transpose(-1, -2), v.double()
+    rows = mask.repeat(g, 1).to(q.device) if mask is not None else None
     out = torch.empty_like(q64)
-    for s in range(0, t, EXACT_QUERY_BLOCK):
-        e = min(t, s + EXACT_QUERY_BLOCK)
-        scores = (q64[:, :, :, s:e] @ k64.transpose(-1, -2).unsqueeze(2)) * d ** -0.5  # [B, KV, g, t', L]
-        if mask is not None:
-            scores.masked_fill_(~mask[s:e].to(q.device), float("-inf"))
-        out[:, :, :, s:e] = scores.softmax(-1) @ v64.unsqueeze(2)
+    step = EXACT_QUERY_BLOCK * g
+    for s in range(0, g * t, step):
+        scores = q64[:, :, s:s + step] @ kt  # [B, KV, rows, L]
+        if rows is not None:
+            scores.masked_fill_(~rows[s:s + step], float("-inf"))
+        out[:, :, s:s + step] = scores.softmax(-1) @ v64
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
