@@ -92,8 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print one JSON object (text, token ids, timings, tokens per step, route, failovers)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
                    help="send guessed continuations with each step, several tokens per round trip "
-                        "(default: on through the swarm in fp32; off in bf16/fp16, which have no exact "
-                        "kernels worth their cost here, and with --local, where a step is no round trip)")
+                        "(default: on through the swarm in fp32; off in bf16/fp16, and with --local, "
+                        "where a step is no round trip)")
     p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels here and on every peer (peers that cannot are routed "
                         "around): a token's logits have the same bits whether it is decoded alone, "
