@@ -32,14 +32,12 @@ rows on (ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
 rows to send (the speculation planner) can fill the padding with useful ones.
 
 None of these paths is batch-invariant: a row's result changes in the last bits with the number
-of rows beside it (MKL picks its kernel by shape: x @ W.T gives one bit pattern for 1 row,
-another for 2-3, a third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11, 12+). Speculation
+of rows beside it, because MKL picks its kernel by shape (measurements at `exact_form`). Speculation
 computes a position in a tree of 2-64 rows that plain decoding computes alone, so an fp32 near-tie
-(top-2 logit gap ~1e-4) could resolve differently. A session that asks for exact kernels gets
-`exact_linear` (one product form, padded so that every row count takes the same MKL kernel; the
-form is checked on this machine) and `exact_attention` (fp64, so that which keys are masked or
-how many rows share the call changes nothing once rounded back). Then a position's output bits depend only on its inputs, and greedy
-speculation, plain decoding and a replay chunk produce the same tokens and the same KV cache.
+could resolve differently. A session that asks for exact kernels gets `exact_linear` (one product
+form, padded so that every row count takes the same kernel, checked on this machine) and
+`exact_attention` (fp64, rounded back). Then a position's output bits depend only on its inputs,
+and greedy speculation, plain decoding and a replay chunk produce the same tokens and KV cache.
 """
 
 from __future__ import annotations

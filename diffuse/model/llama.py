@@ -178,8 +178,9 @@ class BlockSpan(nn.Module):
         if self.inv_freq.device != h.device:
             self.inv_freq = self.inv_freq.to(h.device)
         freqs = positions.to(h.device, torch.float32)[:, None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).double()  # fp64: the same bits whatever T (torch
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)  # may vectorise fp32 cos by size)
+        # cos/sin in fp64, rounded: the same bits whatever T (torch may vectorise fp32 cos by size).
+        emb = torch.cat((freqs, freqs), dim=-1).double()
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
         mask = None
         if tree_mask is not None or (start > 0 and t > 1) or (cache.exact and t > 1):
             new = tree_mask if tree_mask is not None else torch.ones(t, t, dtype=torch.bool).tril_()
