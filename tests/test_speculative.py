@@ -213,6 +213,25 @@ def test_plan_fills_the_rows_the_kernels_pad():
     assert step.tokens[:9] == [3] + list(range(10, 18)) and step.tokens[9:14] == list(range(20, 25))
 
 
+def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows():
+    # There one position costs what sixteen do: plain decoding never pays, and every step is
+    # filled to sixteen positions with the best guesses, however unlikely.
+    dear_jump = Cost(0.03, 0.045, 0.001)
+    assert best_size([0.3, 0.1, 0.05], dear_jump) == 0
+    assert best_size([0.3, 0.1, 0.05], dear_jump, exact=True) == 3
+    cfg = SpecConfig(cost=Fixed(dear_jump))
+    for exact, rows in ((False, 1), (True, 16)):
+        spec = Speculator(cfg, [1, 2, 3], exact=exact)
+        spec.acceptance = Acceptance({"long shot": 0.001})
+        draft = Draft(3, cfg.max_nodes, cfg.max_depth)
+        for t in range(20, 60):
+            draft.add([t], "long shot")
+        spec.draft = lambda depth, fit, draft=draft: draft
+        step = spec.plan(cfg.max_depth)
+        assert len(step.tokens) == rows and not step.lookahead
+        assert step.tokens == [3] + list(range(20, 20 + rows - 1))
+
+
 # ---- whole generations on a fake model -------------------------------------------------------
 
 class MarkovPipe:

@@ -16,6 +16,7 @@ extra tokens gain).
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections import Counter, OrderedDict, deque
@@ -344,14 +345,15 @@ class Acceptance:
             node = draft.children[node][tok]
 
 
-def best_size(scores: Sequence[float], cost: Cost) -> int:
+def best_size(scores: Sequence[float], cost: Cost, exact: bool = False) -> int:
     """How many of the best guesses (sorted by P(accepted)) maximise expected tokens per second:
     a step yields 1 + the sum of its guesses' P(accepted) tokens; 0 means plain decoding. A
-    step is priced at the rows its products really compute (kernels.padded_rows)."""
-    best, best_rate, gain = 0, 1.0 / cost(1), 1.0
+    step is priced at the rows its products really compute (kernels.padded_rows; in an exact
+    session a plain step computes sixteen)."""
+    best, best_rate, gain = 0, 1.0 / cost(padded_rows(1, exact)), 1.0
     for n, s in enumerate(scores, 1):
         gain += s
-        rate = gain / cost(padded_rows(1 + n))
+        rate = gain / cost(padded_rows(1 + n, exact))
         if rate > best_rate:
             best, best_rate = n, rate
     return best
@@ -369,8 +371,9 @@ class Step:
 class Speculator:
     """Guessing, planning and learning state of one generation; the loop only does I/O."""
 
-    def __init__(self, cfg: SpecConfig, prompt: Sequence[int], head: Head | None = None):
+    def __init__(self, cfg: SpecConfig, prompt: Sequence[int], head: Head | None = None, exact: bool = False):
         self.cfg, self.head = cfg, head
+        self.exact = exact  # the session's kernels pad every product to EXACT_FORMS' rows
         self.z: Tensor | None = None  # final hidden state (pre-norm) of the position that produced the root
         self.lookup = PromptLookup(cfg.ngram)
         self.lookup.extend(prompt)
@@ -397,7 +400,7 @@ class Speculator:
         if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
             # A guess is worth a position only if its chance beats one position's share of a
             # plain step (tokens per second can only fall otherwise): deeper levels stop there.
-            floor = fit.b / fit.plain if fit is not None else 0.0
+            floor = fit.b / fit(padded_rows(1, self.exact)) if fit is not None else 0.0
             depth = min(max_depth, cfg.draft_depth)
             for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes,
                                                    floor=floor):
@@ -424,13 +427,14 @@ class Speculator:
         if fit is None:
             n, lookahead = min(len(ranked), self.cfg.probe_nodes), False
         else:
-            n = best_size([scores[i] for i in ranked], fit)
+            pad = functools.partial(padded_rows, exact=self.exact)
+            n = best_size([scores[i] for i in ranked], fit, self.exact)
             gain = 1 + sum(scores[i] for i in ranked[:n])
-            wide = fit(padded_rows(1 + n + self.cfg.lookahead_positions))
+            wide = fit(pad(1 + n + self.cfg.lookahead_positions))
             lookahead = (self.window is not None and max_depth > 0
-                         and (gain + self.cfg.lookahead_gain) / wide > gain / fit(padded_rows(1 + n)))
+                         and (gain + self.cfg.lookahead_gain) / wide > gain / fit(pad(1 + n)))
             total = 1 + n + (self.cfg.lookahead_positions if lookahead else 0)
-            n = min(len(ranked), n + padded_rows(total) - total)
+            n = min(len(ranked), n + pad(total) - total)
         sent = [0] + ranked[:n]  # parents rank above children, so they come first
         index = {node: i for i, node in enumerate(sent)}
         tokens = [draft.tokens[i] for i in sent]
@@ -443,7 +447,7 @@ class Speculator:
     def learn(self, step: Step, predictions: list[int], positions: int, seconds: float) -> None:
         """Feed the pool with the model's prediction at every node (after the last levels tokens
         of that node's branch) and advance the Jacobi window."""
-        self.cost.observe(padded_rows(positions), seconds)
+        self.cost.observe(padded_rows(positions, self.exact), seconds)
         n = self.cfg.levels
         for i in range(len(step.tokens)):
             gram, j = [predictions[i]], i
@@ -467,11 +471,11 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     beyond len(prompt) + max_tokens.
     """
     cfg = config or SpecConfig()
-    spec = Speculator(cfg, prompt, getattr(pipeline, "head", None))
+    spec = Speculator(cfg, prompt, getattr(pipeline, "head", None), getattr(pipeline, "exact", False))
     t0 = time.perf_counter()
     logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
     spec.z = _hidden(pipeline, -1)
-    spec.cost.observe(len(prompt), time.perf_counter() - t0)
+    spec.cost.observe(padded_rows(len(prompt), spec.exact), time.perf_counter() - t0)
     root = sampler.sample(logits[0, -1], torch.tensor(prompt))
     produced = 0
     while root not in eos_ids:

@@ -65,8 +65,13 @@ def native_bf16() -> bool:
         return False
 
 
-def padded_rows(rows: int) -> int:
-    """Rows a CPU product of `rows` rows computes (and costs): see the module docstring."""
+def padded_rows(rows: int, exact: bool = False) -> int:
+    """Rows a CPU product of `rows` rows computes (and costs): see the module docstring. exact:
+    in an exact session, padded as the first of EXACT_FORMS (the one this box takes with 1-2
+    threads): one row costs what sixteen do."""
+    if exact:
+        _, multiple, least = EXACT_FORMS[0]
+        return max(least, -(-rows // multiple) * multiple)
     return rows if rows < PAD_FROM_ROWS else -(-rows // PAD_TO) * PAD_TO
 
 
@@ -174,21 +179,22 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     h // (H // KV), as in grouped-query attention); mask [T, L] bool, True = may attend, None =
     all. A product of two fp32 numbers is exact in fp64 and sums differ only by ~1e-16 with their
     order, so masked keys, their layout, and the number of query rows leave the fp32 result as is.
-    The query heads sharing a key head are stacked as rows of one product per key head.
+    The query heads sharing a key head are stacked as rows of one product per key head, at most
+    EXACT_QUERY_BLOCK tokens at a time.
     """
     b, h, t, d = q.shape
     kv = k.shape[1]
     g = h // kv
-    q64 = q.double().mul_(d ** -0.5).reshape(b, kv, g * t, d)  # row r: head r // t, token r % t
+    q64 = q.double().mul_(d ** -0.5).view(b, kv, g, t, d)  # d ** -0.5: a power of two for d = 64, 128
     kt, v64 = k.double().transpose(-1, -2), v.double()
-    rows = mask.repeat(g, 1).to(q.device) if mask is not None else None
+    blocked = ~mask.to(q.device) if mask is not None else None
     out = torch.empty_like(q64)
-    step = EXACT_QUERY_BLOCK * g
-    for s in range(0, g * t, step):
-        scores = q64[:, :, s:s + step] @ kt  # [B, KV, rows, L]
-        if rows is not None:
-            scores.masked_fill_(~rows[s:s + step], float("-inf"))
-        out[:, :, s:s + step] = scores.softmax(-1) @ v64
+    for s in range(0, t, EXACT_QUERY_BLOCK):
+        rows = min(EXACT_QUERY_BLOCK, t - s)
+        scores = q64[:, :, :, s:s + rows].reshape(b, kv, g * rows, d) @ kt  # [B, KV, g * rows, L]
+        if blocked is not None:
+            scores.view(b, kv, g, rows, -1).masked_fill_(blocked[s:s + rows], float("-inf"))
+        out[:, :, :, s:s + rows] = (scores.softmax(-1) @ v64).view(b, kv, g, rows, d)
     return out.reshape(b, h, t, d).to(q.dtype)
 
 
