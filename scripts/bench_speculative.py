@@ -13,6 +13,10 @@ alternating order: `spec` guesses by prompt lookup and the lookahead pool, `draf
 head of `diffuse model draft-head` (trained on requests and text of its own, never on these prompts).
 Speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
 The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
+Peers take all cores (`diffuse join`'s default) and so does the client (--threads): they compute
+in turn, as on machines of their own, and idle OpenMP threads spin only briefly (GOMP_SPINCOUNT).
+Before session 9 the client ran one thread, which costs a speculative step's 16-row LM head
+~20 ms more than a plain step's one row.
 
 Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
 is 1), decode tokens/s, and the speed-up. The model tokens/s = tokens_per_step / (RTT + c) is
@@ -69,10 +73,9 @@ class LoopbackSwarm:
     """
 
     def __init__(self, home: Path, spans: list[str], dtype: str = "bf16", rtt: float = 0.0,
-                 threads: int = 1, timeout: float = 240.0):
+                 timeout: float = 240.0):
         self.tmp = Path(tempfile.mkdtemp(prefix="diffuse-swarm-"))
-        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1",
-                                 "OMP_NUM_THREADS": str(threads)}
+        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
         self.relay: RelayProcess | None = None
         try:
@@ -166,7 +169,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the client (default: all cores). Peers take all cores, as "
+                         "`diffuse join` does; client and peers compute in turn, as on machines of their own")
     ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
                     help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ draft head)")
     ap.add_argument("--exact", action="store_true", help="speculative sessions use exact (batch-invariant) "
@@ -189,7 +194,7 @@ def main() -> None:
     results: dict[tuple[float, str, str], list[dict]] = {}
     mismatches = 0
 
-    with LoopbackSwarm(home, args.spans, args.dtype, threads=args.threads) as swarm:
+    with LoopbackSwarm(home, args.spans, args.dtype) as swarm:
         async def bench() -> None:
             nonlocal mismatches
             async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
@@ -228,7 +233,8 @@ def main() -> None:
 
     print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
           f"{'exact kernels when speculating, ' if args.exact else ''}"
-          f"{args.per_class} prompts/class, up to {args.tokens} tokens, greedy; load {os.getloadavg()}")
+          f"client threads {args.threads}, {args.per_class} prompts/class, up to {args.tokens} tokens, greedy; "
+          f"load {os.getloadavg()}")
     print("fitted fixed time per step: " + ", ".join(f"{m} {fixed[m] * 1e3:.1f} ms" for m in modes))
     print("| RTT ms | class | mode | tokens/step | positions/step | tok/s plain | tok/s | speed-up "
           "| model tok/s plain (err) | model tok/s (err) |")
