@@ -15,8 +15,7 @@ Speculative configs are shared per RTT, as a long-lived client keeps its step-co
 The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
 Peers take all cores (`diffuse join`'s default) and so does the client (--threads): they compute
 in turn, as on machines of their own, and idle OpenMP threads spin only briefly (GOMP_SPINCOUNT).
-Before session 9 the client ran one thread, which costs a speculative step's 16-row LM head
-~20 ms more than a plain step's one row.
+(With one client thread a speculative step's 16-row LM head takes ~45 ms instead of ~25.)
 
 Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
 is 1), decode tokens/s, and the speed-up. The model tokens/s = tokens_per_step / (RTT + c) is
