@@ -185,7 +185,7 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Ten
     b, h, t, d = q.shape
     kv = k.shape[1]
     g = h // kv
-    q64 = q.double().mul_(d ** -0.5).view(b, kv, g, t, d)  # d ** -0.5: a power of two for d = 64, 128
+    q64 = q.double().mul_(d ** -0.5).view(b, kv, g, t, d)  # [B, KV, query heads per KV head, T, D]
     kt, v64 = k.double().transpose(-1, -2), v.double()
     blocked = ~mask.to(q.device) if mask is not None else None
     out = torch.empty_like(q64)
