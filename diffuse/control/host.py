@@ -30,6 +30,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
+from diffuse.control import quick_io
 from diffuse.errors import DiffuseError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
@@ -98,6 +99,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiadd
     peer ever reaches a half-configured node.
     """
     tame_libp2p_logging()
+    quick_io.apply()
     os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # yamux reads it at every read
     addrs = [a if isinstance(a, multiaddr.Multiaddr) else parse_multiaddr(a) for a in listen_addrs]
     for a in addrs:
