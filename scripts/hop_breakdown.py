@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Where a decode token's time goes on a loopback swarm of three hops (0:10, 10:20, 20:30).
+"""Where a decode token's time goes on a loopback swarm of 1, 2 or 3 hops (bench_swarm.py's spans).
 
-    .venv/bin/python scripts/hop_breakdown.py [--tokens 64] [--repeats 3]
+    .venv/bin/python scripts/hop_breakdown.py [--hops 3] [--tokens 64] [--repeats 3]
 
-Starts a sentinel and three `diffuse join` peers (as bench_swarm.py does), then alternates greedy
+Starts a sentinel and the path's `diffuse join` peers (as bench_swarm.py does), then alternates greedy
 decoding through them with the in-process engine. Per hop it splits the client's wall time of a
 decode STEP into the peer's own compute (STEP_OK's compute time) and the rest (transport, both
 processes waking up, codec); what is left of a token beyond the hops is the client's own work
@@ -38,7 +38,6 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 
-SPANS = {"T0": "0:10", "T1": "10:20", "T2": "20:30"}
 steps: list[tuple[int, float, float, int]] = []  # (hop start, wall s, peer compute s, tokens)
 
 
@@ -88,9 +87,11 @@ def main() -> None:
     ap.add_argument("--home")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hops", type=int, choices=(1, 2, 3), default=3)
     args = ap.parse_args()
     home = data_home(args.home)
-    B.PATHS, B.REPLICA = {"3 hops": SPANS}, {}
+    path = "1 hop" if args.hops == 1 else f"{args.hops} hops"
+    B.PATHS, B.REPLICA = {path: B.PATHS[path]}, {}
     record_steps()
     with tempfile.TemporaryDirectory() as tmp:
         peers = B.Peers(home, Path(tmp), "bf16")
