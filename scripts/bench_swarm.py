@@ -20,8 +20,9 @@ new route, replay of the committed inputs, retried step. Reported per kill: the 
 peer's death to the next token minus a normal token interval, and the client's own failover
 record. The killed peer restarts (same identity) before the next kill.
 
-Before/after the transport tuning: `GOMP_SPINCOUNT=300000 PY_YAMUX_RELEASE_ON_READ=1` (the
-libraries' defaults) in the environment undoes what `diffuse` sets by default.
+Before/after the transport tuning: `GOMP_SPINCOUNT=300000 PY_YAMUX_RELEASE_ON_READ=1
+DIFFUSE_QUICK_IO=0` (the libraries' defaults, and py-libp2p unpatched) in the environment undoes
+what `diffuse` sets by default.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def report(args, tps: dict[str, list[float]], tokens: dict[str, set], recoveries
           f"{PROMPT!r} prompt, median of {args.repeats} alternated repeats; client keeps embeddings "
           f"and head, hops run all blocks; fp16 on the wire; trust plane off")
     print(f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
-          f"PY_YAMUX_RELEASE_ON_READ={os.environ.get('PY_YAMUX_RELEASE_ON_READ', '0 (diffuse default)')}")
+          f"PY_YAMUX_RELEASE_ON_READ={os.environ.get('PY_YAMUX_RELEASE_ON_READ', '0 (diffuse default)')} "
+          f"DIFFUSE_QUICK_IO={os.environ.get('DIFFUSE_QUICK_IO', '1 (diffuse default)')}")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores\n")
     print("| path | tokens/s | ratio | ms/token | overhead ms/token | per hop ms | target |")
     print("|---|---|---|---|---|---|---|")
