@@ -52,7 +52,7 @@ async def _a_free_quick_lock_is_taken_without_yielding_a_trio_lock_yields():
                 pass
 
     assert await _switches_while(lambda: lock_100(quick_io.QuickLock())) == 0
-    assert await _switches_while(lambda: lock_100(trio.Lock())) >= 100  # what the change saves
+    assert await _switches_while(lambda: lock_100(trio.Lock())) >= 50  # ~one per acquire: what it saves
 
 
 def test_a_held_quick_lock_makes_waiters_queue_in_order_and_only_its_owner_releases():
@@ -214,3 +214,10 @@ async def _exchange(server, client, proto, updates) -> None:
                 await out.write(chunk)
             await sink_done.wait()
             assert updates() - small >= 2  # the 40 MiB needed credit back twice at least
+
+
+def test_apply_names_what_a_changed_py_libp2p_lacks_instead_of_half_applying(monkeypatch):
+    monkeypatch.delenv(quick_io.ENV, raising=False)
+    monkeypatch.delattr(yamux.YamuxStream, "_grow_threshold")
+    with pytest.raises(RuntimeError, match="YamuxStream._grow_threshold"):
+        quick_io.apply()
