@@ -43,61 +43,40 @@ PATCHED_MODULES = ("libp2p.stream_muxer.yamux.yamux", "libp2p.stream_muxer.rw_lo
                    "libp2p.network.stream.net_stream")
 
 
-class QuickLock:
-    """A `trio.Lock` whose uncontended acquire does not yield (contended: trio's own FIFO wait)."""
+class _Quick:
+    """A trio Lock or Semaphore whose acquire does not yield while it is free (taken: trio's own
+    FIFO wait); everything else is the primitive's own."""
 
-    __slots__ = ("_lock",)
+    __slots__ = ("_p",)
 
-    def __init__(self) -> None:
-        self._lock = trio.Lock()
+    def __init__(self, primitive: trio.Lock | trio.Semaphore) -> None:
+        self._p = primitive
 
     async def acquire(self) -> None:
         try:
-            self._lock.acquire_nowait()
+            self._p.acquire_nowait()
         except trio.WouldBlock:
-            await self._lock.acquire()
-
-    def acquire_nowait(self) -> None:
-        self._lock.acquire_nowait()
+            await self._p.acquire()
 
     def release(self) -> None:
-        self._lock.release()
+        self._p.release()
 
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def statistics(self) -> Any:
-        return self._lock.statistics()
+    def __getattr__(self, name: str) -> Any:  # acquire_nowait, locked, value, statistics, ...
+        return getattr(self._p, name)
 
     async def __aenter__(self) -> None:
         await self.acquire()
 
     async def __aexit__(self, *exc: object) -> None:
-        self._lock.release()
+        self._p.release()
 
 
-class QuickSemaphore:
-    """A `trio.Semaphore` whose acquire does not yield while the count is above zero."""
+def QuickLock() -> _Quick:  # noqa: N802 - stands in for the class trio.Lock
+    return _Quick(trio.Lock())
 
-    __slots__ = ("_sem",)
 
-    def __init__(self, initial_value: int, *, max_value: int | None = None) -> None:
-        self._sem = trio.Semaphore(initial_value, max_value=max_value)
-
-    async def acquire(self) -> None:
-        try:
-            self._sem.acquire_nowait()
-        except trio.WouldBlock:
-            await self._sem.acquire()
-
-    def __getattr__(self, name: str) -> Any:  # value, max_value, acquire_nowait, release, statistics
-        return getattr(self._sem, name)
-
-    async def __aenter__(self) -> None:
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._sem.release()
+def QuickSemaphore(initial_value: int, *, max_value: int | None = None) -> _Quick:  # noqa: N802
+    return _Quick(trio.Semaphore(initial_value, max_value=max_value))
 
 
 async def _no_checkpoint() -> None:
