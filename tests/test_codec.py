@@ -27,6 +27,7 @@ from diffuse.data.codec import (
     Open,
     OpenOk,
     Ping,
+    SMALL_TENSOR,
     Pong,
     ServerSession,
     SessionError,
@@ -225,6 +226,44 @@ def test_non_finite_rejected_both_ways(bad, dtype):
     raw = torch.tensor([bad], dtype=dtype).view(torch.uint8).numpy().tobytes()
     with pytest.raises(NonFiniteTensor):
         decode(good[: -len(raw)] + raw)
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float16, 16), (torch.bfloat16, 16), (torch.float32, 32)])
+@pytest.mark.parametrize("numel", [1, 7, 577, SMALL_TENSOR])  # bytes check; SMALL_TENSOR values: numpy's
+def test_both_finite_checks_agree_on_every_exponent_pattern(dtype, bits, numel):
+    """Random bit patterns, with specials (every exponent-all-ones pattern is inf or NaN) planted at
+    random places: whatever check a size takes, it rejects exactly the tensors torch calls non-finite."""
+    g = torch.Generator().manual_seed(numel + bits)
+    ints = torch.int16 if bits == 16 else torch.int32
+    for trial in range(40):
+        raw = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (numel,), generator=g, dtype=torch.int64)
+        values = raw.to(ints).view(dtype).clone()
+        values[~values.isfinite()] = 1.0  # a finite base, then 0-2 specials
+        for _ in range(trial % 3):
+            values[int(torch.randint(numel, (1,), generator=g))] = [float("inf"), float("-inf"), float("nan")][trial % 3]
+        h = values.view(1, 1, numel)
+        if bool(values.isfinite().all()):
+            assert torch.equal(decode(encode(StepOk(SID, 0, h))).hidden.view(ints), h.view(ints))
+        else:
+            with pytest.raises(NonFiniteTensor):
+                encode(StepOk(SID, 0, h))
+
+
+def test_decoded_tensor_goes_out_as_received():
+    """A client hands a hop's output to the next hop: the bytes it received, and no others."""
+    sent = torch.randn(1, 2, 576).to(torch.float16)
+    frame = encode(StepOk(SID, 3, sent))
+    received = decode(frame).hidden
+    onward = encode(Step(SID, 4, 7, [7, 8], received))
+    assert onward[-sent.numel() * 2:] == frame[-sent.numel() * 2:]
+    assert torch.equal(decode(onward).hidden, sent)
+    # The same tensor in another wire dtype, or a slice of it, is converted as any tensor is.
+    assert torch.equal(decode(encode(Step(SID, 4, 7, [7, 8], received, wire_dtype=torch.bfloat16))).hidden,
+                       sent.to(torch.bfloat16))
+    assert torch.equal(decode(encode(Step(SID, 4, 7, [7], received[:, 1:]))).hidden, sent[:, 1:])
+    received[0, 1, 5] = float("inf")  # changed in place after decoding: the bytes are checked again
+    with pytest.raises(NonFiniteTensor):
+        encode(Step(SID, 4, 7, [7, 8], received))
 
 
 # --------------------------------------------------------------------------- malformed input

@@ -181,7 +181,8 @@ class HopSession:
         return outs
 
     def _message(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool) -> Step:
-        h = h.to(self.dtype)
+        if h.dtype != self.dtype:  # a hop's output usually is in the wire dtype: sent on as received
+            h = h.to(self.dtype)
         # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
         msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
                    keep=self.keep, mask=mask, commit=commit)
