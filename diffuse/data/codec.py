@@ -133,7 +133,6 @@ class SessionError(WireError):
 # caches, several times the check itself.
 _DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 _CODES = {dt: code for code, dt in _DTYPES.items()}
-_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 _ABS_MASK = {torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF, torch.float32: 0x7FFFFFFF}
 _EXP_ONES = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000}
 _NP_INT = {torch.float16: np.int16, torch.bfloat16: np.int16, torch.float32: np.int32}
