@@ -13,7 +13,7 @@ import trio.testing
 
 from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
 from diffuse.control.routing import Hop, NoRoute
-from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.client import Bans, RemoteSpan, Sent, rechunked
 from diffuse.data.codec import ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
 from diffuse.data.server import BlockServer, ServerLimits
 from diffuse.model.load import load_head, load_span
@@ -50,6 +50,7 @@ class Swarm:
         self.dead: set[str] = set()
         self.kill_after: dict[str, int] = {}  # name -> steps served before its streams break
         self.dials: list[str] = []
+        self.steps: dict[str, list[Step]] = {}  # name -> every STEP clients sent it
 
     async def route(self, start, end, exclude):
         from diffuse.control.routing import plan_route
@@ -66,12 +67,24 @@ class Swarm:
         a, b = trio.testing.memory_stream_pair()
         server = self.servers[hop.peer_id]
         self.nursery.start_soon(self._serve, hop.peer_id, server, MemStream(b))
-        return MemStream(a)
+        return Recording(MemStream(a), self.steps.setdefault(hop.peer_id, []))
 
     async def _serve(self, name, server, stream):
         if name in self.kill_after:
             stream = Dying(stream, self, name)
         await server.handle(stream)
+
+
+class Recording:
+    """A client-side stream that decodes what the client writes and keeps its STEPs."""
+
+    def __init__(self, inner, steps: list[Step]):
+        self.inner, self.steps, self.decoder = inner, steps, FrameDecoder()
+        self.read, self.close = inner.read, inner.close
+
+    async def write(self, data):
+        self.steps.extend(m for m in self.decoder.feed(data) if isinstance(m, Step))
+        await self.inner.write(data)
 
 
 class Dying:
@@ -156,6 +169,10 @@ def test_failover_replays_into_replica(tiny):
             continue
         assert failover["replaced_by"] == ["a2", "b"]
         assert failover["replayed_tokens"] == len(PROMPT) + kill_at - 1
+        # Replayed as first sent, one STEP per committed step, flagged REPLAY; then the retried step.
+        replayed = [len(m.positions) for m in swarm.steps["a2"] if m.replay]
+        assert replayed == [len(PROMPT)] + [1] * (kill_at - 1)
+        assert not swarm.steps["a2"][len(replayed)].replay
 
 
 def test_replica_failing_during_replay_is_routed_around(tiny):
@@ -389,3 +406,61 @@ def test_client_sends_no_token_ids_or_embedding_rows(smollm2, monkeypatch):
     # The same search finds the embedding rows when the client keeps no block: it can fail.
     exposed = trio.run(_wire_bytes, smollm2, prompt, 0, monkeypatch)
     assert [n for n in needles if n in exposed]
+
+
+async def exact_run(path, spans: dict[str, tuple[int, int]], kill: dict[str, int] | None = None):
+    """Logits of an exact session over blocks 1-4 of `spans` (client-local block 0), fed fixed
+    tokens: the prompt, three one-token steps, a tree of two guesses with wrong siblings (its
+    kept path committed), four one-token steps."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, spans)
+        swarm.kill_after.update(kill or {})
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10, route_wait=0,
+                            exact=True)
+        await remote.open()
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64, exact=True), remote], exact=True)
+        logits = [await pipe.forward(torch.tensor([PROMPT]))]
+        p = len(PROMPT)
+        for tok in (11, 12, 13):
+            logits.append(await pipe.forward(torch.tensor([[tok]])))
+            p += 1
+        nodes = torch.tensor([[14, 7, 15, 7]])  # guesses 14 then 15, each with a wrong sibling
+        mask = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+        logits.append((await pipe.forward(nodes, torch.tensor([p, p, p + 1, p + 1]), mask, commit=False))[:, [0, 2]])
+        await pipe.commit([0, 2])
+        for tok in (16, 17, 18, 19):
+            logits.append(await pipe.forward(torch.tensor([[tok]])))
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return logits, remote, swarm
+
+
+def test_exact_session_replays_history_in_one_chunk_bit_for_bit(tiny):
+    """When a (1-4) dies, an exact session's replacements (a2: 1-3, b: 3-4) get its committed rows
+    (the tree's kept path, not its siblings) as one REPLAY step each, and from the retried step on
+    every logit has the bits of a session served by a2 and b from the start: failover costs a
+    prefill, not a decode step per token."""
+    want, _, _ = trio.run(exact_run, tiny, {"a2": (1, 3), "b": (3, 4)})
+    for kill_at in (3, 5, 7):
+        got, remote, swarm = trio.run(exact_run, tiny, {"a": (1, 4), "a2": (1, 3), "b": (3, 4)}, {"a": kill_at})
+        assert all(torch.equal(g, w) for g, w in zip(got[kill_at:], want[kill_at:], strict=True)), kill_at
+        (failover,) = remote.stats.failovers
+        assert failover["peer"] == "a" and failover["replaced_by"] == ["a2", "b"]
+        committed = len(PROMPT) + kill_at - 1 + (kill_at > 4)  # the tree step commits two tokens
+        assert failover["replayed_tokens"] == committed
+        for peer in ("a2", "b"):
+            replayed = [m for m in swarm.steps[peer] if m.replay]
+            assert [list(m.positions) for m in replayed] == [list(range(committed))], peer
+            assert replayed[0].commit and replayed[0].mask is None and not replayed[0].keep
+
+
+def test_rechunked_keeps_committed_rows_in_order_within_the_row_bound():
+    h = torch.arange(2 * 10 * 3, dtype=torch.float32).view(2, 10, 3)  # batch 2, rows numbered
+    history = [Sent(h[:, :4], torch.arange(4)),
+               Sent(h[:, 4:8], torch.tensor([4, 4, 5, 5]), torch.ones(4, 4, dtype=torch.bool), keep=[0, 3]),
+               Sent(h[:, 8:10], torch.tensor([6, 7]))]
+    chunks = rechunked(history, rows=3)
+    assert [c.tokens for c in chunks] == [3, 3, 2] and all(c.keep is None and c.mask is None for c in chunks)
+    assert torch.equal(torch.cat([c.positions for c in chunks]), torch.arange(8))
+    assert torch.equal(torch.cat([c.h for c in chunks], 1), h[:, [0, 1, 2, 3, 4, 7, 8, 9]])
+    assert rechunked([]) == []

@@ -1,8 +1,8 @@
 """Speculative decoding through real swarms: a sentinel and fp32 `diffuse join` peers as OS
 processes on 127.0.0.1, every block served twice. Speculating (candidate trees really sent) gives
 the plain greedy answer through the swarm, through `diffuse ask` too, and still does when a
-peer on the route is SIGKILLed mid-generation: the replica is rebuilt by replaying the committed
-inputs as they were first sent, candidate trees and their kept nodes included.
+peer on the route is SIGKILLed mid-generation: the sessions are exact, so the replica is rebuilt
+from the committed rows (the kept nodes of candidate trees included) replayed in one chunk.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
 
 def test_sigkill_while_speculating_keeps_the_greedy_answer(swarm, home, plain):
     """The peer serving each half in turn is SIGKILLed after some tokens were committed through
-    speculative steps; the replica replays those steps as sent and the answer does not change."""
+    speculative steps; the replica gets their committed rows in one chunk and the answer does not
+    change."""
     _, boot, peers, ids = swarm
     for half, kill_after_steps in ((0, 3), (1, 7)):
         spec = SpecConfig(cost=Fixed())

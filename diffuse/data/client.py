@@ -4,8 +4,8 @@ The client talks to each hop of its route in turn (a star: every hop's output re
 client), which costs one extra transfer per hop but gives the client what failover needs: the
 exact inputs every hop has committed. When a hop fails (connection lost, timeout, ERROR reply),
 its peer is banned for a while, a new route for that hop's blocks is built from the replicas,
-the committed inputs are replayed into the replacement to rebuild its KV cache, and the step
-is retried. commit/rollback never cost a round trip: they ride on the next STEP (keep, cache_len).
+the committed inputs are replayed into the replacement to rebuild its KV cache (as first sent,
+or in an exact session as a few long chunks), and the step is retried. commit/rollback never cost a round trip: they ride on the next STEP (keep, cache_len).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from diffuse.trust.guard import Caught, Guard, TrustUnavailable
 log = logging.getLogger(__name__)
 
 Dial = Callable[[Hop], Awaitable[ByteStream]]
+REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
 
 
@@ -79,6 +80,24 @@ class Sent:
     def head(self, n: int) -> "Sent":
         """The first n committed tokens of this step."""
         return replace(self, keep=self.keep[:n]) if self.keep is not None else Sent(self.h[:, :n], self.positions[:n])
+
+    def committed(self) -> tuple[Tensor, Tensor]:
+        """The rows this step committed and their positions: all of a plain chunk, or the kept
+        path of a tree (a chain, so the rows in order attend causally as they did in the tree)."""
+        if self.keep is None:
+            return self.h, self.positions
+        return self.h[:, self.keep], self.positions[self.keep]
+
+
+def rechunked(inputs: Sequence[Sent], rows: int = REPLAY_ROWS) -> list[Sent]:
+    """The committed rows of `inputs` as plain chunks of at most `rows`. Only for an exact session:
+    its outputs and KV entries do not depend on how tokens share a step (spec 7.4), so a
+    replacement rebuilds the same cache at prefill cost instead of one decode step per token."""
+    if not inputs:
+        return []
+    parts = [sent.committed() for sent in inputs]
+    h, positions = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
+    return [Sent(h[:, i:i + rows], positions[i:i + rows]) for i in range(0, positions.shape[0], rows)]
 
 
 class HopSession:
@@ -154,7 +173,7 @@ class HopSession:
         round trips are most of a failover). A failure leaves this session unusable."""
         msgs = []
         for sent in inputs:
-            msgs.append(self._message(sent.h, sent.positions, sent.mask, sent.keep is None))
+            msgs.append(self._message(sent.h, sent.positions, sent.mask, sent.keep is None, replay=True))
             self._advance(msgs[-1], sent.positions)
             if sent.keep is not None:
                 self.commit(sent.keep)  # rides on the next STEP, as it first did
@@ -180,12 +199,13 @@ class HopSession:
             raise failed
         return outs
 
-    def _message(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool) -> Step:
+    def _message(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
+                 replay: bool = False) -> Step:
         if h.dtype != self.dtype:  # a hop's output usually is in the wire dtype: sent on as received
             h = h.to(self.dtype)
         # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
         msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
-                   keep=self.keep, mask=mask, commit=commit)
+                   keep=self.keep, mask=mask, commit=commit, replay=replay)
         if self.commitments:
             msg.input_commitment = input_commitment(self.session_id, self.step_no, self.last_input, h,
                                                     msg.positions, msg.cache_len, msg.keep, mask, commit,
@@ -250,7 +270,7 @@ class HopSession:
         """Everything committed so far, as it was first sent (plus a kept-but-not-yet-sent
         commit). Replaying the same chunks makes the same matmuls, so a replacement peer
         rebuilds a bit-identical KV cache: one batched replay would differ in low-order bits,
-        enough to flip a near-tie in bf16."""
+        enough to flip a near-tie in bf16, except in an exact session (`rechunked`)."""
         return self.history + ([replace(self.pending, keep=self.keep)] if self.keep else [])
 
     async def close(self) -> None:
@@ -304,7 +324,7 @@ class RemoteSpan:
                     session.audited = self.guard is not None and self.guard.pick()
                     new.append(session)
                     await session.open()
-                feed = inputs
+                feed = rechunked(inputs) if self.exact else inputs
                 for session in new:  # each hop's outputs are the next one's inputs
                     hop = session.hop
                     outs = await session.replay(feed, timeout=self.timeout * 4 + 0.5 * len(feed))

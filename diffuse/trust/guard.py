@@ -99,7 +99,7 @@ class _Shadow:
         new = list(context[same:])
         if not new:
             return {}
-        rows = [_committed(sent) for sent in new]
+        rows = [sent.committed() for sent in new]
         y = self.span(torch.cat([r[0] for r in rows], 1).float(), torch.cat([r[1] for r in rows]), self.cache)
         self.done.extend(new)
         outs, offset = {}, 0
@@ -114,14 +114,6 @@ class _Shadow:
         out = self.span(h.float(), positions, self.cache, mask, False)
         self.cache.rollback(self.cache.length)
         return out
-
-
-def _committed(sent: Any) -> tuple[Tensor, Tensor]:
-    """The rows a sent step committed (data.client.Sent) and their positions: all of a plain
-    chunk, or a tree's kept path."""
-    if sent.keep is None:
-        return sent.h, sent.positions
-    return sent.h[:, sent.keep], sent.positions[sent.keep]
 
 
 @dataclass
