@@ -5,7 +5,8 @@ client), which costs one extra transfer per hop but gives the client what failov
 exact inputs every hop has committed. When a hop fails (connection lost, timeout, ERROR reply),
 its peer is banned for a while, a new route for that hop's blocks is built from the replicas,
 the committed inputs are replayed into the replacement to rebuild its KV cache (as first sent,
-or in an exact session as a few long chunks), and the step is retried. commit/rollback never cost a round trip: they ride on the next STEP (keep, cache_len).
+or in an exact session as a few long chunks), and the step is retried. commit/rollback never
+cost a round trip: they ride on the next STEP (keep, cache_len).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from diffuse.trust.guard import Caught, Guard, TrustUnavailable
 log = logging.getLogger(__name__)
 
 Dial = Callable[[Hop], Awaitable[ByteStream]]
-REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
+REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
 
 
 class HopFailed(DiffuseError):
