@@ -45,5 +45,5 @@ def test_linear_module_keeps_nn_linear_state_dict():
 
 def test_padded_rows_are_multiples_of_eight_from_seven():
     assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]
-    # An exact session's "wide" form: at least sixteen rows, then multiples of eight.
-    assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25)] == [16, 16, 16, 24, 32]
+    # An exact session's products run in blocks of sixteen rows.
+    assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25, 33)] == [16, 16, 16, 32, 32, 48]

@@ -67,11 +67,9 @@ def native_bf16() -> bool:
 
 def padded_rows(rows: int, exact: bool = False) -> int:
     """Rows a CPU product of `rows` rows computes (and costs): see the module docstring. exact:
-    in an exact session, padded as the first of EXACT_FORMS (the one this box takes with 1-2
-    threads): one row costs what sixteen do."""
+    in an exact session, products run in blocks of EXACT_ROWS rows: one row costs what sixteen do."""
     if exact:
-        _, multiple, least = EXACT_FORMS[0]
-        return max(least, -(-rows // multiple) * multiple)
+        return max(1, -(-rows // EXACT_ROWS)) * EXACT_ROWS
     return rows if rows < PAD_FROM_ROWS else -(-rows // PAD_TO) * PAD_TO
 
 
@@ -113,33 +111,36 @@ def _widened(xt: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
-# Exact products: (form, row multiple, minimum rows). "wide" is (W @ x.T).T from 16 rows up, as
-# cheap as the fast path for a tree of guesses; "rows" is x @ W.T from 4 rows up, slower but
-# invariant with more threads too. The first form that passes `exact_form`'s check is used.
-EXACT_FORMS = (("wide", 8, 16), ("rows", 4, 4))
+# Exact products run in blocks of EXACT_ROWS rows, every block the same shape, so MKL takes one
+# kernel for all of them whatever the row count (it chooses kernels by shape: a product of
+# 16 + 8k rows in one call was invariant on an AVX2 box and not on an AVX-512 one). The two forms
+# are (W @ x.T).T ("wide") and x @ W.T ("rows"); the first that passes `exact_form`'s check is used.
+EXACT_ROWS = 16
+EXACT_FORMS = ("wide", "rows")
 EXACT_CHECK_ROWS = (*range(1, 41), 48, 63, 64, 72)
 
 
-def _exact_product(flat: Tensor, weight: Tensor, form: tuple[str, int, int]) -> Tensor:
-    """flat [rows, K] @ weight.T in fp32 by `form`, rows padded with zeros as the form requires."""
-    name, multiple, least = form
+def _exact_product(flat: Tensor, weight: Tensor, form: str) -> Tensor:
+    """flat [rows, K] @ weight.T in fp32 by `form`, in zero-padded blocks of EXACT_ROWS rows."""
     rows = flat.shape[0]
-    padded = max(least, -(-rows // multiple) * multiple)
+    padded = padded_rows(rows, exact=True)
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
-    out = (weight @ flat.t()).t() if name == "wide" else F.linear(flat, weight)
-    return out[:rows]
+    blocks = [flat[s:s + EXACT_ROWS] for s in range(0, padded, EXACT_ROWS)]
+    outs = [(weight @ b.t()).t() if form == "wide" else F.linear(b, weight) for b in blocks]
+    return (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
 
 
 @functools.cache
-def exact_form(n: int, k: int, threads: int) -> tuple[str, int, int]:
+def exact_form(n: int, k: int, threads: int) -> str:
     """The first EXACT_FORMS entry whose rows, for an [n, k] weight with `threads` torch threads,
     come out with the same bits whatever the rows beside them: checked once per process on this
     machine's BLAS, because the property is MKL's choice of kernel by shape, not a promise.
 
-    Measured here (AVX2, MKL 2024.2): x @ W.T has one bit pattern for 1 row, another for 2-3, a
-    third from 4 rows up; (W @ x.T).T splits at 1, 2-3, 4-11 and 12+, and with 3-4 threads MKL
-    cuts 17-24 rows into slices under 12 (so "wide" fails there and "rows" is taken)."""
+    Measured (MKL 2024.2): in one call of any row count, x @ W.T had one bit pattern for 1 row,
+    another for 2-3, a third from 4 rows up on an AVX2 CPU, and (W @ x.T).T split at 1, 2-3, 4-11
+    and 12+; on an AVX-512 CPU with 2 threads a 576x1536 product was not invariant in any call
+    shape that grows with the rows, while blocks of one fixed shape are (checked with 1-2 threads)."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(max(EXACT_CHECK_ROWS) + 8, k, generator=g)
     for form in EXACT_FORMS:
