@@ -173,26 +173,31 @@ def exact_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return out.to(x.dtype).contiguous().reshape(*x.shape[:-1], n)
 
 
-def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v in fp64, rounded back to q's dtype: batch-invariant attention.
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None,
+                    softcap: float | None = None) -> Tensor:
+    """softmax(scale * q k^T) v in fp64, rounded back to q's dtype: batch-invariant attention.
 
     q [B, H, T, D]; k, v [B, KV, L, D] with H a multiple of KV (query head h reads key head
     h // (H // KV), as in grouped-query attention); mask [T, L] bool, True = may attend, None =
-    all. A product of two fp32 numbers is exact in fp64 and sums differ only by ~1e-16 with their
-    order, so masked keys, their layout, and the number of query rows leave the fp32 result as is.
-    The query heads sharing a key head are stacked as rows of one product per key head, at most
-    EXACT_QUERY_BLOCK tokens at a time.
+    all; scale defaults to 1/sqrt(D); softcap: scores become softcap * tanh(scores / softcap)
+    (Gemma 2). A product of two fp32 numbers is exact in fp64 and sums differ only by ~1e-16 with
+    their order, so masked keys, their layout, and the number of query rows leave the fp32 result
+    as is. The query heads sharing a key head are stacked as rows of one product per key head, at
+    most EXACT_QUERY_BLOCK tokens at a time.
     """
     b, h, t, d = q.shape
     kv = k.shape[1]
     g = h // kv
-    q64 = q.double().mul_(d ** -0.5).view(b, kv, g, t, d)  # [B, KV, query heads per KV head, T, D]
+    scale = d ** -0.5 if scale is None else scale
+    q64 = q.double().mul_(scale).view(b, kv, g, t, d)  # [B, KV, query heads per KV head, T, D]
     kt, v64 = k.double().transpose(-1, -2), v.double()
     blocked = ~mask.to(q.device) if mask is not None else None
     out = torch.empty_like(q64)
     for s in range(0, t, EXACT_QUERY_BLOCK):
         rows = min(EXACT_QUERY_BLOCK, t - s)
         scores = q64[:, :, :, s:s + rows].reshape(b, kv, g * rows, d) @ kt  # [B, KV, g * rows, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if blocked is not None:
             scores.view(b, kv, g, rows, -1).masked_fill_(blocked[s:s + rows], float("-inf"))
         out[:, :, :, s:s + rows] = (scores.softmax(-1) @ v64).view(b, kv, g, rows, d)

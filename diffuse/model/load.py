@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from diffuse.errors import ModelError
-from diffuse.model.llama import BlockSpan, Head
+from diffuse.model.engine import BlockSpan, Head
 from diffuse.model.weights import ModelFiles, block_hash, load_manifest
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -42,7 +42,10 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
         if manifest is not None and block_hash(tensors) != manifest.block_hashes[i]:
             raise ModelError(f"block {i} of {files.dir.name} does not match its manifest: "
                              "the weights are damaged or altered; re-import the model")
-        block.load_hf(tensors)
+        try:
+            block.load_hf(tensors)
+        except RuntimeError as e:  # e.g. tensors of mismatched shapes concatenated
+            raise ModelError(f"block {i} of {files.dir.name} does not fit its config: {e}") from None
         del tensors
     return span.eval()
 

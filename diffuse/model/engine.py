@@ -1,0 +1,206 @@
+"""The block engine: spans of decoder blocks, their KV cache, and the client's head.
+
+gpt-fast style: a static KV cache indexed by explicit positions, so that a peer can run any
+contiguous slice of blocks on hidden states that arrive from elsewhere, and so that a step can
+carry several candidate tokens (a tree with a caller-supplied mask) whose accepted entries are
+committed and the rest discarded. Which block a model gets is its family's (llama.py, gemma.py,
+phi3.py, qwen3_moe.py), chosen here from the config when the span is built.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from diffuse.errors import ModelError
+from diffuse.model import gemma, llama, phi3, qwen3_moe, rope
+from diffuse.model.config import ModelConfig
+from diffuse.model.kernels import Linear
+from diffuse.model.layers import DecoderBlock, Family, visible
+
+FAMILIES: dict[str, Family] = {
+    "llama": llama.FAMILY,
+    "mistral": llama.FAMILY,
+    "qwen2": llama.FAMILY,
+    "qwen3": llama.FAMILY,
+    "phi3": phi3.FAMILY,
+    "gemma2": gemma.FAMILY,
+    "gemma3_text": gemma.FAMILY,
+    "qwen3_moe": qwen3_moe.FAMILY,
+}
+
+
+class KVCache:
+    """Keys and values of one session for one span of blocks.
+
+    Slots [0, length) hold committed tokens, slot i holding position i. A forward with
+    commit=False leaves its T tokens pending in slots [length, length+T) until `commit(keep)`
+    moves the accepted ones into place (or `rollback` drops them). Sliding-window layers keep
+    every slot too (their window is a mask), so one rollback serves all layers.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", exact: bool = False):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.exact = exact  # batch-invariant kernels for this session (kernels.exact_linear)
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def commit(self, keep: Sequence[int] | None = None) -> None:
+        """Commit the pending tokens listed in `keep` (increasing indices); None keeps all."""
+        if keep is None:
+            self.length, self.pending = self.length + self.pending, 0
+            return
+        keep = list(keep)
+        if any(not 0 <= j < self.pending for j in keep) or keep != sorted(set(keep)):
+            raise ValueError(f"keep {keep} must be increasing indices below {self.pending}")
+        n, base = len(keep), self.length
+        if keep != list(range(n)):
+            src = torch.tensor(keep, device=self.k.device) + base
+            self.k[:, :, :, base:base + n] = self.k[:, :, :, src]
+            self.v[:, :, :, base:base + n] = self.v[:, :, :, src]
+        self.length, self.pending = base + n, 0
+
+    def rollback(self, length: int) -> None:
+        """Forget pending tokens and every committed token at position >= length."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: {self.length} tokens are committed")
+        self.length, self.pending = length, 0
+
+    def wipe(self) -> None:
+        """Zero the memory: activations of a private session must not outlive it."""
+        self.k.zero_()
+        self.v.zero_()
+        self.length = self.pending = 0
+
+
+def family(cfg: ModelConfig) -> Family:
+    return FAMILIES[cfg.arch]
+
+
+def block_parameters(cfg: ModelConfig, layer: int) -> int:
+    """Weights (numbers) of block `layer`, counted on the meta device: all of its experts included."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in family(cfg).block(cfg, layer).parameters())
+
+
+class BlockSpan(nn.Module):
+    """Blocks [start, end) of a model: hidden states in, hidden states out."""
+
+    def __init__(self, cfg: ModelConfig, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"block span [{start}, {end}) is outside the model's {cfg.num_layers} blocks")
+        self.cfg, self.start, self.end = cfg, start, end
+        self.blocks = nn.ModuleList(family(cfg).block(cfg, i) for i in range(start, end))
+        self.freqs = _freqs(cfg, self.blocks)
+
+    def view(self, start: int, end: int) -> "BlockSpan":
+        """Blocks [start, end) of this span, sharing its weights: a peer may serve a sub-range."""
+        if not self.start <= start < end <= self.end:
+            raise ValueError(f"blocks [{start}, {end}) are not within [{self.start}, {self.end})")
+        sub = BlockSpan.__new__(BlockSpan)
+        nn.Module.__init__(sub)
+        sub.cfg, sub.start, sub.end = self.cfg, start, end
+        sub.blocks = nn.ModuleList(self.blocks[start - self.start:end - self.start])
+        sub.freqs = _freqs(self.cfg, sub.blocks)
+        return sub
+
+    def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:
+        p = self.blocks[0].wo.weight
+        return KVCache(len(self.blocks), batch, self.cfg.num_kv_heads, self.cfg.head_dim,
+                       max_len, p.dtype, p.device, exact)
+
+    @torch.inference_mode()
+    def forward(self, h: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
+                commit: bool = True) -> Tensor:
+        """Run T new tokens h [B, T, H] at `positions` [T] against the committed cache.
+
+        tree_mask [T, T] (bool, True = may attend) says which new tokens see which; None means
+        causal. With commit=False the tokens stay pending in the cache (see KVCache.commit).
+        """
+        if cache.pending:
+            raise ValueError("commit or roll back the pending candidate tokens before the next step")
+        t, start = h.shape[1], cache.length
+        if start + t > cache.max_len:
+            raise ValueError(f"session is full: {start} + {t} tokens exceed its {cache.max_len}-token cache")
+        limit = self.cfg.context_limit
+        if limit is not None and t and int(positions.max()) >= limit:
+            raise ModelError(f"position {int(positions.max())} is past the {limit} tokens this model's "
+                             f"{self.cfg.rope_scaling.type} RoPE runs with a KV cache (see rope.py)")
+        tables = {}
+        for key, (inv, scale) in self.freqs.items():
+            if inv.device != h.device:
+                self.freqs[key] = (inv := inv.to(h.device), scale)
+            tables[key] = rope.tables(positions.to(h.device), inv, scale, h.dtype)
+        seen = {w: visible(start, positions, tree_mask, w, cache.exact, h.device)
+                for w in {b.window for b in self.blocks}}
+        for i, block in enumerate(self.blocks):
+            h = block(h, tables[block.rope_key], cache.k[i], cache.v[i], start, seen[block.window], cache.exact)
+        cache.pending = t
+        if commit:
+            cache.commit()
+        return h
+
+
+def _freqs(cfg: ModelConfig, blocks: Sequence[DecoderBlock]) -> dict:
+    """Inverse frequencies (fp32, plain attributes: they must not be cast with the blocks) and the
+    cos/sin factor of each distinct RoPE among `blocks`."""
+    out = {}
+    for block in blocks:
+        if block.rope_key not in out:
+            theta, scaling = block.rope_key
+            out[block.rope_key] = rope.inv_freq(theta, cfg.rotary_dim, scaling, cfg.max_position_embeddings)
+    return out
+
+
+class Head(nn.Module):
+    """What stays on the client: token embeddings, final norm and the LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        fam = family(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = fam.norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied = cfg.tie_word_embeddings
+        self.embed_scale = fam.embed_scale(cfg) if fam.embed_scale else None
+        self.softcap = cfg.final_logit_softcapping
+
+    def load_hf(self, t: dict[str, Tensor]) -> None:
+        missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") + (() if self.tied else ("lm_head.weight",))
+                   if n not in t]
+        if missing:
+            raise ModelError(f"the head lacks tensor(s) {', '.join(missing)}")
+        with torch.no_grad():
+            self.embed.weight.copy_(t["model.embed_tokens.weight"])
+            self.norm.weight.copy_(t["model.norm.weight"])
+            if self.tied:
+                self.lm_head.weight = self.embed.weight
+            else:
+                self.lm_head.weight.copy_(t["lm_head.weight"])
+
+    @torch.inference_mode()
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        e = self.embed(ids)
+        if self.embed_scale is not None:  # rounded to the weights' dtype first, as the reference does
+            e = e * torch.tensor(self.embed_scale).to(e.dtype)
+        return e
+
+    @torch.inference_mode()
+    def logits(self, h: Tensor, exact: bool = False) -> Tensor:
+        """Logits in fp32; callers pass only the positions whose logits they need. exact: each
+        row's logits independent of the other rows (see kernels.exact_linear)."""
+        out = self.lm_head(self.norm(h), exact).float()
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out

@@ -1,0 +1,243 @@
+"""The pieces every family's decoder block is built from: norms, projections, attention, MLP.
+
+A block keeps its weights as flat attributes with the same names in every family (`attn_norm`,
+`wqkv`, `wo`, `mlp_norm`, `w_gate_up`, `w_down`): the data and trust planes read them. q/k/v and
+gate/up are fused into one matmul each (on a CPU decoding one token, the number of kernel
+launches, not FLOPs, sets the speed). A block's forward is three calls, so that rows of several
+sessions could share the projections and the MLP while each attends to its own cache:
+`project` (norm, q/k/v, RoPE), `attend` (one session's cache) and the output and MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from diffuse.errors import ModelError
+from diffuse.model import rope
+from diffuse.model.config import ModelConfig
+from diffuse.model.kernels import Linear, exact_attention
+
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalise in fp32, cast, then scale (the reference's order, for bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Visible:
+    """Which cached keys the T new tokens of a step see: slots [lo, start + T) and `allow`
+    [T, start + T - lo] (True = may attend); allow None means all of them, or causal if `causal`."""
+
+    lo: int
+    allow: Tensor | None
+    causal: bool
+
+
+def visible(start: int, positions: Tensor, tree_mask: Tensor | None, window: int | None, exact: bool,
+            device: torch.device) -> Visible:
+    """The keys a step sees: committed slots [0, start) hold positions 0..start-1, the new tokens
+    sit at `positions` and see each other as `tree_mask` says (None: causally). With a sliding
+    window a query at position p sees keys at p - window < k <= p, as transformers masks them;
+    slots no query can see are cut off (`lo`), the rest masked."""
+    t = positions.numel()
+    pos = positions.cpu()
+    lo = 0 if window is None else min(start, max(0, int(pos.min()) - window + 1))
+    new = tree_mask.bool().cpu() if tree_mask is not None else torch.ones(t, t, dtype=torch.bool).tril_()
+    allow = torch.cat([torch.ones(t, start - lo, dtype=torch.bool), new], dim=1)
+    needed = tree_mask is not None or (start > 0 and t > 1) or (exact and t > 1)
+    if window is not None:
+        keys = torch.cat([torch.arange(lo, start), pos])
+        inside = pos[:, None] - keys[None, :] < window
+        if not bool(inside.all()):
+            allow, needed = allow & inside, True
+    if not needed:
+        return Visible(lo, None, causal=t > 1)
+    return Visible(lo, allow.to(device), causal=False)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, seen: Visible, scale: float, softcap: float | None,
+              exact: bool) -> Tensor:
+    """softmax(scale * q k^T (soft-capped), masked) v for q [B, H, T, D], k, v [B, KV, L, D]."""
+    if exact:
+        return exact_attention(q, k, v, seen.allow, scale, softcap)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen.allow, is_causal=seen.causal,
+                                              scale=scale, enable_gqa=True)
+    # SDPA cannot soft-cap scores: the reference's eager attention, query heads of a key head stacked.
+    b, h, t, d = q.shape
+    kv, length = k.shape[1], k.shape[2]
+    g = h // kv
+    scores = (q.reshape(b, kv, g * t, d) @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    allow = seen.allow
+    if allow is None and seen.causal:
+        allow = torch.ones(t, length, dtype=torch.bool, device=q.device).tril_(length - t)
+    if allow is not None:
+        scores.view(b, kv, g, t, length).masked_fill_(~allow, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v).view(b, kv, g, t, -1).reshape(b, h, t, -1)
+
+
+class DecoderBlock(nn.Module):
+    """A pre-norm block, the Llama shape: h = x + attn(norm(x)); out = h + mlp(norm(h)).
+
+    Subclasses (one per family) say how HF checkpoint tensors map onto it (`load_hf`), and may
+    change the norm (`Norm`), the residual wiring (`forward`) or the MLP (`mlp`).
+    """
+
+    Norm: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.window(layer)
+        self.rope_key = cfg.rope(layer)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+        h, q = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        self.attn_norm = self.Norm(h, cfg.rms_norm_eps)
+        self.wqkv = Linear(h, q + 2 * cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.q_norm = self.Norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = self.Norm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.wo = Linear(q, h, bias=cfg.o_proj_bias)
+        self.mlp_norm = self.Norm(h, cfg.rms_norm_eps)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        if not cfg.is_moe(layer):
+            self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
+            self.w_down = Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, start: int,
+                seen: Visible, exact: bool = False) -> Tensor:
+        h = x + self.attend(x, rot, k_cache, v_cache, start, seen, exact)
+        return h + self.mlp(self.mlp_norm(h), exact)
+
+    def project(self, x: Tensor, rot: tuple[Tensor, Tensor], exact: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values [B, heads, T, D] of x [B, T, H]: normed, projected, rotated."""
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(self.attn_norm(x), exact).split(
+            [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q, k = q.view(b, t, self.n_heads, self.hd), k.view(b, t, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rot
+        q, k = rope.apply(q.transpose(1, 2), cos, sin), rope.apply(k.transpose(1, 2), cos, sin)
+        return q, k, v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+
+    def attend(self, x: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, start: int,
+               seen: Visible, exact: bool) -> Tensor:
+        """The attention sub-block's output for x: keys and values go into cache slots [start, start+T)."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, rot, exact)
+        end = start + t
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v
+        y = attention(q, k_cache[:, :, seen.lo:end], v_cache[:, :, seen.lo:end], seen, self.scale,
+                      self.softcap, exact)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1), exact)
+
+    def mlp(self, x: Tensor, exact: bool) -> Tensor:
+        gate, up = self.w_gate_up(x, exact).chunk(2, dim=-1)
+        return self.w_down(self.act(gate) * up, exact)
+
+    def norms(self) -> list[nn.Module]:
+        """Norms over the hidden dimension (see `permute_`)."""
+        return [self.attn_norm, self.mlp_norm]
+
+    @torch.no_grad()
+    def permute_(self, hidden: Tensor, inner: Tensor) -> None:
+        """Reorder the hidden dimension by `hidden` and the MLP's inner one by `inner`, in place: the
+        same function of permuted inputs, every sum taken in another order (trust's canaries model
+        another machine's kernels this way)."""
+        for norm in self.norms():
+            norm.weight.copy_(norm.weight[hidden])
+        self.wqkv.weight.copy_(self.wqkv.weight[:, hidden])
+        self.wo.weight.copy_(self.wo.weight[hidden])
+        if self.wo.bias is not None:
+            self.wo.bias.copy_(self.wo.bias[hidden])
+        self.permute_mlp_(hidden, inner)
+
+    def permute_mlp_(self, hidden: Tensor, inner: Tensor) -> None:
+        n = self.w_down.weight.shape[1]
+        w = self.w_gate_up.weight
+        w.copy_(torch.cat([w[:n][inner], w[n:][inner]])[:, hidden])
+        self.w_down.weight.copy_(self.w_down.weight[hidden][:, inner])
+
+    def load_hf(self, tensors: dict[str, Tensor]) -> None:
+        """Take the block's HF tensors (names relative to the block) into the fused layout."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its checkpoint is laid out")
+
+    def load_attention_hf(self, w: "Weights") -> None:
+        """self_attn.{q,k,v,o}_proj (with their biases and q/k norms): the layout most families share."""
+        a = "self_attn."
+        copy_(self.wqkv.weight, torch.cat([w.take(f"{a}{p}_proj.weight") for p in "qkv"]), a + "qkv weights")
+        if self.wqkv.bias is not None:
+            copy_(self.wqkv.bias, torch.cat([w.take(f"{a}{p}_proj.bias") for p in "qkv"]), a + "qkv biases")
+        copy_(self.wo.weight, w.take(a + "o_proj.weight"), a + "o_proj.weight")
+        if self.wo.bias is not None:
+            copy_(self.wo.bias, w.take(a + "o_proj.bias"), a + "o_proj.bias")
+        if self.q_norm is not None:
+            copy_(self.q_norm.weight, w.take(a + "q_norm.weight"), a + "q_norm.weight")
+            copy_(self.k_norm.weight, w.take(a + "k_norm.weight"), a + "k_norm.weight")
+
+    def load_mlp_hf(self, w: "Weights", prefix: str = "mlp.") -> None:
+        gate, up = w.take(prefix + "gate_proj.weight"), w.take(prefix + "up_proj.weight")
+        copy_(self.w_gate_up.weight, torch.cat([gate, up]), prefix + "gate/up_proj.weight")
+        copy_(self.w_down.weight, w.take(prefix + "down_proj.weight"), prefix + "down_proj.weight")
+
+
+class Weights:
+    """A block's HF tensors, taken by name: a missing one, or one left over that the engine would
+    ignore (a bias it does not add, a tensor of a feature it does not run), is a ModelError."""
+
+    IGNORED = ("self_attn.rotary_emb.inv_freq",)  # a cached buffer older checkpoints saved
+
+    def __init__(self, tensors: dict[str, Tensor], where: str):
+        self.left = {k: v for k, v in tensors.items() if k not in self.IGNORED}
+        self.where = where
+
+    def take(self, name: str) -> Tensor:
+        if name not in self.left:
+            raise ModelError(f"{self.where} lacks tensor {name}")
+        return self.left.pop(name)
+
+    def done(self) -> None:
+        if self.left:
+            raise ModelError(f"{self.where} has tensors the engine does not use: {', '.join(sorted(self.left))}")
+
+
+def copy_(param: Tensor | None, value: Tensor, name: str) -> None:
+    """param <- value, refusing a shape mismatch with the tensor's name (a wrong config shows here)."""
+    if param is None or tuple(param.shape) != tuple(value.shape):
+        want = None if param is None else tuple(param.shape)
+        raise ModelError(f"tensor {name} has shape {tuple(value.shape)}, the config implies {want}")
+    param.copy_(value)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the engine builds for one model family: its block, the head's norm, and the factor its
+    embeddings are multiplied by (None: none)."""
+
+    block: type[DecoderBlock]
+    norm: type[nn.Module]
+    embed_scale: Callable[[ModelConfig], float] | None = None
