@@ -1,4 +1,5 @@
-"""The block engine against transformers, and the KV-cache operations speculation relies on."""
+"""The block engine against transformers for every family, and the KV-cache operations speculation
+relies on. Sequences are longer than the tiny models' sliding window (tiny.WINDOW)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import torch
 from diffuse.client.pipeline import LocalModel
 from diffuse.errors import ModelError
 from diffuse.model.load import load_head, load_span
-from tiny import Sync, load_reference, make_tiny
+from tiny import FAMILIES, WINDOW, Sync, load_reference, make_tiny
+
+PREFIX = 12  # > WINDOW: trees and decode steps see a window that has slid
+assert PREFIX > WINDOW
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def tiny(request, tmp_path_factory):
     path = make_tiny(tmp_path_factory.mktemp(request.param) / request.param, request.param)
     return path, load_reference(path)
@@ -28,7 +32,7 @@ def whole(path, dtype=torch.float32):
 
 def test_prefill_logits_match_transformers(tiny):
     path, ref = tiny
-    ids = torch.randint(0, 300, (2, 11))
+    ids = torch.randint(0, 300, (2, 21))
     pipe = Sync(whole(path).session(32, batch=2))
     assert (pipe.forward(ids) - ref_logits(ref, ids)).abs().max() < 1e-4
 
@@ -45,14 +49,14 @@ def test_chained_slices_equal_whole_model(tiny):
 
 def test_cached_decode_equals_full_recompute(tiny):
     path, ref = tiny
-    ids = torch.randint(0, 300, (1, 12))
+    ids = torch.randint(0, 300, (1, 24))
     pipe = Sync(whole(path).session(32))
     steps = [pipe.forward(ids[:, :5])[:, -1]]
-    for i in range(5, 12):
+    for i in range(5, 24):
         steps.append(pipe.forward(ids[:, i:i + 1])[:, -1])
     full = ref_logits(ref, ids)[:, 4:]
     assert (torch.stack(steps, 1) - full).abs().max() < 1e-4
-    assert pipe.length == 12
+    assert pipe.length == 24
 
 
 def tree():
@@ -72,45 +76,83 @@ def tree():
     return mask, depth
 
 
-def test_tree_verification_equals_separate_branches(tiny):
-    path, _ = tiny
-    model = whole(path)
-    prefix = torch.randint(0, 300, (1, 6))
+BRANCHES = ([0, 1, 2], [0, 3], [0, 1, 4])
+
+
+def test_tree_verification_equals_transformers_on_each_branch(tiny):
+    path, ref = tiny
+    prefix = torch.randint(0, 300, (1, PREFIX))
     cand = torch.randint(0, 300, (1, 5))  # r, a, b, c, d
     mask, depth = tree()
-    pipe = Sync(model.session(32))
+    pipe = Sync(whole(path).session(32))
     pipe.forward(prefix)
-    tree_logits = pipe.forward(cand, positions=6 + depth, tree_mask=mask, commit=False)
-    for branch in ([0, 1, 2], [0, 3], [0, 1, 4]):
-        ref = Sync(model.session(32))
-        ref.forward(prefix)
-        branch_logits = ref.forward(cand[:, branch])
-        assert (tree_logits[:, branch] - branch_logits).abs().max() < 1e-5, branch
+    tree_logits = pipe.forward(cand, positions=PREFIX + depth, tree_mask=mask, commit=False)
+    for branch in BRANCHES:
+        want = ref_logits(ref, torch.cat([prefix, cand[:, branch]], 1))[:, PREFIX:]
+        assert (tree_logits[:, branch] - want).abs().max() < 1e-4, branch
 
 
 def test_rollback_leaves_no_trace(tiny):
-    path, _ = tiny
-    model = whole(path)
-    prefix = torch.randint(0, 300, (1, 6))
+    path, ref = tiny
+    prefix = torch.randint(0, 300, (1, PREFIX))
     cand = torch.randint(0, 300, (1, 5))
     nxt = torch.randint(0, 300, (1, 3))
     mask, depth = tree()
     # Accept branch r -> c (tree indices 0, 3), then decode more tokens.
-    pipe = Sync(model.session(32))
+    pipe = Sync(whole(path).session(32))
     pipe.forward(prefix)
-    pipe.forward(cand, positions=6 + depth, tree_mask=mask, commit=False)
+    pipe.forward(cand, positions=PREFIX + depth, tree_mask=mask, commit=False)
     pipe.commit([0, 3])
     after = pipe.forward(nxt)
-    clean = Sync(model.session(32))
-    clean.forward(prefix)
-    clean.forward(cand[:, [0, 3]])
-    assert (after - clean.forward(nxt)).abs().max() < 1e-5
+    want = ref_logits(ref, torch.cat([prefix, cand[:, [0, 3]], nxt], 1))[:, -3:]
+    assert (after - want).abs().max() < 1e-4
     # Rolling back committed tokens equals never having seen them.
-    pipe.rollback(6)
+    pipe.rollback(PREFIX)
     again = pipe.forward(nxt)
-    fresh = Sync(model.session(32))
-    fresh.forward(prefix)
-    assert (again - fresh.forward(nxt)).abs().max() < 1e-5
+    assert (again - ref_logits(ref, torch.cat([prefix, nxt], 1))[:, -3:]).abs().max() < 1e-4
+
+
+NEAR_TIE = 1 / 16  # a bf16 logit of magnitude 8-16 is a multiple of 1/16
+
+
+def test_bf16_greedy_generation_equals_transformers(tiny):
+    """32 greedy tokens in bf16 equal transformers' bf16 `generate`. Measured on an AMX CPU (native
+    bf16 matmuls): equal for every family, smallest top-2 gaps 0 (exact bf16 ties, broken alike)
+    to 0.12. Elsewhere bf16 kernels round differently; a divergence is accepted only at a near-tie
+    (top-2 gap <= NEAR_TIE at the first differing token), and the test prints it."""
+    path, _ = tiny
+    ref = load_reference(path, torch.bfloat16)
+    prompt = torch.randint(0, 300, (1, PREFIX), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0,
+                            eos_token_id=None)[0, PREFIX:].tolist()
+    pipe = Sync(whole(path, torch.bfloat16).session(PREFIX + 32))
+    logits = pipe.forward(prompt)[0, -1]
+    got, gaps = [], []
+    for _ in range(32):
+        top = logits.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        got.append(int(logits.argmax()))
+        logits = pipe.forward(torch.tensor([[got[-1]]]))[0, -1]
+    if got != want:
+        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        print(f"{path.name}: bf16 greedy diverges at token {first}, top-2 gap {gaps[first]:.4f}")
+        assert gaps[first] <= NEAR_TIE and got[:first] == want[:first]
+
+
+def test_permuted_blocks_compute_the_same(tiny):
+    """permute_ (trust's model of other kernels) reorders sums, never the function: permuted
+    inputs give the permuted outputs."""
+    path, _ = tiny
+    span = load_span(path, 0, 4)
+    h = torch.randn(1, 9, 64)
+    want = span(h, torch.arange(9), span.new_cache(9))
+    g = torch.Generator().manual_seed(5)
+    hidden, inner = torch.randperm(64, generator=g), torch.randperm(128, generator=g)
+    for block in span.blocks:
+        block.permute_(hidden, inner)
+    got = span(h[..., hidden], torch.arange(9), span.new_cache(9))[..., torch.argsort(hidden)]
+    assert (got - want).abs().max() < 1e-4
 
 
 def test_pending_candidates_must_be_resolved(tiny):
@@ -136,7 +178,7 @@ def test_low_precision_tracks_fp32(tiny, dtype):
     ids = torch.randint(0, 300, (1, 9))
     low = Sync(whole(path, dtype).session(16)).forward(ids)
     assert low.dtype == torch.float32
-    assert (low - ref_logits(ref, ids)).abs().max() < 0.1
+    assert (low - ref_logits(ref, ids)).abs().max() < 0.15
 
 
 def test_wipe_zeroes_cache(tiny):
@@ -161,6 +203,21 @@ def test_altered_weights_fail_manifest_check(tmp_path):
         load_span(path, 2, 4)
 
 
+def test_tensors_the_engine_would_ignore_are_refused(tmp_path):
+    """A bias the config does not announce would be dropped silently: refuse the block instead."""
+    path = make_tiny(tmp_path / "m")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.bias"] = torch.ones(64)
+    del tensors["model.layers.3.mlp.down_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="block 1 has tensors the engine does not use: self_attn.o_proj.bias"):
+        load_span(path, 0, 4, verify=False)
+    with pytest.raises(ModelError, match="block 3 lacks tensor mlp.down_proj.weight"):
+        load_span(path, 3, 4, verify=False)
+
+
 def test_corrupt_and_missing_files_give_clear_errors(tmp_path):
     path = make_tiny(tmp_path / "m")
     data = (path / "model.safetensors").read_bytes()
@@ -183,5 +240,5 @@ def test_unsupported_architecture(tmp_path):
     path = make_tiny(tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
-    with pytest.raises(ModelError, match="unsupported architecture 'gpt2'"):
+    with pytest.raises(ModelError, match="unsupported architecture 'gpt2': Diffuse runs llama, mistral, qwen2"):
         load_span(path, 0, 1)

@@ -43,7 +43,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                     final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
                                     rope_parameters=dict(rope_theta=5000.0))),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
-                                        layer_types=[S, F, S, F], tie_word_embeddings=True,
+                                        layer_types=[S, F], tie_word_embeddings=True,
                                         rope_parameters={F: dict(rope_type="linear", factor=4.0, rope_theta=50000.0),
                                                          S: dict(rope_type="default", rope_theta=1000.0)})),
 }
@@ -57,6 +57,8 @@ def make_tiny(path: Path, arch: str = "llama", layers: int = 4, seed: int = 0) -
 
     torch.manual_seed(seed)
     cls, extra = FAMILIES[arch]
+    if "layer_types" in extra:  # a pattern, repeated over the layers
+        extra = extra | {"layer_types": [extra["layer_types"][i % len(extra["layer_types"])] for i in range(layers)]}
     wide = {} if arch in LEGACY else {"initializer_range": 0.08}
     cfg = getattr(transformers, cls)(**(COMMON | {"num_hidden_layers": layers} | wide | extra))
     model = transformers.AutoModelForCausalLM.from_config(cfg)

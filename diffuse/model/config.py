@@ -198,7 +198,8 @@ class ModelConfig:
             if self.rope_scaling.original_max_position_embeddings:
                 d["original_max_position_embeddings"] = self.rope_scaling.original_max_position_embeddings
         if self.arch in GEMMA:
-            d |= {"query_pre_attn_scalar": self.query_pre_attn_scalar,
+            scalar = self.query_pre_attn_scalar
+            d |= {"query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
                   "final_logit_softcapping": self.final_logit_softcapping,
                   "attn_logit_softcapping": self.attn_logit_softcapping}
         if self.local_rope_theta is not None:
@@ -248,6 +249,8 @@ def _layer_types(arch: str, d: dict, layers: int) -> tuple[tuple[str, ...], int 
             raise ModelError("a mistral config with layer_types (alternating attention) is not supported")
         return ((SLIDING,) * layers, window) if window else ((), None)
     if d.get("layer_types"):
+        if len(d["layer_types"]) != layers:
+            raise ModelError(f"layer_types lists {len(d['layer_types'])} layers, the model has {layers}")
         return tuple(d["layer_types"]), window
     if arch in ("qwen2", "qwen3"):
         first = int(d.get("max_window_layers", 28))
@@ -285,7 +288,7 @@ def _fields(arch: str, d: dict) -> dict:
         rope_scaling=scaling,
         local_rope_theta=local_theta,
         partial_rotary_factor=float(partial),
-        layer_types=layer_types if SLIDING in layer_types else (),
+        layer_types=layer_types if set(layer_types) - {FULL} else (),
         sliding_window=int(window) if window and SLIDING in layer_types else None,
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
     )
