@@ -162,6 +162,19 @@ def test_template_errors(tok):
     assert render("{% generation %}ok{% endgeneration %}") == "ok"
 
 
+def test_base_model_gets_the_plain_prompt(tok):
+    """Without a chat template (a base model such as Gemma 3 270M) one user message is the prompt
+    itself, after BOS; what a plain prompt cannot express is refused, not guessed."""
+    base = Tokenizer(tok.backend, {"bos_token": "<|im_start|>", "add_bos_token": True}, None, [])
+    text = "The capital of France is"
+    assert base.encode_chat([{"role": "user", "content": text}]) == base.encode(text, add_special=True)
+    assert base.encode(text, add_special=True)[0] == tok.backend.token_to_id("<|im_start|>")
+    with pytest.raises(ModelError, match="base model without a chat template"):
+        base.encode_chat([{"role": "user", "content": text}], system="Be brief.")
+    with pytest.raises(ModelError, match="base model without a chat template"):
+        base.encode_chat(CHATS[2])
+
+
 def test_load_prefers_chat_template_file_and_generation_eos(model_dir, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, tmp_path / name)
@@ -196,7 +209,11 @@ def test_build_pre_tokenizers(pre, pieces):
 
 
 def test_build_rejects_unknown_tokenizers():
-    with pytest.raises(ModelError, match="'llama'"):
+    with pytest.raises(ModelError, match="'bert'"):
+        build_tokenizer_json(["a"], [], [1], model="bert")
+    with pytest.raises(ModelError, match="without scores"):
         build_tokenizer_json(["a"], [], [1], model="llama")
+    with pytest.raises(ModelError, match="layout 't5'"):
+        build_tokenizer_json(["a"], [], [1], model="llama", scores=[0.0], flavor="t5")
     with pytest.raises(ModelError, match="'mystery'"):
         build_tokenizer_json(["a"], [], [1], pre="mystery")

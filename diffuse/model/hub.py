@@ -28,6 +28,10 @@ ALLOW_PATTERNS = [
     "chat_template.jinja",
     "*.safetensors",
     "model.safetensors.index.json",
+    # Licence terms travel with the weights (some licences, e.g. Gemma's, require it of every copy).
+    "LICENSE*",
+    "NOTICE*",
+    "USE_POLICY*",
 ]
 # Subfolders (onnx/, original/) and Mistral's consolidated.safetensors duplicate the weights.
 IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]

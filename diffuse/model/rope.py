@@ -66,9 +66,9 @@ class RopeScaling:
             raise ModelError(f"RoPE {kind!r} setting(s) {', '.join(unknown)} are not supported")
         try:
             kw: dict = {k: d[k] for k in cls._KEYS[kind] if d.get(k) is not None}
-            for k in ("short_factor", "long_factor"):
-                if k in kw:
-                    kw[k] = tuple(float(x) for x in kw[k])
+            for k, v in kw.items():
+                kw[k] = tuple(float(x) for x in v) if k in ("short_factor", "long_factor") \
+                    else bool(v) if k == "truncate" else float(v)
             if kind in ("llama3", "yarn", "longrope"):
                 kw["original_max_position_embeddings"] = int(
                     original or kw.get("original_max_position_embeddings") or max_positions)
@@ -84,8 +84,11 @@ class RopeScaling:
         out: dict = {"rope_type": self.type}
         for k in self._KEYS[self.type]:
             v = getattr(self, k)
-            if v is not None and v != ():
-                out[k] = list(v) if isinstance(v, tuple) else v
+            if isinstance(v, tuple):
+                if v:
+                    out[k] = list(v)
+            elif v is not None:
+                out[k] = v
         return out
 
     def describe(self) -> str:

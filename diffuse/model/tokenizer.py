@@ -15,7 +15,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 from tokenizers.models import BPE
 
@@ -61,20 +61,76 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def build_tokenizer_json(
-    vocab: list[str], merges: list[str], token_types: list[int], model: str = "gpt2", pre: str | None = None
+    vocab: list[str], merges: list[str], token_types: list[int], model: str = "gpt2", pre: str | None = None,
+    scores: list[float] | None = None, flavor: str = "llama",
 ) -> str:
-    """A tokenizer.json for the byte-level BPE a GGUF embeds (vocab, merges, llama.cpp token types)."""
-    if model != "gpt2":
-        raise ModelError(f"tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is")
-    tok = _Backend(
-        BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
-    )
-    tok.pre_tokenizer = _pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    typed = list(zip(vocab, token_types))
+    """A tokenizer.json for the tokenizer a GGUF embeds: byte-level BPE (`gpt2`: vocab, merges, a
+    pre-tokenizer name) or SentencePiece BPE (`llama`: vocab and scores, merges when the file has
+    them). `flavor` is the SentencePiece layout, which the file does not state and its architecture
+    implies: `gemma`, `phi3` or `llama` (Llama 2, Mistral). Built as transformers builds them from
+    the same file, so that both encode text to the same ids."""
+    if model == "gpt2":
+        tok = _Backend(BPE(vocab={t: i for i, t in enumerate(vocab)},
+                           merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+        tok.pre_tokenizer = _pre_tokenizer(pre)
+        tok.decoder = decoders.ByteLevel()
+    elif model == "llama":
+        tok = _sentencepiece(vocab, merges, scores, flavor)
+    else:
+        raise ModelError(f"tokenizer model {model!r} is not supported: byte-level BPE ('gpt2') and "
+                         "SentencePiece BPE ('llama') are")
+    typed = list(zip(vocab, token_types))  # as the file spells them
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == _USER_DEFINED])
+    known = tok.get_vocab(with_added_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed
+                    if k == _USER_DEFINED and t in known])
     return tok.to_str()
+
+
+def _gemma_spelling(vocab: list[str]) -> list[str]:
+    """Gemma files store tokens of two or more spaces as spaces; its tokenizer spells them with ▁."""
+    return ["\u2581" * len(t) if " " in t and not t.strip() else t for t in vocab]
+
+
+def _sentencepiece(vocab: list[str], merges: list[str], scores: list[float] | None, flavor: str) -> _Backend:
+    if flavor not in ("gemma", "phi3", "llama"):
+        raise ModelError(f"SentencePiece layout {flavor!r} is not supported (known: gemma, phi3, llama)")
+    if flavor == "gemma":
+        vocab = _gemma_spelling(vocab)
+        # Gemma's scores do not follow its merge order; the order of the tokens in the file does.
+        order = {t: -i for i, t in enumerate(vocab)}
+    else:
+        if scores is None:
+            raise ModelError("a SentencePiece vocabulary without scores")
+        order = dict(zip(vocab, scores))
+    ids = {t: i for i, t in enumerate(vocab)}
+    pairs = [tuple(m.split(" ")) for m in merges] if merges else _merges_from_vocab(ids, order)
+    if flavor == "gemma":
+        tok = _Backend(BPE(vocab=ids, merges=pairs, fuse_unk=True, unk_token="<unk>", byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        return tok
+    tok = _Backend(BPE(vocab=ids, merges=pairs, fuse_unk=True, byte_fallback=True))
+    if flavor == "phi3":  # the prefix space comes from a normalizer: "  hi" keeps all its spaces
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(content=" ", left=1)])
+    return tok
+
+
+def _merges_from_vocab(ids: dict[str, int], order: dict[str, float]) -> list[tuple[str, str]]:
+    """SentencePiece files list no merges: every split of a token into two tokens is one, ranked by
+    the token's score (ties: shorter left, then right part first), as transformers derives them."""
+    merges = []
+    for token, score in order.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in ids and token[i:] in ids]
+        merges.extend(sorted(local, key=lambda x: (ids[x[0]], ids[x[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 class _Generation(Extension):
@@ -174,14 +230,25 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
         """Prompt ids for `messages`; `system` replaces any leading system message.
 
-        No BOS is added: chat templates write their own, as in transformers.
+        No BOS is added: chat templates write their own, as in transformers. A model without a
+        template gets the plain prompt (see _encode_plain).
         """
         msgs = list(messages)
         if system is not None:
             if msgs and msgs[0].get("role") == "system":
                 msgs = msgs[1:]
             msgs = [{"role": "system", "content": system}, *msgs]
+        if not self.chat_template:
+            return self._encode_plain(msgs)
         return self.encode(self.apply_chat_template(msgs, add_generation_prompt=True))
+
+    def _encode_plain(self, messages: list[dict]) -> list[int]:
+        """A base model (no chat template) continues text: one user message is sent as it is
+        (after BOS, as the model was trained); a conversation it cannot express is refused."""
+        if len(messages) != 1 or messages[0].get("role") != "user" or not isinstance(messages[0].get("content"), str):
+            raise ModelError("this is a base model without a chat template: it continues a plain prompt (one user "
+                             "message, no system prompt); use the completions endpoint for raw text")
+        return self.encode(messages[0]["content"], add_special=True)
 
 
 class StreamDecoder:
