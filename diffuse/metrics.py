@@ -19,7 +19,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from diffuse.data.codec import MAGIC, ErrorCode, MsgType
+from diffuse.data.codec import ErrorCode, MsgType, peek
+from diffuse.http import serve_http
 
 disable_created_metrics()  # the *_created series double the exposition and no dashboard reads them
 REGISTRY = CollectorRegistry()
@@ -49,7 +50,6 @@ REQUESTS = Counter("diffuse_api_requests", "HTTP requests to the API by endpoint
 # ERROR replies a peer sends because a request failed one of its checks (not its own trouble).
 _REFUSALS = {ErrorCode.BAD_FRAME, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_MODEL,
              ErrorCode.BLOCKS_NOT_SERVED, ErrorCode.TOO_LONG, ErrorCode.BAD_STEP, ErrorCode.NUMERIC}
-_TYPE_AT, _CODE_AT = 8, 28  # byte offsets in a frame: u32 length, then the 24-byte header, then the code
 
 
 class MeteredStream:
@@ -70,13 +70,13 @@ class MeteredStream:
         return data
 
     async def write(self, data: bytes) -> None:
-        if self.server and len(data) > _TYPE_AT and data[4:6] == MAGIC:
-            if data[_TYPE_AT] == MsgType.STEP_OK:
+        seen = peek(data) if self.server else None
+        if seen is not None:
+            mtype, code = seen
+            if mtype == MsgType.STEP_OK:
                 STEP_SECONDS.labels("server").observe(time.perf_counter() - self.t_request)
-            elif data[_TYPE_AT] == MsgType.ERROR and len(data) >= _CODE_AT + 2:
-                code = int.from_bytes(data[_CODE_AT:_CODE_AT + 2], "big")
-                if code in _REFUSALS:
-                    FAILED_CHECKS.labels(f"request:{ErrorCode(code).name.lower()}").inc()
+            elif code in _REFUSALS:
+                FAILED_CHECKS.labels(f"request:{ErrorCode(code).name.lower()}").inc()
         await self.stream.write(data)
         WIRE_BYTES.labels("sent").inc(len(data))
 
@@ -141,6 +141,4 @@ async def metrics_app(scope, receive, send) -> None:
 async def serve_metrics(listen: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve /metrics on `listen` ('HOST:PORT') until cancelled: `await nursery.start(serve_metrics,
     addr)` returns the bound URLs."""
-    from diffuse.api.http import serve_http
-
     await serve_http(metrics_app, listen, task_status=task_status)

@@ -173,7 +173,7 @@ class NullBackend:
 def serve_null(home: str, name: str | None) -> None:
     """The null server's process: the real API app over NullBackend."""
     from diffuse.api.app import Settings, create_app
-    from diffuse.api.http import serve_http
+    from diffuse.http import serve_http
 
     app = create_app(NullBackend(data_home(home), name), Settings(max_sessions=1024))
 

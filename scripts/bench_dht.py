@@ -143,7 +143,8 @@ def main() -> None:
           "| heartbeat bytes/peer (lookup / cached) | record | blocks value |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['peers']} | {r['span_blocks']} | {r['min_replicas']} | {r['client_learn_s']:.2f} ({r['client_reads']}) "
+        print(f"| {r['peers']} | {r['span_blocks']} | {r['min_replicas']} "
+              f"| {r['client_learn_s']:.2f} ({r['client_reads']}) "
               f"| {r['client_bytes'] / 1024:.0f} KiB | {r['join_bytes_median'] / 1024:.1f} KiB "
               f"| {r['heartbeat_bytes_with_lookup'] / 1024:.1f} / {r['heartbeat_bytes'] / 1024:.1f} KiB "
               f"| {r['record_bytes']} B | {r['blocks_value_bytes'] / 1024:.1f} KiB |")

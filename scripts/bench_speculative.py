@@ -228,7 +228,8 @@ def main() -> None:
     fixed = {}
     for mode in modes:
         cells = [(rtt, table[(rtt, k, mode)]) for rtt in args.rtts for k in CLASSES]
-        fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / sum(c["n_steps"] for _, c in cells)
+        steps = sum(c["n_steps"] for _, c in cells)
+        fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / steps
 
     print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
           f"{'exact kernels when speculating, ' if args.exact else ''}"

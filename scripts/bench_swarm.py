@@ -190,7 +190,7 @@ async def bench(args, home: Path, peers: Peers) -> None:
             victim = next(m for m in group if peers.ids[m] == span.route_taken[-1]["peer"])
             died: list[float] = []
 
-            def on_token(i: int) -> None:
+            def on_token(i: int, kill_at=kill_at, victim=victim, died=died) -> None:
                 if i == kill_at:
                     peers.kill(victim)
                     died.append(time.perf_counter())

@@ -43,6 +43,7 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from diffuse.trust import reputation  # noqa: E402
 from diffuse.trust.guard import TrustOptions  # noqa: E402
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -76,7 +77,8 @@ async def bench(args, home: Path, boot: str) -> int:
     model_dir = store.resolve(home, None)
     prompt = Tokenizer.load(model_dir).encode_chat([{"role": "user", "content": QUESTION}])
     dtype = parse_dtype(args.dtype)
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as node:
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+                         codecs=reputation.swarm_codecs()) as node:
         clients = {name: SwarmClient(node, model_dir, SwarmOptions(dtype=dtype, trust=trust))
                    for name, trust in CONFIGS.items()}
         with trio.fail_after(120):
@@ -98,7 +100,7 @@ async def bench(args, home: Path, boot: str) -> int:
                 rates[name].append(tps)
                 answers.add(tuple(ids))
                 failovers += info["failovers"]
-        counts = {name: dict(c.guard.counts) for name, c in clients.items() if c.guard is not None}
+        counts = {name: c.guard.status() for name, c in clients.items() if c.guard is not None}
     # Pooled: all tokens over all time. Spot checks audit whole hop sessions with probability
     # spot_rate, so the expected cost shows only over many sessions, not in a median of a few.
     med = {k: len(v) * args.tokens / sum(args.tokens / r for r in v) for k, v in rates.items()}

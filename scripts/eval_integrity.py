@@ -45,7 +45,7 @@ import torch
 from diffuse.model.load import load_head, load_span
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import canary as C
-from diffuse.trust.commitments import output_commitment
+from diffuse.data.commitments import output_commitment
 from diffuse.trust.spotcheck import Tolerance, compare
 from diffuse.trust.tamper import WEIGHT_KINDS, Tamper
 
@@ -273,8 +273,8 @@ def report(rows, honest_rows, grid, pool: int) -> None:
                 if not sel:
                     continue
                 res = [r[4] for r in sel]
-                worst = lambda rate, j: min(x[rate][j] for x in res)  # noqa: E731
-                slowest = lambda rate: max((x[rate][3] for x in res), key=_sort_key)  # noqa: E731
+                worst = lambda rate, j, res=res: min(x[rate][j] for x in res)  # noqa: E731
+                slowest = lambda rate, res=res: max((x[rate][3] for x in res), key=_sort_key)  # noqa: E731
                 h = [r[6] for r in sel if not math.isnan(r[6])]
                 harm_txt = f"{statistics.mean(h):6.1f}" if h else f"{'-':>6s}"
                 print(f"{kind:10s} {strength:>8g} {d[:8]:8s} {worst(1.0, 0):6.3f} {worst(1.0, 1):6.2f} "

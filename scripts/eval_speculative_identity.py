@@ -11,7 +11,7 @@ holding block 0 and the head), planning with the idle cost table; phase 5 is in-
 
 Phases (each cached as JSON under --out, so an interrupted run resumes where it stopped):
 1. step costs: seconds per forward of T positions at a 300-token context, fp32, median of 3
-   (--costs measure), or the prototype's table from this machine when idle (--costs idle: a
+   (--costs measure), or a table measured on an idle 2-core AVX2 machine (--costs idle: a
    busy shared box inflates and distorts the curve); the planner's model: the T=1 cost, and
    a + b*T fitted on 2 <= T <= 32.
 2. fp32 plain greedy, every prompt, exactly --tokens tokens (end-of-turn ignored, so every
@@ -46,7 +46,7 @@ from diffuse.client.local import open_local  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
-from diffuse.client.speculative import Cost, SpecConfig, StepCost, kv_headroom, speculative_tokens  # noqa: E402
+from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost, kv_headroom, speculative_tokens  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 
 CHAT = [
@@ -153,7 +153,7 @@ TASKS = [
 ]
 GROUNDED = [task.format(p) for p in PASSAGES for task in TASKS][:17]
 CLASSES = {"chat": CHAT, "code": CODE, "grounded": GROUNDED}
-# fp32, 2 threads, 300-token context, idle machine (shared/notes/speculative.md), seconds.
+# fp32, 2 threads, 300-token context, an idle 2-core AVX2 machine, seconds.
 IDLE_FP32 = {"1": 0.038, "2": 0.058, "8": 0.055, "16": 0.067, "32": 0.092, "64": 0.145, "128": 0.240}
 
 
@@ -242,17 +242,20 @@ async def run_plain(sessions: Sessions, prompts, n: int) -> list[dict]:
 async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost, draft=None) -> list[dict]:
     out = []
     for i, (_, prompt) in enumerate(prompts):
-        cfg = SpecConfig(cost=Modelled(cost), draft=draft)
+        cfg, state = SpecConfig(draft=draft), SpecState(cost=Modelled(cost))
         pipe = await sessions(len(prompt) + n + kv_headroom(cfg))
         try:
-            toks = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(), cfg)]
+            sampler = Sampler(SamplingParams(max_tokens=n))
+            toks = [t async for t in speculative_tokens(pipe, prompt, sampler, set(), cfg, state)]
         finally:
             await pipe.close()
-        out.append(progress({"tokens": toks, "steps": cfg.stats.tokens, "positions": cfg.stats.positions}, i, len(prompts)))
+        row = {"tokens": toks, "steps": state.stats.tokens, "positions": state.stats.positions}
+        out.append(progress(row, i, len(prompts)))
     return out
 
 
-async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path, draft=None) -> tuple[list[dict], list[dict]]:
+async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path,
+                    draft=None) -> tuple[list[dict], list[dict]]:
     """Plain then speculative per prompt, each pair appended to `path` (JSON lines) as it is done,
     so a long run that is stopped keeps every finished comparison and resumes after it."""
     done = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -261,7 +264,8 @@ async def run_pairs(sessions: Sessions, prompts, n: int, cost: Cost, path: Path,
         with path.open("a") as f:
             f.write(json.dumps(pair) + "\n")
         done.append(pair)
-        print(f"pair {i + 1}/{len(prompts)} {prompt[0]}: {'same' if pair[0]['tokens'] == pair[1]['tokens'] else 'DIFFERS'}",
+        same = "same" if pair[0]["tokens"] == pair[1]["tokens"] else "DIFFERS"
+        print(f"pair {i + 1}/{len(prompts)} {prompt[0]}: {same}",
               file=sys.stderr, flush=True)
     return [a for a, _ in done], [b for _, b in done]
 
@@ -297,7 +301,8 @@ def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions]
         async def remote():
             async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
                                  server=False) as node:
-                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, SwarmOptions(dtype=parse_dtype(dtype), exact=exact, trust=None))
+                options = SwarmOptions(dtype=parse_dtype(dtype), exact=exact, trust=None)
+                client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, options)
                 with trio.fail_after(120):
                     while not await client.covered():
                         await trio.sleep(0.25)
@@ -408,8 +413,8 @@ def main() -> None:
         sweeps = {}
         for rtt in ((0.0, 0.02) if not args.swarm else ()):
             sweeps[rtt] = await cached(out / f"spec_fp32_rtt{int(rtt * 1e3)}_{args.costs}.json",
-                                       lambda: run_spec(sessions, [prompts[i] for i in sweep], args.tokens,
-                                                        fit_cost(costs, rtt), draft))
+                                       lambda rtt=rtt: run_spec(sessions, [prompts[i] for i in sweep], args.tokens,
+                                                                fit_cost(costs, rtt), draft))
         return costs, plain, spec80, sweeps
 
     costs, plain, spec80, sweeps = with_sessions(home, "fp32", args.swarm, fp32, args.exact)

@@ -62,7 +62,8 @@ async def run(args, home: Path, peers: B.Peers) -> None:
         with trio.fail_after(120):
             while not set(peers.ids.values()) <= {r.peer_id for r in await client.records()}:
                 await trio.sleep(0.5)
-        print("| repeat | in-process ms/token | swarm ms/token | per hop: wall / peer compute / rest (ms) | client's own ms/token |")
+        print("| repeat | in-process ms/token | swarm ms/token | per hop: wall / peer compute / rest (ms) "
+              "| client's own ms/token |")
         print("|---|---|---|---|---|")
         for rep in range(args.repeats):
             span = data_client.RemoteSpan(client.model_id, 0, client.cfg.num_layers, client.dial, client.route,

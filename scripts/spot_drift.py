@@ -51,8 +51,9 @@ def main() -> None:
     outs = [peer(sent[:, :8].to(dtype), torch.arange(8), cache)]
     outs += [peer(sent[:, p:p + 1].to(dtype), torch.tensor([p]), cache) for p in range(8, t)]
     err = C.drift(torch.cat(outs, 1).to(torch.float16).float(), ref)[0]
+    used = material.tolerance.thresholds[tuple(sorted((args.dtype, "float32"))) + ("body",)]
     print(f"blocks {start}:{end}, honest {args.dtype} peer vs fp32 referee, {t} tokens; "
-          f"fitted body threshold {threshold:.4f} (used: x{material.tolerance.thresholds[tuple(sorted((args.dtype, 'float32'))) + ('body',)] / threshold:g})")
+          f"fitted body threshold {threshold:.4f} (used: x{used / threshold:g})")
     print("| positions | max | p99 | median | max / threshold |")
     print("|---|---|---|---|---|")
     for lo, hi in ((4, 16), (16, 64), (64, 128), (128, t)):

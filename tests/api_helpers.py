@@ -79,7 +79,7 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from api_helpers import FakeSwarm
 from diffuse.api.app import create_app
-from diffuse.api.http import serve_http
+from diffuse.http import serve_http
 
 async def main():
     async with trio.open_nursery() as nursery:

@@ -75,7 +75,8 @@ class Swarm:
             self.ids[name] = parse_peer_addr(lines[0]).peer_id.to_base58()
             self.metrics[name] = _metrics_url(proc)
         self.partial.read_until("serving", timeout=300)
-        self.api_proc = procs.start("api", "--bootstrap", self.boot, "--listen", "127.0.0.1:0", "--model", DEFAULT_MODEL,
+        self.api_proc = procs.start("api", "--bootstrap", self.boot, "--listen", "127.0.0.1:0",
+                                    "--model", DEFAULT_MODEL,
                                     "--model", PARTIAL, "--api-key", KEY, "--max-sessions", "3", "--max-tokens", "32",
                                     "--wait", "60", "--no-trust")  # the trust plane has its own swarm tests
         self.api = self.api_proc.read_until("listening on", timeout=300)[-1].split()[-1]

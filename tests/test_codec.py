@@ -29,9 +29,7 @@ from diffuse.data.codec import (
     Ping,
     SMALL_TENSOR,
     Pong,
-    ServerSession,
     SessionError,
-    SessionState,
     Step,
     StepOk,
     UnsupportedVersion,
@@ -39,6 +37,7 @@ from diffuse.data.codec import (
     decode,
     encode,
 )
+from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.errors import ProtocolError
 
 SID = bytes(range(1, 17))
@@ -240,7 +239,8 @@ def test_both_finite_checks_agree_on_every_exponent_pattern(dtype, bits, numel):
         values = raw.to(ints).view(dtype).clone()
         values[~values.isfinite()] = 1.0  # a finite base, then 0-2 specials
         for _ in range(trial % 3):
-            values[int(torch.randint(numel, (1,), generator=g))] = [float("inf"), float("-inf"), float("nan")][trial % 3]
+            bad = [float("inf"), float("-inf"), float("nan")][trial % 3]
+            values[int(torch.randint(numel, (1,), generator=g))] = bad
         h = values.view(1, 1, numel)
         if bool(values.isfinite().all()):
             assert torch.equal(decode(encode(StepOk(SID, 0, h))).hidden.view(ints), h.view(ints))
@@ -435,11 +435,11 @@ def test_fuzz_mutated_frames(msg, data):
         feed_all(struct.pack(">I", len(frame) - 4) + bytes(frame[4:]), 1 << 20)
 
 
-# --------------------------------------------------------------------------- server session
+# --------------------------------------------------------------------------- session rules
 
 
-def opened(max_length: int = 100, **kw) -> ServerSession:
-    s = ServerSession()
+def opened(max_length: int = 100, **kw) -> SessionRules:
+    s = SessionRules(Role.SERVER)
     s.receive(Open(SID, "m", 0, 4, max_length, **kw))
     assert s.state is SessionState.OPENING
     s.send(OpenOk(SID, max_length, "bfloat16"))
@@ -490,7 +490,7 @@ def test_session_speculative_flow():
     (None, OpenOk(SID, 8), "client may not send", ErrorCode.BAD_STEP),
 ])
 def test_session_rejects(prepare, bad, match, code):
-    s = ServerSession()
+    s = SessionRules(Role.SERVER)
     s.receive(Open(SID, "m", 0, 4, 100))
     if prepare is not None or match != "before OPEN_OK":
         s.send(OpenOk(SID, 100))
@@ -514,25 +514,61 @@ def test_session_checks_dtype_hidden_size_and_replies():
     with pytest.raises(SessionError, match="output shape"):
         s.send(StepOk(SID, 0, h(2)))
     with pytest.raises(SessionError, match="not opened|OPEN_OK without"):
-        ServerSession().send(OpenOk(SID, 8))
-    t = ServerSession()
+        SessionRules(Role.SERVER).send(OpenOk(SID, 8))
+    t = SessionRules(Role.SERVER)
     t.receive(Open(SID, "m", 0, 4, 100))
     with pytest.raises(SessionError, match="more than was requested"):
         t.send(OpenOk(SID, 101))
     assert decode(t.send(ErrorMsg(ErrorCode.NO_CAPACITY, "full", SID))).code == 6
     assert t.state is SessionState.CLOSED
     with pytest.raises(SessionError):
-        ServerSession().receive(step())
+        SessionRules(Role.SERVER).receive(step())
 
 
 def test_session_minor_and_client_error():
-    s = ServerSession()
+    s = SessionRules(Role.SERVER)
     assert s.minor == 1
     s.receive(Open(SID, "m", 0, 4, 100, minor=0))
     assert s.minor == 0  # min(client 0, ours 1): a 1.0 client gets no 1.1 feature
     s.send(OpenOk(SID, 100))
     s.receive(ErrorMsg(ErrorCode.INTERNAL, "client gave up", SID))
     assert s.state is SessionState.CLOSED
+
+
+def test_client_rules_mirror_the_server_and_blame_the_right_side():
+    """The client keeps the same rules: it may not send what the server would refuse (INTERNAL:
+    its own bug), and a reply the server may not send is refused with the code to answer it."""
+    c = SessionRules(Role.CLIENT)
+    with pytest.raises(SessionError, match="client may not send OpenOk") as info:
+        c.send(OpenOk(SID, 8))
+    assert info.value.code is ErrorCode.INTERNAL
+    c.send(Open(SID, "m", 0, 4, 100))
+    with pytest.raises(SessionError, match="before OPEN_OK") as info:
+        c.send(step(step=0, positions=[0], hidden=h(1)))
+    assert info.value.code is ErrorCode.INTERNAL
+    c.receive(OpenOk(SID, 100, "bfloat16"))
+    frames = [c.send(step(step=i, cache_len=i, positions=[i], hidden=h(1))) for i in range(3)]  # pipelined
+    assert [decode(f).step for f in frames] == [0, 1, 2] and c.committed == 3
+    with pytest.raises(SessionError, match="out of order") as info:
+        c.receive(StepOk(SID, 1, h(1)))
+    assert info.value.code is ErrorCode.BAD_STEP
+    c.receive(StepOk(SID, 0, h(1)))
+    with pytest.raises(SessionError, match="output shape"):
+        c.receive(StepOk(SID, 1, h(2)))
+    d = SessionRules(Role.CLIENT)
+    d.send(Open(SID, "m", 0, 4, 100))
+    d.receive(OpenOk(SID, 100))
+    d.send(step(step=0, positions=[0], hidden=h(1)))
+    with pytest.raises(SessionError, match="float32, session is"):  # a reply in another dtype than asked
+        d.receive(StepOk(SID, 0, torch.zeros(1, 1, 8)))
+    with pytest.raises(SessionError, match="server may not send Step"):
+        SessionRules(Role.CLIENT).receive(step())
+    e = SessionRules(Role.CLIENT)
+    e.send(Open(SID, "m", 0, 4, 100))
+    e.receive(ErrorMsg(ErrorCode.NO_CAPACITY, "full", SID))
+    assert e.state is SessionState.CLOSED
+    with pytest.raises(SessionError, match="after the session ended"):
+        e.send(Close(SID))
 
 
 def test_exact_flags_travel_on_their_bits():

@@ -7,7 +7,6 @@ peer's /metrics after a generation is checked in test_api_swarm.py (it reuses th
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 
@@ -17,8 +16,8 @@ import torch
 import trio
 
 from control_helpers import Procs, make_fake_model
-from diffuse.cli.net import _apply_contribution
 from diffuse.data.codec import ErrorCode, ErrorMsg, StepOk, encode
+from diffuse.data.serve import Contribution, contribution
 from diffuse.metrics import REGISTRY, MeteredStream, serve_metrics, watch_peer
 
 SID = bytes(range(16))
@@ -94,17 +93,12 @@ def test_peer_metrics_endpoint_exports_the_servers_counters():
 
 
 def test_contribution_levels_bound_threads_sessions_and_cache():
-    threads = torch.get_num_threads()
-    try:
-        args = argparse.Namespace(contribution="min", cache_tokens=65536)
-        assert _apply_contribution(args)
-        assert (torch.get_num_threads(), args.max_sessions, args.cache_tokens) == (1, 8, 8192)
-        args = argparse.Namespace(contribution="max", cache_tokens=65536)
-        assert _apply_contribution(args) and (args.max_sessions, args.cache_tokens) == (64, 65536)
-        assert not _apply_contribution(argparse.Namespace(contribution="pause", cache_tokens=1))
-        assert not _apply_contribution(argparse.Namespace(contribution="max", cache_tokens=1, client_only=True))
-    finally:
-        torch.set_num_threads(threads)
+    assert contribution("min", 65536, cores=4) == Contribution(threads=1, max_sessions=8, cache_tokens=8192)
+    assert contribution("moderate", 65536, cores=4) == Contribution(2, 32, 32768)
+    assert contribution("max", 65536, cores=4) == Contribution(4, 64, 65536)
+    assert contribution("pause", 65536, cores=4) is None
+    with pytest.raises(ValueError, match="unknown contribution level 'most'"):
+        contribution("most", 1, 1)
 
 
 @pytest.mark.timeout(300)

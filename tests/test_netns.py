@@ -17,7 +17,7 @@ import pytest
 
 from diffuse.cli.demo import CLI, Child
 from diffuse.control.host import parse_peer_addr
-from test_swarm import QUESTION, TOKENS, reference  # noqa: F401 - `reference` is a fixture
+from test_swarm import QUESTION, TOKENS, reference_answer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SUBNET = "10.99.0"
@@ -83,6 +83,11 @@ class Net:
 
     def listen(self, name: str) -> str:
         return f"/ip4/{self.addr[name]}/tcp/0"
+
+
+@pytest.fixture(scope="module")
+def reference(home) -> list[int]:
+    return reference_answer(home)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from diffuse.control.records import (
     InvalidRecord,
     PeerRecord,
     RecordValidator,
+    SetCodecs,
     SignedRecord,
     blocks_key,
     decode_set,
@@ -90,7 +91,7 @@ def test_stale_future_and_immortal_records_are_rejected():
                                      cbor2.dumps([1, 2, 3]), cbor2.dumps([]), b"\x9f" * 5000])
 def test_garbage_values_are_rejected(garbage):
     with pytest.raises(InvalidRecord):
-        RecordValidator().validate(blocks_key(MODEL), garbage)
+        RecordValidator(SetCodecs()).validate(blocks_key(MODEL), garbage)
 
 
 def test_record_only_lives_under_its_own_keys():
@@ -140,7 +141,7 @@ def test_merge_keeps_latest_per_peer_and_tombstones_win():
 
 
 def test_select_refuses_replays_and_accepts_news():
-    v, key, now = RecordValidator(), blocks_key(MODEL), time.time()
+    v, key, now = RecordValidator(SetCodecs()), blocks_key(MODEL), time.time()
     old, new = sign(record(KP_A, ts=now - 2), KP_A), sign(record(KP_A, ts=now - 1), KP_A)
     other = sign(record(KP_B, 15, 30), KP_B)
     held = encode_set([new, other])
@@ -167,7 +168,7 @@ def test_any_bit_flip_is_rejected_or_harmless(pos, bit):
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_never_crash_the_validator(data):
-    v = RecordValidator()
+    v = RecordValidator(SetCodecs())
     try:
         v.validate(blocks_key(MODEL), data)
     except InvalidRecord:

@@ -13,8 +13,9 @@ import trio.testing
 
 from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
 from diffuse.control.routing import Hop, NoRoute
-from diffuse.data.client import Bans, RemoteSpan, Sent, rechunked
-from diffuse.data.codec import ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
+from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.hop import Sent, rechunked
+from diffuse.data.codec import Close, ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
 from diffuse.data.server import BlockServer, ServerLimits
 from diffuse.model.load import load_head, load_span
 from tiny import make_tiny
@@ -51,6 +52,7 @@ class Swarm:
         self.kill_after: dict[str, int] = {}  # name -> steps served before its streams break
         self.dials: list[str] = []
         self.steps: dict[str, list[Step]] = {}  # name -> every STEP clients sent it
+        self.sent: list[bytes] = []  # every byte clients wrote, in order
 
     async def route(self, start, end, exclude):
         from diffuse.control.routing import plan_route
@@ -67,7 +69,7 @@ class Swarm:
         a, b = trio.testing.memory_stream_pair()
         server = self.servers[hop.peer_id]
         self.nursery.start_soon(self._serve, hop.peer_id, server, MemStream(b))
-        return Recording(MemStream(a), self.steps.setdefault(hop.peer_id, []))
+        return Recording(MemStream(a), self.steps.setdefault(hop.peer_id, []), self.sent)
 
     async def _serve(self, name, server, stream):
         if name in self.kill_after:
@@ -76,13 +78,14 @@ class Swarm:
 
 
 class Recording:
-    """A client-side stream that decodes what the client writes and keeps its STEPs."""
+    """A client-side stream that keeps what the client writes, and its STEPs decoded."""
 
-    def __init__(self, inner, steps: list[Step]):
-        self.inner, self.steps, self.decoder = inner, steps, FrameDecoder()
+    def __init__(self, inner, steps: list[Step], sent: list[bytes]):
+        self.inner, self.steps, self.sent, self.decoder = inner, steps, sent, FrameDecoder()
         self.read, self.close = inner.read, inner.close
 
     async def write(self, data):
+        self.sent.append(data)
         self.steps.extend(m for m in self.decoder.feed(data) if isinstance(m, Step))
         await self.inner.write(data)
 
@@ -160,7 +163,7 @@ def test_failover_replays_into_replica(tiny):
     # "a" is the one-hop route; when it dies its blocks are rebuilt on two hops (a2 then b).
     for kill_at in (0, 1, 5, 11):
         spans = {"a": (1, 4), "a2": (1, 3), "b": (3, 4)}
-        out, remote, swarm = trio.run(lambda: swarm_answer(tiny, spans, 12, kill={"a": kill_at}))
+        out, remote, swarm = trio.run(lambda spans=spans, k=kill_at: swarm_answer(tiny, spans, 12, kill={"a": k}))
         assert out == expected, kill_at
         (failover,) = remote.stats.failovers
         assert failover["peer"] == "a"
@@ -234,7 +237,7 @@ def test_bad_input_is_answered_and_server_keeps_serving(tiny):
             got[name] = await raw_session(server, frames)
         # A well-behaved session afterwards still works.
         step = encode(Step(sid, 0, 0, [0, 1], torch.randn(1, 2, 64)))
-        good = await raw_session(server, [ok_open, step, encode(__import__("diffuse.data.codec", fromlist=["Close"]).Close(sid))])
+        good = await raw_session(server, [ok_open, step, encode(Close(sid))])
         return got, good
 
     got, good = trio.run(run)
@@ -377,12 +380,7 @@ def _needles(prompt: list[int], embed: torch.Tensor) -> list[bytes]:
     return out
 
 
-async def _wire_bytes(path, prompt, front: int, monkeypatch) -> bytes:
-    import diffuse.data.client as client_mod
-
-    sent: list[bytes] = []
-    real_encode = client_mod.encode
-    monkeypatch.setattr(client_mod, "encode", lambda m: sent.append(real_encode(m)) or sent[-1])
+async def _wire_bytes(path, prompt, front: int) -> bytes:
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, path, {"p": (front, 30)})
         n = len(prompt) + 8
@@ -391,20 +389,20 @@ async def _wire_bytes(path, prompt, front: int, monkeypatch) -> bytes:
         stages = ([LocalStage(load_span(path, 0, front), n)] if front else []) + [remote]
         await greedy(Pipeline(load_head(path), stages), prompt, 4)
         nursery.cancel_scope.cancel()
-    return b"".join(sent)
+    return b"".join(swarm.sent)
 
 
-def test_client_sends_no_token_ids_or_embedding_rows(smollm2, monkeypatch):
+def test_client_sends_no_token_ids_or_embedding_rows(smollm2):
     from diffuse.model.tokenizer import Tokenizer
 
     tok = Tokenizer.load(smollm2)
     prompt = tok.encode_chat([{"role": "user", "content": "My account number is 4417 9153 8062 7391."}])
     needles = _needles(prompt, load_head(smollm2).embed.weight)
-    wire = trio.run(_wire_bytes, smollm2, prompt, 1, monkeypatch)
+    wire = trio.run(_wire_bytes, smollm2, prompt, 1)
     assert len(wire) > 10_000
     assert not [n for n in needles if n in wire]
     # The same search finds the embedding rows when the client keeps no block: it can fail.
-    exposed = trio.run(_wire_bytes, smollm2, prompt, 0, monkeypatch)
+    exposed = trio.run(_wire_bytes, smollm2, prompt, 0)
     assert [n for n in needles if n in exposed]
 
 

@@ -13,7 +13,8 @@ from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalModel
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import (
-    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, Speculator, StepCost, best_size,
+    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator, StepCost,
+    best_size,
     kv_headroom, speculative_tokens, tree_inputs, verify,
 )
 from diffuse.model.load import load_head, load_span
@@ -40,9 +41,9 @@ class Fixed(StepCost):
         return self.cost
 
 
-def network(**kw) -> SpecConfig:
+def network(**kw) -> tuple[SpecConfig, SpecState]:
     """Plan as over an 80 ms round trip to CPU peers: speculation pays, trees get sent."""
-    return SpecConfig(cost=Fixed(Cost(0.118, 0.128, 0.0016)), **kw)
+    return SpecConfig(**kw), SpecState(cost=Fixed(Cost(0.118, 0.128, 0.0016)))
 
 
 async def collect(source, pipe, prompt, params, eos, *config) -> list[int]:
@@ -198,8 +199,8 @@ def test_step_cost_fit_and_best_size():
 
 
 def test_plan_fills_the_rows_the_kernels_pad():
-    cfg = SpecConfig(cost=Fixed(Cost(0.1, 0.1, 0.002)), lookahead_gain=10.0)  # always add the window
-    spec = Speculator(cfg, [1, 2, 3])
+    cfg = SpecConfig(lookahead_gain=10.0)  # always add the window
+    spec = Speculator(cfg, SpecState(cost=Fixed(Cost(0.1, 0.1, 0.002))), [1, 2, 3])
     spec.acceptance = Acceptance({"sure": 0.9, "long shot": 0.001})
     draft = Draft(3, cfg.max_nodes, cfg.max_depth)
     draft.add(list(range(10, 18)), "sure")
@@ -219,9 +220,9 @@ def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows():
     dear_jump = Cost(0.03, 0.045, 0.001)
     assert best_size([0.3, 0.1, 0.05], dear_jump) == 0
     assert best_size([0.3, 0.1, 0.05], dear_jump, exact=True) == 3
-    cfg = SpecConfig(cost=Fixed(dear_jump))
+    cfg = SpecConfig()
     for exact, rows in ((False, 1), (True, 16)):
-        spec = Speculator(cfg, [1, 2, 3], exact=exact)
+        spec = Speculator(cfg, SpecState(cost=Fixed(dear_jump)), [1, 2, 3], exact=exact)
         spec.acceptance = Acceptance({"long shot": 0.001})
         draft = Draft(3, cfg.max_nodes, cfg.max_depth)
         for t in range(20, 60):
@@ -237,6 +238,8 @@ def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows():
 class MarkovPipe:
     """A 'model' whose next-token logits depend on the last two tokens of each node's own
     branch, read through the tree mask: it checks the loop's masks, positions and commits."""
+
+    head, exact, hidden = None, False, None  # no LM head or final states for a draft head to read
 
     def __init__(self, vocab: int = 5, seed: int = 0, max_len: int = 1 << 20):
         self.table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 2
@@ -260,7 +263,7 @@ class MarkovPipe:
             seen = [row.nonzero().flatten().tolist() for row in tree_mask]
             assert positions.tolist() == [self.length + len(s) - 1 for s in seen]
         out = []
-        for i, sees in enumerate(seen):
+        for sees in seen:
             branch = self.tokens + [new[j] for j in sees]
             out.append(self.table[branch[-2] if len(branch) > 1 else 0, branch[-1]])
         if commit:
@@ -305,11 +308,11 @@ def test_sampling_distribution_over_whole_generations():
     async def many(n):
         counts, accepted = {}, 0
         for _ in range(n):
-            pipe, cfg = MarkovPipe(vocab=4), network()
+            pipe, (cfg, state) = MarkovPipe(vocab=4), network()
             pipe.table = table
-            out = tuple([t async for t in speculative_tokens(pipe, prompt, sampler, set(), cfg)])
+            out = tuple([t async for t in speculative_tokens(pipe, prompt, sampler, set(), cfg, state)])
             counts[out] = counts.get(out, 0) + 1
-            accepted += 3 - 1 - cfg.stats.steps  # tokens beyond the first, minus one per step
+            accepted += 3 - 1 - state.stats.steps  # tokens beyond the first, minus one per step
         return counts, accepted
 
     n = 3000
@@ -332,24 +335,24 @@ def test_exact_max_tokens_and_eos_as_an_accepted_guess():
     eos = 5
     prompt = [1, 2, 3, 4, eos] * 3 + [1]  # prompt lookup proposes "3 4 <eos> 1 2" after "1 2"
     for max_tokens in (1, 2, 3, 4, 9):
-        params, cfg, pipe = SamplingParams(max_tokens=max_tokens), network(), cyclic_pipe(eos)
-        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, {eos}, cfg)
+        params, (cfg, state), pipe = SamplingParams(max_tokens=max_tokens), network(), cyclic_pipe(eos)
+        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, {eos}, cfg, state)
         assert ours == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, {eos})
         assert ours == [2, 3, 4][:max_tokens]
         if max_tokens > 3:  # eos came as an accepted guess: neither yielded nor committed
-            assert cfg.stats.tokens == [3] and pipe.tokens == prompt + [2, 3, 4]
+            assert state.stats.tokens == [3] and pipe.tokens == prompt + [2, 3, 4]
     for max_tokens in (7, 13, 30):  # without an eos: exactly max_tokens, however steps fall
         params = SamplingParams(max_tokens=max_tokens)
-        ours = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), network())
+        ours = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), *network())
         assert ours == ([2, 3, 4, eos, 1] * 6)[:max_tokens]
 
 
 def test_widest_steps_fit_the_kv_headroom():
     eos, max_tokens = 5, 30
     prompt = [1, 2, 3, 4, eos] * 3 + [1]
-    cfg = SpecConfig(cost=Fixed(Cost(1.0, 1.0, 0.0)), max_nodes=6, width=3, levels=2)
+    cfg, state = SpecConfig(max_nodes=6, width=3, levels=2), SpecState(cost=Fixed(Cost(1.0, 1.0, 0.0)))
     pipe = cyclic_pipe(eos, max_len=len(prompt) + max_tokens + kv_headroom(cfg))
-    out = trio.run(collect, speculative_tokens, pipe, prompt, SamplingParams(max_tokens=max_tokens), set(), cfg)
+    out = trio.run(collect, speculative_tokens, pipe, prompt, SamplingParams(max_tokens=max_tokens), set(), cfg, state)
     assert len(out) == max_tokens and pipe.widest == 1 + kv_headroom(cfg)  # full trees were sent
 
 
@@ -378,11 +381,11 @@ def test_tiny_greedy_identity_and_clean_cache(tiny_model, config):
     params = SamplingParams(max_tokens=60)
     plain_pipe = tiny_model.session(len(prompt) + 64)
     plain = trio.run(collect, stream_tokens, plain_pipe, prompt, params, set())
-    cfg = config()
+    cfg, state = config()
     spec_pipe = tiny_model.session(len(prompt) + 60 + kv_headroom(cfg))
-    ours = trio.run(collect, speculative_tokens, spec_pipe, prompt, params, set(), cfg)
+    ours = trio.run(collect, speculative_tokens, spec_pipe, prompt, params, set(), cfg, state)
     assert ours == plain
-    assert max(cfg.stats.tokens) > 1 and 1 + sum(cfg.stats.tokens) == len(plain)  # +1: from the prefill
+    assert max(state.stats.tokens) > 1 and 1 + sum(state.stats.tokens) == len(plain)  # +1: from the prefill
     # Rejected guesses left nothing behind: after feeding what each cache lacks, the next
     # tokens see identical logits.
     text, nxt = prompt + plain, [[8, 9, 10]]
@@ -416,11 +419,11 @@ def test_smollm2_greedy_identity(home: Path):
     for kind, text in PROMPTS.items():
         prompt = tok.encode_chat([{"role": "user", "content": text}])
         plain = trio.run(collect, stream_tokens, model.session(len(prompt) + 33), prompt, params, tok.eos_ids)
-        cfg = network(lookahead_gain=10.0) if kind == "chat" else network()
+        cfg, state = network(lookahead_gain=10.0) if kind == "chat" else network()
         pipe = model.session(len(prompt) + 32 + kv_headroom(cfg))
-        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, tok.eos_ids, cfg)
+        ours = trio.run(collect, speculative_tokens, pipe, prompt, params, tok.eos_ids, cfg, state)
         assert ours == plain, (kind, tok.decode(plain), tok.decode(ours))
-        gained += sum(cfg.stats.tokens) - cfg.stats.steps
+        gained += sum(state.stats.tokens) - state.stats.steps
     assert gained > 0
 
 
@@ -430,11 +433,11 @@ def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, m
     from test_sessions import MODEL, Swarm
     from diffuse.client.pipeline import LocalStage, Pipeline
     from diffuse.data.client import Bans, RemoteSpan
-    from diffuse.model.llama import BlockSpan
+    from diffuse.model.engine import BlockSpan
 
     path = make_tiny(tmp_path / "t")
     prompt = [5, 17, 42, 99, 3, 250, 7, 17, 42, 99, 3, 11]
-    params, cfg = SamplingParams(max_tokens=40), network()
+    params, (cfg, state) = SamplingParams(max_tokens=40), network()
     caches = []  # the server's session cache is the first one made
     new_cache = BlockSpan.new_cache
     monkeypatch.setattr(BlockSpan, "new_cache", lambda self, *a: caches.append(new_cache(self, *a)) or caches[-1])
@@ -442,11 +445,12 @@ def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, m
     async def run():
         async with trio.open_nursery() as nursery:
             swarm = Swarm(nursery, path, {"p": (1, 4)})
-            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=len(prompt) + 40 + kv_headroom(cfg),
+            max_len = len(prompt) + 40 + kv_headroom(cfg)
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=max_len,
                                 dtype=torch.float32, timeout=10, route_wait=0)
             await remote.open()
             pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), remote.max_len), remote])
-            out = await collect(speculative_tokens, pipe, prompt, params, set(), cfg)
+            out = await collect(speculative_tokens, pipe, prompt, params, set(), cfg, state)
             await pipe.forward(torch.tensor([(prompt + out)[pipe.length:]]))  # what the cache lacks, plain
             server = caches[0]
             n = server.length
@@ -459,7 +463,7 @@ def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, m
     out, n, (k, v), nxt = trio.run(run)
     ref_pipe = tiny_model.session(len(prompt) + 64)
     plain = trio.run(collect, stream_tokens, ref_pipe, prompt, params, set())
-    assert out == plain and max(cfg.stats.tokens) > 1 and cfg.stats.steps < len(plain) - 1
+    assert out == plain and max(state.stats.tokens) > 1 and state.stats.steps < len(plain) - 1
     assert n == len(prompt) + len(plain)
     ref = Sync(ref_pipe)
     ref.forward(torch.tensor([(prompt + plain)[ref.length:]]))  # plain decoding never feeds its last token

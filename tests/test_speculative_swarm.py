@@ -18,12 +18,13 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from control_helpers import Procs
 from diffuse.client.generate import Generation, session_length
 from diffuse.client.sampling import SamplingParams
-from diffuse.client.speculative import Cost, SpecConfig, StepCost
+from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
+from diffuse.trust import reputation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ~4 min on a quiet 2-core machine
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -53,21 +54,24 @@ def swarm(home, tmp_path_factory):
         yield procs, boot, peers, ids
 
 
-async def generate(boot: str, home, spec: SpecConfig | None, kill=None) -> tuple[list[int], list[dict]]:
+async def generate(boot: str, home, spec: SpecState | None, kill=None) -> tuple[list[int], list[dict]]:
     """One greedy answer from an in-process client (fp32 like the peers, exact kernels: what
-    `ask` uses when it speculates); after every token, kill(remote) may SIGKILL a peer."""
+    `ask` uses when it speculates; `spec`: speculate, with this state); after every token,
+    kill(remote) may SIGKILL a peer."""
+    config = SpecConfig() if spec is not None else None
     model_dir = models_dir(home) / DEFAULT_MODEL
     tok = Tokenizer.load(model_dir)
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     params = SamplingParams(max_tokens=TOKENS)
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as node:
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+                         codecs=reputation.swarm_codecs()) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, exact=True))
         with trio.fail_after(60):
             while not await client.covered():
                 await trio.sleep(0.25)
-        pipe = await client.session(session_length(len(prompt), TOKENS, spec))
+        pipe = await client.session(session_length(len(prompt), TOKENS, config))
         remote = remote_of(pipe)
-        gen = Generation(pipe, tok, prompt, params, speculate=spec)
+        gen = Generation(pipe, tok, prompt, params, speculate=config, state=spec)
         async for _ in gen:
             if kill:
                 kill(remote)
@@ -85,7 +89,7 @@ def plain(swarm, home) -> list[int]:
 
 def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     procs, boot, _, _ = swarm
-    spec = SpecConfig(cost=Fixed())
+    spec = SpecState(cost=Fixed())
     tokens, failovers = trio.run(generate, boot, home, spec)
     assert tokens == plain, failovers
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
@@ -104,10 +108,10 @@ def test_sigkill_while_speculating_keeps_the_greedy_answer(swarm, home, plain):
     change."""
     _, boot, peers, ids = swarm
     for half, kill_after_steps in ((0, 3), (1, 7)):
-        spec = SpecConfig(cost=Fixed())
+        spec = SpecState(cost=Fixed())
         victim: list[str] = []
 
-        def kill(remote, half=half, steps=kill_after_steps, spec=spec):
+        def kill(remote, half=half, steps=kill_after_steps, spec=spec, victim=victim):
             if not victim and len(spec.stats.tokens) >= steps:
                 peer = remote.route_taken[half]["peer"]
                 victim.append(next(n for n, p in ids.items() if p == peer))

@@ -9,7 +9,6 @@ import json
 import signal
 
 import pytest
-import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -23,6 +22,7 @@ from diffuse.control.node import open_node
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, ErrorMsg
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
+from diffuse.trust import reputation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -59,7 +59,11 @@ class Swarm:
 
 
 @pytest.fixture(scope="module")
-def reference(home):
+def reference(home) -> list[int]:
+    return reference_answer(home)
+
+
+def reference_answer(home) -> list[int]:
     """The in-process answer, in the swarm's default dtype (bf16 compute, fp16 on the wire is
     lossless for this model's activations)."""
     model, tok = open_local(home, None, "bf16")
@@ -107,7 +111,8 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
 
         async def run() -> list[dict]:
             results = []
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                 codecs=reputation.swarm_codecs()) as node:
                 client = SwarmClient(node, model_dir, SwarmOptions())
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])

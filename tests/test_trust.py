@@ -19,7 +19,7 @@ from diffuse.data.codec import FrameDecoder, StepOk, encode
 from diffuse.model.load import load_head, load_span
 from diffuse.trust import canary as C
 from diffuse.trust import reputation as R
-from diffuse.trust.commitments import (
+from diffuse.data.commitments import (
     CHUNK_SIZE, bind, chunks_of_token, input_commitment, output_commitment,
 )
 from diffuse.trust.spotcheck import SpotChecker, SpotVerdict, Tolerance, compare

@@ -15,16 +15,17 @@ from libp2p.peer.id import ID
 from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalStage, Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
-from diffuse.control.records import evidence_key
-from diffuse.data.client import Bans, HopFailed, HopSession, RemoteSpan
-from diffuse.data.codec import StepOk
+from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.hop import HopFailed, HopSession
+from diffuse.data.codec import Open, OpenOk, StepOk
 from diffuse.data.server import BlockServer
 from diffuse.model.load import load_head, load_span
 from diffuse.trust import reputation
 from diffuse.trust.bank import CanaryBank
 from diffuse.trust.guard import Guard, TrustOptions
 from diffuse.trust.tamper import Tamper
-from test_sessions import MODEL, PROMPT, Swarm, greedy, local_answer, tiny  # noqa: F401 - fixture
+from test_sessions import MODEL, PROMPT, Swarm, greedy, local_answer
+from tiny import make_tiny
 
 
 def peer() -> str:
@@ -32,6 +33,11 @@ def peer() -> str:
 
 
 HONEST, CHEAT = peer(), peer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "t", layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +62,7 @@ async def guarded_answer(path, bank, spans, tamper, n, options, published, max_l
 
         guard = Guard(MODEL, bank, create_new_key_pair(), options, publish, rng=random.Random(7))
         remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=max_len, timeout=10,
-                            route_wait=0, guard=guard)
+                            route_wait=0, checks=guard)
         await remote.open()
         pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), max_len), remote])
         out = await run(pipe, PROMPT, n)
@@ -74,7 +80,7 @@ def test_honest_swarm_passes_every_check(tiny, bank):
     assert guard.counts["canaries"] == 3 + 1  # vetting, then one after the session
     assert guard.counts["spot_checks"] == 11  # prompt + 10 steps
     assert guard.counts["caught"] == 0 and not remote.stats.failovers and not published
-    assert not guard.shadows  # referee caches freed with the session
+    assert not guard.referee.shadows  # referee caches freed with the session
 
 
 def test_canaries_fit_sessions_shorter_than_a_canary(tiny, bank):
@@ -103,9 +109,9 @@ def test_canaries_catch_a_tamperer_before_it_carries_traffic(tiny, bank, kind, s
     assert ev.evidence.kind == "canary" and ev.evidence.accused == CHEAT
     again = reputation.decode(ev.encode())  # anyone can verify who reported what
     assert again.evidence == ev.evidence
-    assert reputation.decode_set(reputation.encode_set([ev]), evidence_key(CHEAT)) == [ev]
+    assert reputation.decode_set(reputation.encode_set([ev]), reputation.evidence_key(CHEAT)) == [ev]
     with pytest.raises(reputation.InvalidEvidence):
-        reputation.decode_set(reputation.encode_set([ev]), evidence_key(HONEST))
+        reputation.decode_set(reputation.encode_set([ev]), reputation.evidence_key(HONEST))
 
 
 def test_spot_checks_catch_a_tamperer_mid_generation(tiny, bank):
@@ -143,7 +149,7 @@ def test_deferred_spot_checks_rewind_a_caught_step(tiny, bank):
     (failover,) = remote.stats.failovers
     assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
     assert HONEST in [h["peer"] for h in remote.route_taken]
-    assert guard.counts["spot_checks"] >= 12 and not guard.checks
+    assert guard.counts["spot_checks"] >= 12 and not guard.referee.pending
 
 
 def test_deferred_spot_checks_pass_an_honest_swarm(tiny, bank):
@@ -154,7 +160,7 @@ def test_deferred_spot_checks_pass_an_honest_swarm(tiny, bank):
                                   published, 64, streamed)
     assert out == expected
     assert guard.counts["spot_checks"] == 2 * 10 and guard.counts["caught"] == 0  # prompt + 9 steps, 2 hops
-    assert not remote.stats.failovers and not published and not guard.checks
+    assert not remote.stats.failovers and not published and not guard.referee.pending
 
 
 def test_output_commitment_must_match_the_bytes(tiny):
@@ -165,6 +171,8 @@ def test_output_commitment_must_match_the_bytes(tiny):
     from diffuse.control.routing import Hop
 
     s = HopSession(Hop(HONEST, (), 1, 4), Stream(), MODEL, 8, 1, torch.float16, 5, commitments=True)
+    s.rules.send(Open(s.session_id, MODEL, 1, 4, 8, 1, torch.float16, True))
+    s.rules.receive(OpenOk(s.session_id, 8))
     msg_out = torch.randn(1, 2, 64).half()
 
     async def fake_receive():

@@ -10,9 +10,14 @@ import time
 import pytest
 
 from control_helpers import Procs
-from test_swarm import QUESTION, TOKENS, Swarm, reference  # noqa: F401 - fixture
+from test_swarm import QUESTION, TOKENS, Swarm, reference_answer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+
+@pytest.fixture(scope="module")
+def reference(home) -> list[int]:
+    return reference_answer(home)
 
 
 def ask(procs: Procs, boot: str) -> dict:

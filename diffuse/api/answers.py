@@ -125,7 +125,7 @@ class Answers:
                     await emit(i, piece, None)
                 done[i] = gen.completion
                 await emit(i, "", gen.completion)
-            except Exception as e:  # one failed choice fails the request: stop the others
+            except Exception as e:  # noqa: BLE001 - one failed choice fails the request: stop the others
                 errors.append(e)
                 nursery.cancel_scope.cancel()
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
 from diffuse.errors import DiffuseError
-from diffuse.model.llama import Head
+from diffuse.model.engine import Head
 from diffuse.model.tokenizer import Tokenizer
 
 LOCAL_PEER = "local"  # the peer id the status page shows for blocks computed in this process

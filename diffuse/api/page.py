@@ -25,7 +25,8 @@ PAGE = """<!doctype html>
   .muted { color: var(--muted); }
   .map { display: grid; gap: 2px; margin: .6em 0; align-items: center; }
   .block { text-align: center; font-size: 11px; color: #fff; border-radius: 2px; padding: 3px 0; }
-  .r0 { background: var(--bad); } .r1 { background: var(--thin); } .r2 { background: var(--ok); } .r3 { background: var(--rich); }
+  .r0 { background: var(--bad); } .r1 { background: var(--thin); }
+  .r2 { background: var(--ok); } .r3 { background: var(--rich); }
   .span { background: #dfe6f3; border: 1px solid #9fb0d0; border-radius: 3px; font: 11px ui-monospace, monospace;
           white-space: nowrap; overflow: hidden; text-overflow: ellipsis; padding: 1px 4px; }
   .span.late { background: #f6e3c4; border-color: var(--thin); }
@@ -35,7 +36,8 @@ PAGE = """<!doctype html>
   th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #eee; }
   td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
   td.mono { font-family: ui-monospace, monospace; }
-  .legend span { display: inline-block; width: 1em; height: 1em; vertical-align: middle; border-radius: 2px; margin: 0 .2em 0 .8em; }
+  .legend span { display: inline-block; width: 1em; height: 1em; vertical-align: middle; border-radius: 2px;
+                 margin: 0 .2em 0 .8em; }
   #error { display: none; background: var(--bad); color: #fff; padding: .5em 1.2em; }
 </style>
 </head>
@@ -89,12 +91,14 @@ function renderModel(m) {
     el("div", {class: "legend muted"}, "replicas:",
        el("span", {class: "r0"}), "0", el("span", {class: "r1"}), "1", el("span", {class: "r2"}), "2",
        el("span", {class: "r3"}), "3+"));
-  const map = el("div", {class: "map", style: `grid-template-columns: max-content repeat(${m.num_blocks}, minmax(16px, 1fr))`});
+  const map = el("div", {class: "map",
+                         style: `grid-template-columns: max-content repeat(${m.num_blocks}, minmax(16px, 1fr))`});
   map.append(el("div", {class: "label"}, "block"));
   for (const b of m.blocks) {
     const n = b.peers.length;
     map.append(el("div", {class: "block r" + Math.min(n, 3), "data-block": b.block, "data-replicas": n,
-                          title: `block ${b.block}: ${n} replica(s)` + (n ? "\\n" + b.peers.join("\\n") : "")}, b.block));
+                          title: `block ${b.block}: ${n} replica(s)` +
+                                 (n ? "\\n" + b.peers.join("\\n") : "")}, b.block));
   }
   m.peers.forEach((p, row) => {
     map.append(el("div", {class: "label", style: `grid-row: ${row + 2}`}, short(p.peer_id)));
@@ -115,7 +119,8 @@ function renderModel(m) {
       el("td", {class: "num"}, dur(p.last_heartbeat_s) + " ago"), el("td", {}, health(p))));
   }
   for (const [id, why] of Object.entries(m.excluded || {})) {
-    table.append(el("tr", {"data-excluded": id}, el("td", {class: "mono"}, id), el("td", {colspan: 8}, "excluded: " + why),
+    table.append(el("tr", {"data-excluded": id}, el("td", {class: "mono"}, id),
+                    el("td", {colspan: 8}, "excluded: " + why),
                     el("td", {}, "excluded")));
   }
   card.append(table);

@@ -26,6 +26,7 @@ from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
+from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
 WARM_RETRY_S = 5.0  # start-up trust warm-up: how often to look again for a route while there is none
@@ -144,7 +145,7 @@ class SwarmBackend:
                     m = await trio.to_thread.run_sync(bank.judging, hop.start, hop.end, dtype, abandon_on_cancel=True)
                 else:
                     m = await trio.to_thread.run_sync(bank.material, hop.start, hop.end, abandon_on_cancel=True)
-                await trio.to_thread.run_sync(lambda: m.referee, abandon_on_cancel=True)  # a spot check's fp32 span
+                await trio.to_thread.run_sync(lambda m=m: m.referee, abandon_on_cancel=True)  # a spot check's fp32 span
                 state["spans"].append([hop.start, hop.end])
         except Exception as e:  # noqa: BLE001 - the first session will try again and report it
             state["state"] = f"failed: {type(e).__name__}: {e}"
@@ -178,7 +179,7 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
     from diffuse.model import store
 
     async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
-                         server=False) as node, trio.open_nursery() as background:
+                         server=False, codecs=reputation.swarm_codecs()) as node, trio.open_nursery() as background:
         clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait
         for client in clients:

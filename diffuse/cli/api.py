@@ -86,7 +86,7 @@ def open_backend(args):
 
 def cmd_api(args) -> int:
     from diffuse.api.app import Settings, create_app
-    from diffuse.api.http import parse_listen, serve_http
+    from diffuse.http import parse_listen, serve_http
     from diffuse.cli.net import _trio_run
 
     parse_listen(args.listen)

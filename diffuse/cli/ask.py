@@ -62,15 +62,16 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
 TRUST_MODES = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
 
 
-def swarm_options(args: argparse.Namespace):
-    """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device)."""
+def swarm_options(args: argparse.Namespace, exact: bool = False):
+    """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device);
+    exact: batch-invariant kernels on every hop."""
     from diffuse.client.swarm import SwarmOptions
     from diffuse.model.load import parse_dtype
     from diffuse.trust.guard import TrustOptions
 
     mode = TRUST_MODES[args.trust]
     return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
-                        args.step_timeout, args.device, bool(getattr(args, "exact", False)),
+                        args.step_timeout, args.device, exact,
                         None if mode is None else TrustOptions(**mode))
 
 
@@ -115,8 +116,7 @@ def cmd_ask(args) -> int:
     from diffuse.client.generate import complete, session_length
     default = not args.local and args.dtype == "fp32"
     speculate = _spec_config(args) if (args.speculate if args.speculate is not None else default) else None
-    if args.exact is None:
-        args.exact = speculate is not None
+    exact = speculate is not None if args.exact is None else args.exact
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -128,7 +128,7 @@ def cmd_ask(args) -> int:
         prompt = tokenizer.encode_chat(messages)
 
         async def run():
-            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=args.exact)
+            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=exact)
             try:
                 return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
@@ -137,13 +137,13 @@ def cmd_ask(args) -> int:
         info["mode"] = "local"
         result = trio.run(run)
     else:
-        result = _ask_swarm(args, messages, params, on_text, info, speculate)
+        result = _ask_swarm(args, messages, params, on_text, info, speculate, exact)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
                           "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculate is not None,
-                          "exact": args.exact,
+                          "exact": exact,
                           "tokens_per_step": round(result.tokens_per_step, 3), "steps": result.steps,
                           "positions": result.positions} | info))
     else:
@@ -151,7 +151,7 @@ def cmd_ask(args) -> int:
     return 0
 
 
-def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
+def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bool):
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.cli.net import _bootstrap_addrs, _trio_run
@@ -160,17 +160,18 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate):
     from diffuse.control.node import open_node
     from diffuse.model import store
     from diffuse.model.tokenizer import Tokenizer
+    from diffuse.trust import reputation
 
     boot = _bootstrap_addrs(args, required=True)
     model_dir = store.resolve(data_home(args.home), args.model)
     tokenizer = Tokenizer.load(model_dir)
     prompt = tokenizer.encode_chat(messages)
-    opts = swarm_options(args)
+    opts = swarm_options(args, exact)
 
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot,
-                             server=False) as node:
+                             server=False, codecs=reputation.swarm_codecs()) as node:
             client = SwarmClient(node, model_dir, opts)
             deadline = trio.current_time() + args.wait
             while not await client.covered():

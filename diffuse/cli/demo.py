@@ -51,7 +51,8 @@ class Child:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise DiffuseError(f"{self.name} printed no {prefix!r} line in {timeout:g} s (log: {self.log.name})") from None
+                raise DiffuseError(f"{self.name} printed no {prefix!r} line in {timeout:g} s "
+                                   f"(log: {self.log.name})") from None
             if line is None:
                 raise DiffuseError(f"{self.name} exited with {self.p.wait()} (log: {self.log.name})")
             if line.startswith(prefix):

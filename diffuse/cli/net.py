@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -19,7 +20,9 @@ from typing import Any
 
 import trio
 
+from diffuse.data.serve import LEVELS, Contribution
 from diffuse.errors import DiffuseError
+from diffuse.trust import reputation, tamper
 
 log = logging.getLogger("diffuse.net")
 
@@ -37,12 +40,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p = subparsers.add_parser("sentinel", parents=parents,
                               help="run a DHT bootstrap node that serves no blocks")
     _identity_arg(p)
-    _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN, bootstrap_required=False)
+    _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN)
     p.set_defaults(func=cmd_sentinel)
 
     p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
     _identity_arg(p)
-    _net_args(p, listen_default=DEFAULT_PEER_LISTEN, bootstrap_required=True)
+    _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
     p.add_argument("--model", help="model in the store (default: the embedded default model)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
@@ -59,10 +62,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--tamper", metavar="KIND[:STRENGTH]", type=_tamper_arg,
                    help="TESTING ONLY: serve corrupted outputs to exercise the trust plane "
-                        "(noise, scale, signflip, zero, replay, skip, quant, minifloat, lowrank)")
+                        f"({', '.join(tamper.KINDS)})")
     p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
                    help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
-    p.add_argument("--contribution", default="max", choices=list(CONTRIBUTION),
+    p.add_argument("--contribution", default="max", choices=list(LEVELS),
                    help="how much of this machine to lend: max (all cores, 64 sessions, --cache-tokens), "
                         "moderate (half), min (1 thread, 8 sessions, 1/8 of the cache), pause (serve nothing)")
     p.add_argument("--client-only", action="store_true", default=argparse.SUPPRESS,
@@ -89,10 +92,10 @@ def _identity_arg(p: argparse.ArgumentParser) -> None:
                    help="Ed25519 key file (default: <home>/identity.key; created mode 0600 if absent)")
 
 
-def _net_args(p: argparse.ArgumentParser, listen_default: str, bootstrap_required: bool) -> None:
+def _net_args(p: argparse.ArgumentParser, listen_default: str) -> None:
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                    help=f"listen address (repeatable; default {listen_default})")
-    p.set_defaults(listen_default=listen_default, bootstrap_required=bootstrap_required)
+    p.set_defaults(listen_default=listen_default)
     p.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
                    help="address to advertise instead of the listen addresses (repeatable)")
     p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
@@ -118,7 +121,7 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
     from diffuse.control.sentinel import run_sentinel
 
     key_pair = _key_pair(args, hold=True)
-    boot = _bootstrap_addrs(args)
+    boot = _bootstrap_addrs(args, required=False)
     listen = _listen(args)
 
     def ready(addrs: list[str]) -> None:
@@ -126,7 +129,8 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
             print(a, flush=True)
         print("sentinel ready; stop with Ctrl-C", file=sys.stderr, flush=True)
 
-    _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce))
+    _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce,
+                                                  reputation.swarm_codecs()))
     return 0
 
 
@@ -134,38 +138,30 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.control.announce import Serving
     from diffuse.control.coverage import coverage
     from diffuse.control.node import Node
-    from diffuse.control.placement import PlacementError, blocks_for_budget, choose_span, parse_size, parse_span
+    from diffuse.control.placement import choose_span, requested_blocks
+    from diffuse.data.serve import contribution
     from diffuse.home import data_home
     from diffuse.model import store
     from diffuse.model.config import ModelConfig
     from diffuse.model.weights import load_manifest
 
     key_pair = _key_pair(args, hold=True)
-    boot = _bootstrap_addrs(args)
+    boot = _bootstrap_addrs(args, required=True)
     model_dir = store.resolve(data_home(args.home), args.model)
     manifest = load_manifest(model_dir)
     n = manifest.num_layers
-    auto = args.blocks.strip().lower() == "auto"
-    span = None if auto else parse_span(args.blocks, n)
-    if auto:
-        if args.num_blocks is not None and args.max_memory is not None:
-            raise PlacementError("give --num-blocks or --max-memory, not both")
-        if args.num_blocks is not None:
-            if args.num_blocks < 1:
-                raise PlacementError("--num-blocks must be at least 1")
-            length = min(args.num_blocks, n)
-        elif args.max_memory is not None:
-            length = blocks_for_budget(parse_size(args.max_memory), ModelConfig.load(model_dir), manifest.dtype)
-        else:
-            length = n
-    elif args.num_blocks is not None or args.max_memory is not None:
-        raise PlacementError("--num-blocks / --max-memory only apply with --blocks auto")
-    serving = _apply_contribution(args)
+    span, length = requested_blocks(args.blocks, args.num_blocks, args.max_memory, ModelConfig.load(model_dir),
+                                    manifest.dtype)
+    lend = None if args.client_only else contribution(args.contribution, args.cache_tokens, os.cpu_count() or 1)
     if args.metrics:
-        from diffuse.api.http import parse_listen
+        from diffuse.http import parse_listen
 
         parse_listen(args.metrics)
-    hooks = data_plane_hooks(args, model_dir, manifest)
+    if lend is not None:
+        import torch
+
+        torch.set_num_threads(lend.threads)
+    hooks = data_plane_hooks(args, model_dir, manifest, lend)
     if args.drain_timeout < 0:
         raise DiffuseError("--drain-timeout must be at least 0")
     node: Node | None = None
@@ -186,7 +182,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         nonlocal node
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
                     status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
-                    announce_addrs=args.announce)
+                    announce_addrs=args.announce, codecs=reputation.swarm_codecs())
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             if args.metrics:
@@ -194,10 +190,11 @@ def cmd_join(args: argparse.Namespace) -> int:
 
                 urls = await nursery.start(serve_metrics, args.metrics)
                 print(f"metrics at {urls[0]}/metrics", file=sys.stderr, flush=True)
-            if not serving:
+            if lend is None:
                 for a in node.full_addrs():
                     print(a, flush=True)
-                print(f"joined without serving (--{'contribution pause' if args.contribution == 'pause' else 'client-only'})",
+                why = "contribution pause" if args.contribution == "pause" else "client-only"
+                print(f"joined without serving (--{why})",
                       flush=True)
                 return
             start, end = span or choose_span(
@@ -208,8 +205,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                 throughput = await hooks.prepare(start, end) or throughput
             await node.serve(Serving(
                 model=manifest.model_id, num_blocks=n, start=start, end=end,
-                block_hashes=manifest.block_hashes[start:end], dtype=getattr(args, "dtype", manifest.dtype),
-                throughput=throughput, cache_tokens=args.cache_tokens, protocols=hooks.protocols))
+                block_hashes=manifest.block_hashes[start:end], dtype=args.dtype,
+                throughput=throughput, cache_tokens=lend.cache_tokens, protocols=hooks.protocols))
             for a in node.full_addrs():
                 print(a, flush=True)
             print(f"serving {manifest.model_id} blocks {start}:{end} ({end - start} of {n})", flush=True)
@@ -233,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"],
-                             bootstrap=boot, server=False) as node:
+                             bootstrap=boot, server=False, codecs=reputation.swarm_codecs()) as node:
             deadline = trio.current_time() + max(0.0, args.wait)
             while True:
                 covs = [await node.coverage(m) for m in models]
@@ -256,7 +253,7 @@ async def _evidence(node, peers) -> dict[str, list[dict]]:
 
     async def one(pid: str) -> None:
         with trio.move_on_after(5.0):
-            reports = await node.evidence(pid)
+            reports = await reputation.reports(node, pid)
             if reports:
                 found[pid] = [{"reporter": e.evidence.reporter, "kind": e.evidence.kind, "start": e.evidence.start,
                                "end": e.evidence.end, "dtype": e.evidence.dtype, "statistic": e.evidence.statistic,
@@ -285,24 +282,23 @@ class ServeHooks:
     drain: Callable[[float], Awaitable[int]] | None = None
 
 
-def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -> ServeHooks:
+def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, lend: Contribution | None) -> ServeHooks:
     """The inference service: blocks are loaded (and checked against the manifest) once the span
     is chosen, measured, and served on /diffuse/inference/1.0.0."""
     from diffuse.data.serve import PeerService
     from diffuse.data.server import ServerLimits
     from diffuse.model.load import parse_dtype
 
-    limits = ServerLimits(max_session_tokens=args.max_session_tokens, max_total_tokens=args.cache_tokens,
-                          idle_timeout=args.session_timeout, max_sessions=args.max_sessions)
-    tamper = None
+    limits = ServerLimits(max_session_tokens=args.max_session_tokens,
+                          max_total_tokens=lend.cache_tokens if lend else args.cache_tokens,
+                          idle_timeout=args.session_timeout, max_sessions=lend.max_sessions if lend else 0)
+    wrap = None
     if args.tamper is not None:
-        from diffuse.trust.tamper import Tamper
-
         kind, strength = args.tamper
-        tamper = Tamper(kind, strength, args.tamper_rate)
+        wrap = tamper.Tamper(kind, strength, args.tamper_rate).wrap
         log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
                     f"{args.tamper_rate:.0%}", kind, strength)
-    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, tamper,
+    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, wrap,
                           args.throughput)
     handle = service.handle
     if args.metrics:
@@ -315,30 +311,6 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any) -
 
 # ---- helpers ----
 
-# --contribution: (share of the cores, sessions, share of --cache-tokens); pause serves nothing.
-CONTRIBUTION = {"max": (1.0, 64, 1.0), "moderate": (0.5, 32, 0.5), "min": (0.0, 8, 0.125), "pause": None}
-
-
-def _apply_contribution(args: argparse.Namespace) -> bool:
-    """Bound what this peer lends (torch threads, sessions, KV-cache tokens); False: serve nothing."""
-    level = CONTRIBUTION[args.contribution]
-    args.max_sessions = level[1] if level else 0
-    if level is None or getattr(args, "client_only", False):
-        return False
-    import os
-
-    import torch
-
-    cores, _, cache = level
-    torch.set_num_threads(max(1, int((os.cpu_count() or 1) * cores)))
-    args.cache_tokens = max(1, int(args.cache_tokens * cache))
-    return True
-
-
-TAMPER_DEFAULTS = {"noise": 20.0, "scale": 8.0, "signflip": 8.0, "zero": 0.1, "replay": 1.0,
-                   "skip": 1.0, "quant": 4.0, "minifloat": 2.0, "lowrank": 0.1}
-
-
 def _positive(text: str) -> float:
     try:
         value = float(text)
@@ -350,13 +322,10 @@ def _positive(text: str) -> float:
 
 
 def _tamper_arg(text: str) -> tuple[str, float]:
-    kind, _, strength = text.partition(":")
-    if kind not in TAMPER_DEFAULTS:
-        raise argparse.ArgumentTypeError(f"unknown tamper kind {kind!r}: choose one of {', '.join(TAMPER_DEFAULTS)}")
     try:
-        return kind, float(strength) if strength else TAMPER_DEFAULTS[kind]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"tamper strength must be a number, not {strength!r}") from None
+        return tamper.parse_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _key_pair(args: argparse.Namespace, hold: bool = False):
@@ -364,7 +333,7 @@ def _key_pair(args: argparse.Namespace, hold: bool = False):
     node cannot run with the same identity."""
     from diffuse.control.identity import default_identity_path, load_or_create, lock
 
-    path = args.identity or default_identity_path(getattr(args, "home", None))
+    path = args.identity or default_identity_path(args.home)
     key_pair = load_or_create(path)
     if hold:
         _held.append(lock(path))
@@ -383,7 +352,7 @@ def _listen(args: argparse.Namespace) -> list[str]:
     return addrs
 
 
-def _bootstrap_addrs(args: argparse.Namespace, required: bool | None = None) -> list[str]:
+def _bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
     """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
     from diffuse.control.host import parse_peer_addr
 
@@ -395,7 +364,6 @@ def _bootstrap_addrs(args: argparse.Namespace, required: bool | None = None) -> 
             raise DiffuseError(f"cannot read {args.bootstrap_file}: {e.strerror or e}") from None
         addrs += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
         addrs = [a for a in addrs if a]
-    required = getattr(args, "bootstrap_required", False) if required is None else required
     if required and not addrs:
         raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr)")
     for a in addrs:

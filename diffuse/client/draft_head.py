@@ -31,8 +31,7 @@ from torch import Tensor, nn
 
 from diffuse.errors import ModelError
 from diffuse.model.kernels import Linear, linear
-from diffuse.model.llama import Head
-from diffuse.model.tokenizer import Tokenizer
+from diffuse.model.engine import Head
 
 FILE = "draft-head.safetensors"
 BANDS = (0.1, 0.3, 0.6, 0.9)  # confidence bands: a guess with probability p is in band sum(p >= b)

@@ -23,7 +23,7 @@ from torch import Tensor
 from diffuse.client import draft_requests as R
 from diffuse.client.draft_head import BANDS, DraftHead, save
 from diffuse.client.pipeline import LocalModel
-from diffuse.model.llama import Head
+from diffuse.model.engine import Head
 from diffuse.model.tokenizer import Tokenizer
 
 

@@ -11,7 +11,7 @@ import torch
 
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
-from diffuse.client.speculative import SpecConfig, kv_headroom, speculative_tokens
+from diffuse.client.speculative import SpecConfig, SpecState, kv_headroom, speculative_tokens
 from diffuse.errors import Rewind
 
 
@@ -39,11 +39,12 @@ TokenSource = Callable[[Pipeline, list[int], Sampler, set[int]], AsyncIterator[i
 
 
 async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
-                        eos_ids: set[int], speculate: SpecConfig | None = None) -> AsyncIterator[int]:
+                        eos_ids: set[int], speculate: SpecConfig | None = None,
+                        state: SpecState | None = None) -> AsyncIterator[int]:
     """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens; with
     `speculate`, several per forward (client/speculative.py), the same ids under greedy."""
     if speculate is not None:
-        async for token in speculative_tokens(pipeline, prompt, sampler, eos_ids, speculate):
+        async for token in speculative_tokens(pipeline, prompt, sampler, eos_ids, speculate, state):
             yield token
         return
     pipeline.defer_checks()
@@ -102,14 +103,17 @@ class Generation:
     Iterating is what runs the model, so a consumer that stops early (a client that hung up)
     stops the generation; the caller closes the pipeline. With `speculate` each round trip
     carries a candidate tree (same greedy output, same sampling distribution); the session must
-    hold `session_length(..., speculate)` slots. An explicit `tokens` source wins over it.
+    hold `session_length(..., speculate)` slots; `state` (default: a fresh one) is what it
+    learns and counts. An explicit `tokens` source wins over it.
     """
 
     def __init__(self, pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
-                 tokens: TokenSource | None = None, speculate: SpecConfig | None = None):
+                 tokens: TokenSource | None = None, speculate: SpecConfig | None = None,
+                 state: SpecState | None = None):
         self.pipeline, self.tokenizer, self.prompt, self.params = pipeline, tokenizer, prompt, params
         self.speculate = speculate if tokens is None else None
-        self.tokens = tokens or (lambda *a: stream_tokens(*a, speculate=self.speculate))
+        self.state = (state or SpecState()) if self.speculate else None
+        self.tokens = tokens or (lambda *a: stream_tokens(*a, speculate=self.speculate, state=self.state))
         self.completion: Completion | None = None
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -122,8 +126,8 @@ class Generation:
         t0 = time.perf_counter()
         t_first = None
         finish = "length"
-        stats = self.speculate.stats if self.speculate else None
-        seen = stats.steps if stats else 0  # a config reused across answers keeps adding steps
+        stats = self.state.stats if self.state else None
+        seen = stats.steps if stats else 0  # a state reused across answers keeps adding steps
         async for token in self.tokens(self.pipeline, self.prompt, sampler, self.tokenizer.eos_ids):
             t_first = t_first or time.perf_counter()
             ids.append(token)
@@ -157,9 +161,10 @@ class Generation:
 
 async def complete(pipeline: Pipeline, tokenizer, prompt: list[int], params: SamplingParams,
                    on_text: Callable[[str], None] | None = None,
-                   tokens: TokenSource | None = None, speculate: SpecConfig | None = None) -> Completion:
+                   tokens: TokenSource | None = None, speculate: SpecConfig | None = None,
+                   state: SpecState | None = None) -> Completion:
     """Run one answer to the end, calling on_text with each new piece of text."""
-    gen = Generation(pipeline, tokenizer, prompt, params, tokens, speculate)
+    gen = Generation(pipeline, tokenizer, prompt, params, tokens, speculate, state)
     async for piece in gen:
         if on_text:
             on_text(piece)

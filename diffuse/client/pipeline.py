@@ -15,10 +15,15 @@ import torch
 from torch import Tensor
 
 from diffuse.errors import Rewind
-from diffuse.model.llama import BlockSpan, Head, KVCache
+from diffuse.model.engine import BlockSpan, Head, KVCache
 
 
 class Stage(Protocol):
+    """Blocks [start, end) for one session. Besides the three verbs, a stage may verify what it
+    computed behind the generation (a remote span checked by the trust plane): after
+    `defer_checks` its forward may raise Rewind, and `unverified_from`/`settle` say what is still
+    pending and wait for it. A stage that checks nothing returns None and settles at once."""
+
     start: int
     end: int
 
@@ -26,6 +31,9 @@ class Stage(Protocol):
     async def commit(self, keep: Sequence[int] | None) -> None: ...
     async def rollback(self, length: int) -> None: ...
     async def close(self) -> None: ...
+    def defer_checks(self) -> None: ...
+    def unverified_from(self) -> int | None: ...
+    async def settle(self, wait: bool = True) -> None: ...
 
 
 class LocalStage:
@@ -46,6 +54,15 @@ class LocalStage:
 
     async def close(self) -> None:
         self.cache.wipe()
+
+    def defer_checks(self) -> None:
+        return None
+
+    def unverified_from(self) -> int | None:
+        return None
+
+    async def settle(self, wait: bool = True) -> None:
+        return None
 
 
 class Pipeline:
@@ -94,25 +111,23 @@ class Pipeline:
         for stage in self.stages:
             await stage.close()
 
-    # Deferred verification (trust plane): stages that check peers behind the generation.
+    # Checks behind the generation (a remote span's trust plane).
 
     def defer_checks(self) -> None:
         """The caller handles Rewind (stream_tokens does): let stages verify behind it."""
         for stage in self.stages:
-            if hasattr(stage, "deferred"):
-                stage.deferred = True
+            stage.defer_checks()
 
     def unverified_from(self) -> int | None:
         """Tokens past this committed length may still be rewound (None: nothing pending)."""
-        pending = [p for s in self.stages if (p := getattr(s, "unverified_from", lambda: None)()) is not None]
+        pending = [p for s in self.stages if (p := s.unverified_from()) is not None]
         return min(pending, default=None)
 
     async def settle(self) -> None:
         """Wait for every pending check; Rewind (after rolling back) if one fails."""
         try:
             for stage in self.stages:
-                if hasattr(stage, "settle"):
-                    await stage.settle()
+                await stage.settle()
         except Rewind as r:
             await self.rollback(r.length)
             raise

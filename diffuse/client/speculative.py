@@ -30,7 +30,7 @@ from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
 from diffuse.model.kernels import padded_rows
-from diffuse.model.llama import Head
+from diffuse.model.engine import Head
 
 
 @dataclass
@@ -51,15 +51,14 @@ class SpecStats:
         return sum(self.tokens) / max(1, len(self.tokens))
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpecConfig:
-    """Defaults follow the prototype measurements in shared/notes/speculative.md.
+    """How to speculate; what changes while speculating is in SpecState.
 
     max_nodes caps the guesses per step; the planner usually sends far fewer. The lookahead
     branch is `width` columns x `levels` Jacobi iterations (n-grams of levels + 1 tokens): on
     SmolLM2, chat and code, (5, 2) lifted tokens per step from 1.13 to 1.35 with 10 positions,
     (7, 4) to 1.33 with 28 and (15, 4) to 1.42 with 60.
-    Reusing a config across answers on one route keeps its step-cost fit warm.
     """
 
     max_nodes: int = 64
@@ -75,12 +74,19 @@ class SpecConfig:
     draft_nodes: int = 24  # its likeliest guesses offered to the planner per step
     draft_depth: int = 5  # its levels per step (~1.5 ms each on the 2-core box; copies reach deeper)
     seed: int = 0
-    stats: SpecStats = field(default_factory=SpecStats)
-    cost: "StepCost" = field(default_factory=lambda: StepCost())  # shared by calls with this config
 
     @property
     def lookahead_positions(self) -> int:
         return self.width * self.levels
+
+
+@dataclass
+class SpecState:
+    """What speculation learns and counts as it runs: the step-cost fit, which the answers of one
+    route may share (reusing it keeps the fit warm), and per-step stats (appended to)."""
+
+    cost: "StepCost" = field(default_factory=lambda: StepCost())
+    stats: SpecStats = field(default_factory=SpecStats)
 
 
 def kv_headroom(config: SpecConfig | None = None) -> int:
@@ -251,10 +257,10 @@ class Lookahead:
     def tree(self, base: int) -> tuple[list[int], list[int]]:
         """Tokens and parents of the window as a branch of the root, its nodes from index base."""
         tokens, parents = [], []
-        for l, row in enumerate(self.rows):
+        for level, row in enumerate(self.rows):
             for j, tok in enumerate(row):
                 tokens.append(tok)
-                parents.append(base + (l - 1) * self.width + j if l else (base + j - 1 if j else 0))
+                parents.append(base + (level - 1) * self.width + j if level else (base + j - 1 if j else 0))
         return tokens, parents
 
     def advance(self, predictions: list[int]) -> None:
@@ -362,7 +368,9 @@ def best_size(scores: Sequence[float], cost: Cost, exact: bool = False) -> int:
 # ---- the loop --------------------------------------------------------------------------------
 
 @dataclass
-class Step:
+class StepTree:
+    """The tree of tokens one verification step sends, in parent-first order."""
+
     tokens: list[int]
     parents: list[int]
     lookahead: bool  # whether the Jacobi window rides at the end
@@ -371,7 +379,8 @@ class Step:
 class Speculator:
     """Guessing, planning and learning state of one generation; the loop only does I/O."""
 
-    def __init__(self, cfg: SpecConfig, prompt: Sequence[int], head: Head | None = None, exact: bool = False):
+    def __init__(self, cfg: SpecConfig, state: SpecState, prompt: Sequence[int], head: Head | None = None,
+                 exact: bool = False):
         self.cfg, self.head = cfg, head
         self.exact = exact  # the session's kernels pad every product to EXACT_FORMS' rows
         self.z: Tensor | None = None  # final hidden state (pre-norm) of the position that produced the root
@@ -380,7 +389,7 @@ class Speculator:
         self.pool = NGramPool(cfg.pool_per_key)
         self.window = Lookahead(cfg.width, cfg.levels, prompt, cfg.seed) if cfg.levels and cfg.width else None
         self.acceptance = Acceptance(cfg.draft.priors() if cfg.draft is not None else None)
-        self.cost = cfg.cost
+        self.cost = state.cost
         self.waiting: deque[tuple[Draft, int]] = deque()  # drafts to score once their future is known
 
     @property
@@ -416,7 +425,7 @@ class Speculator:
         self.waiting.append((draft, len(self.text) - 1))
         return draft
 
-    def plan(self, max_depth: int) -> Step:
+    def plan(self, max_depth: int) -> StepTree:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
         the tokens it is expected to add (through the pool, later) are worth its positions, and
         then the next-best guesses in the rows the kernels would pad with zeros anyway."""
@@ -442,9 +451,9 @@ class Speculator:
         if lookahead:
             more, more_parents = self.window.tree(len(tokens))
             tokens, parents = tokens + more, parents + more_parents
-        return Step(tokens, parents, lookahead)
+        return StepTree(tokens, parents, lookahead)
 
-    def learn(self, step: Step, predictions: list[int], positions: int, seconds: float) -> None:
+    def learn(self, step: StepTree, predictions: list[int], positions: int, seconds: float) -> None:
         """Feed the pool with the model's prediction at every node (after the last levels tokens
         of that node's branch) and advance the Jacobi window."""
         self.cost.observe(padded_rows(positions, self.exact), seconds)
@@ -462,16 +471,16 @@ class Speculator:
 
 
 async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler, eos_ids: set[int],
-                             config: SpecConfig | None = None) -> AsyncIterator[int]:
+                             config: SpecConfig | None = None, state: SpecState | None = None) -> AsyncIterator[int]:
     """stream_tokens with several tokens per forward: same contract, same output under greedy,
-    same distribution under sampling. Per-step numbers go to config.stats.
+    same distribution under sampling. Per-step numbers go to state.stats.
 
     At the end pipeline.length <= len(prompt) + tokens yielded: the cache holds a prefix of
     prompt + output (the last token may not have been fed). Needs kv_headroom(config) slots
     beyond len(prompt) + max_tokens.
     """
-    cfg = config or SpecConfig()
-    spec = Speculator(cfg, prompt, getattr(pipeline, "head", None), getattr(pipeline, "exact", False))
+    cfg, state = config or SpecConfig(), state or SpecState()
+    spec = Speculator(cfg, state, prompt, pipeline.head, pipeline.exact)
     t0 = time.perf_counter()
     logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
     spec.z = _hidden(pipeline, -1)
@@ -496,9 +505,9 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
         await pipeline.commit([0] + path[:cut])
         spec.learn(step, logits.argmax(-1).tolist(), len(step.tokens), seconds)
-        cfg.stats.tokens.append(min(len(path), cut + 1) + (cut == len(guesses)))  # an eos ends the step
-        cfg.stats.positions.append(len(step.tokens))
-        cfg.stats.seconds.append(seconds)
+        state.stats.tokens.append(min(len(path), cut + 1) + (cut == len(guesses)))  # an eos ends the step
+        state.stats.positions.append(len(step.tokens))
+        state.stats.seconds.append(seconds)
         for tok in guesses[:cut]:
             yield tok
         produced += cut
@@ -508,6 +517,5 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
 
 
 def _hidden(pipeline: Pipeline, row: int) -> Tensor | None:
-    """The final hidden state of one row of the last forward (None for stand-in pipelines)."""
-    hidden = getattr(pipeline, "hidden", None)
-    return None if hidden is None else hidden[0, row]
+    """The final hidden state of one row of the last forward (None when a pipeline keeps none)."""
+    return None if pipeline.hidden is None else pipeline.hidden[0, row]

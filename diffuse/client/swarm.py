@@ -30,9 +30,10 @@ from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
-from diffuse.model.llama import BlockSpan, Head
+from diffuse.model.engine import BlockSpan, Head
 from diffuse.model.load import load_head, load_span
 from diffuse.model.weights import Manifest, load_manifest
+from diffuse.trust import reputation
 from diffuse.trust.bank import CanaryBank
 from diffuse.trust.guard import Guard, TrustOptions
 
@@ -72,8 +73,9 @@ class SwarmClient:
         if front == 0:
             log.warning("no local front block: peers will receive embedding rows of your prompt")
         self.head: Head = load_head(self.model_dir, self.opts.dtype, self.opts.device)
-        self.front: BlockSpan | None = load_span(self.model_dir, 0, front, self.opts.dtype, self.opts.device) if front else None
-        self.back: BlockSpan | None = load_span(self.model_dir, n - back, n, self.opts.dtype, self.opts.device) if back else None
+        dtype, device = self.opts.dtype, self.opts.device
+        self.front: BlockSpan | None = load_span(self.model_dir, 0, front, dtype, device) if front else None
+        self.back: BlockSpan | None = load_span(self.model_dir, n - back, n, dtype, device) if back else None
         self.remote_range = (front, n - back)
         self.bans = Bans()
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
@@ -82,6 +84,9 @@ class SwarmClient:
         self.guard: Guard | None = None
         if self.opts.trust is not None:
             t = self.opts.trust
+            if reputation.EVIDENCE_PREFIX not in node.codecs.by_prefix:
+                raise DiffuseError("a client that checks its peers needs a node that stores evidence "
+                                   "(open it with codecs=reputation.swarm_codecs())")
             # Canaries live in the store holding the model (home/models/NAME), else the default home.
             store_home = self.model_dir.parent.parent if self.model_dir.parent.name == "models" else data_home()
             bank = CanaryBank(self.model_dir, store_home, self.opts.wire_dtype, t.canaries, t.canary_tokens)
@@ -140,7 +145,7 @@ class SwarmClient:
 
         async def one(peer: str) -> None:
             with trio.move_on_after(5.0):
-                found = await self.node.evidence(peer)
+                found = await reputation.reports(self.node, peer)
                 for ev in found:
                     self.guard.bans.add(ev)
                 self.suspects[peer] = (self.guard.bans.reports(peer), time.monotonic())
@@ -150,8 +155,8 @@ class SwarmClient:
                 nursery.start_soon(one, peer)
         return {p for p, (n, _) in self.suspects.items() if n > 0}
 
-    async def _publish(self, evidence) -> None:
-        acks = await self.node.publish_evidence(evidence)
+    async def _publish(self, evidence: reputation.SignedEvidence) -> None:
+        acks = await reputation.publish(self.node, evidence)
         log.info("evidence against %s published to %d DHT nodes", evidence.evidence.accused, acks)
 
     async def _measure_rtts(self, records: list[PeerRecord]) -> None:
@@ -219,7 +224,7 @@ class SwarmClient:
         exact = self.opts.exact if exact is None else exact
         await self.records()  # fresh, for this route and its failovers
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout, guard=self.guard, exact=exact)
+                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact)
         await remote.open()
         stages = ([LocalStage(self.front, max_len, batch, exact)] if self.front else []) + [remote] + (
             [LocalStage(self.back, max_len, batch, exact)] if self.back else [])

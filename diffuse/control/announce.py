@@ -106,7 +106,7 @@ class Announcer:
         s = self.serving
         try:
             status = dict(self.status_fn() if self.status_fn else {})
-        except Exception as e:  # another plane's bug must not silence our heartbeat
+        except Exception as e:  # noqa: BLE001 - another plane's bug must not silence our heartbeat
             log.warning("status callback failed: %s", e)
             status = {}
         tput = status.pop("throughput", None)
@@ -173,7 +173,7 @@ class Announcer:
             next_at = trio.current_time() + self.heartbeat * random.uniform(0.9, 1.1)
             try:
                 acks = await self.publish()
-            except Exception as e:  # the network is not ours: log, retry next beat
+            except Exception as e:  # noqa: BLE001 - the network is not ours: log, retry next beat
                 log.warning("announcement failed: %s", e)
                 acks = 0
             if acks == 0 and on_lonely is not None:

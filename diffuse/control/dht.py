@@ -31,7 +31,7 @@ from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.control.records import NAMESPACE, RecordValidator, invalid_value_errors, set_codec
+from diffuse.control.records import NAMESPACE, RecordValidator, SetCodecs
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -51,9 +51,9 @@ class MergingValueStore(ValueStore):
     one signature check for the new record, not one per record already held.
     """
 
-    def __init__(self, host: IHost, local_peer_id: ID, clock=time.time) -> None:
+    def __init__(self, host: IHost, local_peer_id: ID, codecs: SetCodecs, clock=time.time) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
-        self.clock = clock
+        self.codecs, self.clock = codecs, clock
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
 
     def records(self, key: bytes) -> list:
@@ -67,8 +67,8 @@ class MergingValueStore(ValueStore):
             return cached[1]
         try:
             k = key.decode()
-            recs = set_codec(k).decode(raw, k, now=self.clock(), strict=False)
-        except (*invalid_value_errors(), UnicodeDecodeError):
+            recs = self.codecs.for_key(k).decode(raw, k, now=self.clock(), strict=False)
+        except (*self.codecs.invalid, UnicodeDecodeError):
             recs = []
         self._parsed[key] = (raw, recs)
         return recs
@@ -78,9 +78,9 @@ class MergingValueStore(ValueStore):
             return super().put_record(key, record)
         try:
             k = key.decode()
-            codec = set_codec(k)
+            codec = self.codecs.for_key(k)
             new = codec.decode(record.value, k, now=self.clock(), strict=False)
-        except (*invalid_value_errors(), UnicodeDecodeError):
+        except (*self.codecs.invalid, UnicodeDecodeError):
             return
         self._set(key, codec.merge(self.records(key) + new, self.clock()))
 
@@ -89,7 +89,7 @@ class MergingValueStore(ValueStore):
         if rec is None or not key.startswith(PREFIX):
             return rec
         held = self.records(key)
-        live = set_codec(key.decode()).merge(held, self.clock())
+        live = self.codecs.for_key(key.decode()).merge(held, self.clock())
         if len(live) != len(held):
             self._set(key, live)
             rec = super().get(key)
@@ -100,7 +100,7 @@ class MergingValueStore(ValueStore):
             self.remove(key)
             self._parsed.pop(key, None)
             return
-        value = set_codec(key.decode()).encode(recs)
+        value = self.codecs.for_key(key.decode()).encode(recs)
         # Unsigned at the libp2p layer on purpose: this node assembled the set, and every record
         # in it carries its own peer's signature, which is what readers check.
         rec = Record(key=key, value=value, timeReceived=format_time_rfc3339())
@@ -111,12 +111,13 @@ class MergingValueStore(ValueStore):
 INBOUND_KAD_STREAMS = 32
 
 
-def make_dht(host: IHost, server: bool = True) -> KadDHT:
+def make_dht(host: IHost, codecs: SetCodecs, server: bool = True) -> KadDHT:
     """A DHT node: server mode stores and serves records (peers, sentinels); client mode only
-    queries (status, clients), so short-lived processes never become storage that vanishes."""
+    queries (status, clients), so short-lived processes never become storage that vanishes.
+    `codecs` are the value formats it validates, stores and merges under /diffuse/."""
     dht = KadDHT(host, DHTMode.SERVER if server else DHTMode.CLIENT, strict_validation=True)
-    dht.register_validator(NAMESPACE, RecordValidator())
-    dht.value_store = MergingValueStore(host, host.get_id())
+    dht.register_validator(NAMESPACE, RecordValidator(codecs))
+    dht.value_store = MergingValueStore(host, host.get_id(), codecs)
     # py-libp2p serves 12 inbound KAD streams at once and resets the rest (its guard against
     # floods of public-network peers): a sentinel or peer that a swarm's clients all ask at once
     # answered some reads empty (bench_api, 16 clients). Clients now share reads (reads.py);
@@ -149,7 +150,7 @@ async def put_set(dht: KadDHT, key: str, records: Sequence,
     """Store `records` (or evidence, under an evidence key) under `key` here and at `targets`
     (default: a fresh lookup of the k closest nodes); returns how many remote nodes accepted
     them. A node that already holds them refuses a replay, which is fine."""
-    value = set_codec(key).encode(list(records))
+    value = _codecs(dht).for_key(key).encode(list(records))
     dht.validator.validate(key, value)  # never publish what others would refuse
     kb = key.encode()
     dht.value_store.put_record(kb, Record(key=kb, value=value))
@@ -170,10 +171,9 @@ async def fetch_set(dht: KadDHT, key: str) -> list:
     """Every valid record (or evidence) under `key` that the k closest nodes or this node hold,
     merged. Includes tombstones (OFFLINE records), which callers filter."""
     kb = key.encode()
-    codec = set_codec(key)
-    got: list = []
-    if isinstance(dht.value_store, MergingValueStore):
-        got += dht.value_store.records(kb)
+    codecs = _codecs(dht)
+    codec = codecs.for_key(key)
+    got: list = list(dht.value_store.records(kb))
     peers = await closest(dht, key)
 
     async def ask(peer: ID) -> None:
@@ -182,11 +182,19 @@ async def fetch_set(dht: KadDHT, key: str) -> list:
             if isinstance(rec, Record) and rec.value:
                 try:
                     got.extend(codec.decode(rec.value, key, strict=False))
-                except invalid_value_errors() as e:
+                except codecs.invalid as e:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
 
     await _gather(ask, peers)
     return codec.merge(got)
+
+
+def _codecs(dht: KadDHT) -> SetCodecs:
+    """The value formats of a DHT that `make_dht` built."""
+    store = dht.value_store
+    if not isinstance(store, MergingValueStore):
+        raise TypeError("a Diffuse DHT comes from make_dht")
+    return store.codecs
 
 
 async def _gather(fn, items: Iterable) -> None:
@@ -214,7 +222,7 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
         with trio.move_on_after(timeout) as scope:
             try:
                 await host.connect(info)
-            except Exception as e:  # py-libp2p raises many unrelated types on dial failure
+            except Exception as e:  # noqa: BLE001 - py-libp2p raises many unrelated types on dial failure
                 errors.append(f"{info.addrs[0]}/p2p/{info.peer_id}: {e or type(e).__name__}")
                 return
             for _ in range(10):  # add_peer can refuse until the connection is fully up

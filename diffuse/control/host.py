@@ -1,6 +1,6 @@
 """The libp2p host every Diffuse node runs: TCP, Noise only, yamux, fast dials, quiet logs.
 
-py-libp2p 0.8.1's defaults are wrong for us in five ways (see shared/notes/py-libp2p.md):
+py-libp2p 0.8.1's defaults are wrong for us in five ways:
 `new_host()` also offers TLS, SECIO and *plaintext* and accepts a plaintext dialer; every dial
 waits a hard-coded 250 ms unless the per-peer connection limit is 1; the auto-connector redials
 every known peer (departed ones too) every 30 s; and warnings go straight to stderr, ~100 lines
@@ -66,7 +66,7 @@ def tame_libp2p_logging() -> None:
 def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
     try:
         return multiaddr.Multiaddr(text)
-    except Exception as e:  # the multiaddr package raises several unrelated types
+    except Exception as e:  # noqa: BLE001 - the multiaddr package raises several unrelated types
         raise AddressError(f"bad multiaddr {text!r}: {e}") from None
 
 
@@ -76,14 +76,14 @@ def parse_peer_addr(text: str) -> PeerInfo:
     addr = parse_multiaddr(text)
     try:
         pid = addr.value_for_protocol("p2p")
-    except Exception:
+    except Exception:  # noqa: BLE001 - as above: no /p2p part, whatever multiaddr raises
         pid = None
     if not pid:
         raise AddressError(f"{text!r} lacks the /p2p/PEERID part: use the full address the peer printed")
     try:
         peer = ID.from_base58(pid)
         transport = addr.decapsulate(multiaddr.Multiaddr(f"/p2p/{pid}"))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as above, for a malformed peer id
         raise AddressError(f"bad peer id in {text!r}: {e}") from None
     if "tcp" not in [p.name for p in transport.protocols()]:
         raise AddressError(f"{text!r} is not a TCP address")

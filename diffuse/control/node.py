@@ -37,7 +37,7 @@ from diffuse.control.host import (
 )
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.reads import SharedReads
-from diffuse.control.records import PeerRecord, blocks_key, evidence_key, peer_key
+from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,10 @@ class Node:
         ttl: float | None = None,
         announce_addrs: Sequence[str] = (),
         bootstrap_timeout: float = 5.0,
+        codecs: SetCodecs | None = None,
     ) -> None:
-        """server=False: a DHT client (status, pure clients) that stores nothing for others."""
+        """server=False: a DHT client (status, pure clients) that stores nothing for others.
+        `codecs`: what the DHT accepts under /diffuse/ (default: peer records only)."""
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
@@ -76,7 +78,8 @@ class Node:
         self.host = make_host(key_pair, self._listen, announce_addrs)
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), handler)
-        self.dht = make_dht(self.host, server=server)
+        self.codecs = codecs or SetCodecs()
+        self.dht = make_dht(self.host, self.codecs, server=server)
         self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
         self._reads = SharedReads(self._read_records)
         self.announce_addrs = list(announce_addrs)
@@ -168,7 +171,7 @@ class Node:
         if self.bootstrap_peers and self.dht.get_routing_table_size() == 0:
             try:
                 await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - dialing fails in py-libp2p's many ways; retried next beat
                 log.warning("re-bootstrap failed: %s", e)
 
     # ---- reading the swarm ----
@@ -193,13 +196,14 @@ class Node:
         found = await fetch_set(self.dht, peer_key(peer_id))
         return found[0].record if found else None
 
-    async def publish_evidence(self, evidence: Any) -> int:
-        """Store signed evidence (trust.reputation.SignedEvidence) under its accused's key."""
-        return await put_set(self.dht, evidence_key(evidence.evidence.accused), [evidence])
+    async def put_set(self, key: str, items: Sequence[Any]) -> int:
+        """Store signed items under `key` (a prefix the node's codecs know) here and at the k
+        closest DHT nodes; returns how many of them accepted."""
+        return await put_set(self.dht, key, items)
 
-    async def evidence(self, peer_id: str) -> list:
-        """Verified evidence anyone has published against `peer_id`, latest per reporter."""
-        return await fetch_set(self.dht, evidence_key(peer_id))
+    async def fetch_set(self, key: str) -> list[Any]:
+        """Every valid item under `key` the k closest DHT nodes or this node hold, merged."""
+        return await fetch_set(self.dht, key)
 
     async def coverage(self, model: str, num_blocks: int | None = None,
                        expected_hashes: Sequence[str] | None = None) -> Coverage:

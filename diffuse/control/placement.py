@@ -36,6 +36,26 @@ def choose_span(replicas: Sequence[float], length: int) -> tuple[int, int]:
     return best, best + length
 
 
+def requested_blocks(blocks: str, num_blocks: int | None, max_memory: str | None, cfg: ModelConfig,
+                     dtype: str) -> tuple[tuple[int, int] | None, int]:
+    """What `--blocks / --num-blocks / --max-memory` ask for: an explicit span (None for `auto`)
+    and, for auto, how many blocks to take; PlacementError for a bad or contradictory request."""
+    if blocks.strip().lower() != "auto":
+        if num_blocks is not None or max_memory is not None:
+            raise PlacementError("--num-blocks / --max-memory only apply with --blocks auto")
+        span = parse_span(blocks, cfg.num_layers)
+        return span, span[1] - span[0]
+    if num_blocks is not None and max_memory is not None:
+        raise PlacementError("give --num-blocks or --max-memory, not both")
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise PlacementError("--num-blocks must be at least 1")
+        return None, min(num_blocks, cfg.num_layers)
+    if max_memory is not None:
+        return None, blocks_for_budget(parse_size(max_memory), cfg, dtype)
+    return None, cfg.num_layers
+
+
 def parse_span(text: str, num_blocks: int) -> tuple[int, int]:
     """`A:B` -> [A, B); either side may be omitted (`:10`, `20:`)."""
     m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import cbor2
 from libp2p.crypto.keys import KeyPair
@@ -34,7 +34,6 @@ SIG_DOMAIN = b"diffuse/peer-record/v1\x00"
 NAMESPACE = "diffuse"
 PEER_PREFIX = f"/{NAMESPACE}/peer/"
 BLOCKS_PREFIX = f"/{NAMESPACE}/blocks/"
-EVIDENCE_PREFIX = f"/{NAMESPACE}/evidence/"
 ONLINE, OFFLINE = "online", "offline"
 
 MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
@@ -45,6 +44,9 @@ MAX_BLOCKS = 1024
 MAX_ADDRS = 16
 MAX_TEXT = 256
 MAX_EXTRA = 32
+
+
+Item = TypeVar("Item")
 
 
 class InvalidRecord(DiffuseError, ValueError):
@@ -179,23 +181,18 @@ def check_time(rec: PeerRecord, now: float | None = None) -> None:
 
 # ---- DHT keys ----
 
-def _tag(text: str) -> str:
+def tag(text: str) -> str:
     """128 bits of SHA-256, hex. Keys carry tags, not names: py-libp2p 0.8.1 refuses FIND_NODE
     targets over 50 bytes that are not multihashes, and model ids may be long or contain '/'."""
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def peer_key(peer_id: str) -> str:
-    return PEER_PREFIX + _tag("peer:" + peer_id)
+    return PEER_PREFIX + tag("peer:" + peer_id)
 
 
 def blocks_key(model: str) -> str:
-    return BLOCKS_PREFIX + _tag("model:" + model)
-
-
-def evidence_key(accused: str) -> str:
-    """Where evidence against one peer collects (trust/reputation.py's evidence sets)."""
-    return EVIDENCE_PREFIX + _tag("evidence:" + accused)
+    return BLOCKS_PREFIX + tag("model:" + model)
 
 
 def check_key(key: str, rec: PeerRecord) -> None:
@@ -260,31 +257,33 @@ def contributes(new: Iterable[SignedRecord], old: Iterable[SignedRecord]) -> boo
 
 
 @dataclass(frozen=True)
-class SetCodec:
-    """How the values under one key prefix decode, merge, encode and grow: record sets (peer and
-    blocks keys) or evidence sets (trust/reputation.py, under /diffuse/evidence/)."""
+class SetCodec(Generic[Item]):
+    """How the values under one key prefix decode, merge, encode and grow: sets of signed items,
+    merged by a rule that is commutative and idempotent (so DHT nodes agree whatever the order)."""
 
-    decode: Any  # (value, key, *, now, strict) -> items
-    merge: Any  # (items, now) -> items
-    encode: Any  # (items) -> bytes
-    contributes: Any  # (new items, old items) -> bool
-
-
-RECORD_SETS = SetCodec(decode_set, merge, encode_set, contributes)
+    decode: Callable[..., list[Item]]  # (value, key, *, now=None, strict=True) -> items; raises `invalid`
+    merge: Callable[[list[Item], float | None], list[Item]]  # (items, now) -> the set to keep
+    encode: Callable[[list[Item]], bytes]
+    contributes: Callable[[list[Item], list[Item]], bool]  # (new, old): not a replay
+    invalid: type[Exception]  # what decode raises for a bad value
 
 
-def set_codec(key: str) -> SetCodec:
-    if key.startswith(EVIDENCE_PREFIX):
-        from diffuse.trust import reputation as r  # imported on first use: it pulls in torch
-
-        return SetCodec(r.decode_set, r.merge_set, r.encode_set, r.contributes)
-    return RECORD_SETS
+RECORD_SETS: SetCodec[SignedRecord] = SetCodec(decode_set, merge, encode_set, contributes, InvalidRecord)
 
 
-def invalid_value_errors() -> tuple[type[Exception], ...]:
-    from diffuse.trust.reputation import InvalidEvidence
+class SetCodecs:
+    """The value formats a node accepts under /diffuse/, by key prefix. Whoever builds the node
+    fills it in: peer and blocks keys always, and what upper planes store (trust's evidence)."""
 
-    return InvalidRecord, InvalidEvidence
+    def __init__(self, extra: Mapping[str, SetCodec] | None = None) -> None:
+        self.by_prefix: dict[str, SetCodec] = {PEER_PREFIX: RECORD_SETS, BLOCKS_PREFIX: RECORD_SETS, **(extra or {})}
+        self.invalid: tuple[type[Exception], ...] = tuple({c.invalid for c in self.by_prefix.values()})
+
+    def for_key(self, key: str) -> SetCodec:
+        for prefix, codec in self.by_prefix.items():
+            if key.startswith(prefix):
+                return codec
+        raise InvalidRecord(f"unknown Diffuse key {key!r}")
 
 
 class RecordValidator(Validator):
@@ -296,22 +295,22 @@ class RecordValidator(Validator):
     (dht.MergingValueStore), so one key holds every peer's latest record.
     """
 
-    def __init__(self, clock=time.time) -> None:
-        self.clock = clock
+    def __init__(self, codecs: SetCodecs, clock: Callable[[], float] = time.time) -> None:
+        self.codecs, self.clock = codecs, clock
 
     def validate(self, key: str, value: bytes) -> None:
         try:
-            set_codec(key).decode(value, key, now=self.clock(), strict=True)
-        except invalid_value_errors() as e:
+            self.codecs.for_key(key).decode(value, key, now=self.clock(), strict=True)
+        except self.codecs.invalid as e:
             raise InvalidRecord(str(e)) from None
 
     def select(self, key: str, values: list[bytes]) -> int:
-        now, codec = self.clock(), set_codec(key)
+        now, codec = self.clock(), self.codecs.for_key(key)
         best, known = 0, []
         for i, v in enumerate(values):
             try:
                 recs = codec.decode(v, key, now=now, strict=False)
-            except invalid_value_errors():
+            except self.codecs.invalid:
                 continue
             if i > 0 and codec.contributes(recs, codec.merge(known, now)):
                 best = i

@@ -13,6 +13,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from diffuse.control.node import Node
+from diffuse.control.records import SetCodecs
 
 
 async def run_sentinel(
@@ -21,12 +22,14 @@ async def run_sentinel(
     bootstrap: Sequence[str] = (),
     ready: Callable[[list[str]], None] | None = None,
     announce: Sequence[str] = (),
+    codecs: SetCodecs | None = None,
 ) -> None:
-    """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening.
+    """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening;
+    `codecs`: what its DHT stores (default: peer records only).
 
     Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
     """
-    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce)
+    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce, codecs=codecs)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         if ready is not None:
@@ -36,7 +39,7 @@ async def run_sentinel(
 
             try:
                 await dial(node.host, node.dht, _infos(bootstrap), 5.0)
-            except Exception:
+            except Exception:  # noqa: BLE001 - fellow sentinels may be down; they dial us when they start
                 pass  # the other sentinels will reach us when they start
         await trio.sleep_forever()
 

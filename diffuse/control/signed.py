@@ -36,7 +36,7 @@ def decode_payload(payload: Any, signature: Any, max_bytes: int, error: type[Exc
     try:
         d = cbor2.loads(payload)
         canonical = cbor2.dumps(d, canonical=True) == payload
-    except Exception:
+    except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes
         raise error(f"{noun} payload is not valid CBOR") from None
     if not canonical:
         raise error(f"{noun} payload is not canonical CBOR")
@@ -62,7 +62,7 @@ def decode_signed_set(value: Any, check: Callable[[Any, Any], Any], *, max_items
         raise error(f"{noun} value too large")
     try:
         items = cbor2.loads(value)
-    except Exception:
+    except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes
         raise error(f"{noun} value is not valid CBOR") from None
     if not isinstance(items, list) or len(items) > max_items or (strict and not items):
         raise error(f"{noun} value is not a list of [payload, signature]")

@@ -3,8 +3,8 @@
 The normative description is protocols/inference.md; this module is its reference implementation.
 Nothing here touches sockets or trio (h11-style): `encode` turns a message into ONE bytes object
 (so the transport makes one write: a single write per message was measurably faster over yamux),
-`FrameDecoder.feed` turns whatever bytes arrived into whole messages, and `ServerSession` checks
-that a session's messages come in a legal order.  Metadata is packed with `struct` (big-endian);
+`FrameDecoder.feed` turns whatever bytes arrived into whole messages; session.py holds the rules
+for the order in which they may come.  Metadata is packed with `struct` (big-endian);
 tensors travel as raw little-endian bytes, never pickle (pickle is remote code execution).
 Every problem with received bytes raises a `WireError` (a ProtocolError) carrying the ErrorCode a
 server should put in its ERROR reply.
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import struct
 import sys
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from enum import Enum, IntEnum
-from typing import NoReturn, Union
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Union
 
 import numpy as np
 import torch
@@ -280,8 +279,9 @@ def _bytes_finite(raw: bytes | bytearray, dtype: torch.dtype) -> bool:
     return not int.from_bytes(top, "little") & int.from_bytes(raw[lo::size].translate(lo_marks), "little")
 
 
-def _tensor_parts(t: torch.Tensor, dtype: torch.dtype | None) -> list:
-    """Header bytes and a raw little-endian buffer for `t` converted to the wire dtype.
+def tensor_wire(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[bytes, bytes | memoryview]:
+    """The tensor header (dtype code, rank, dims) and the raw little-endian bytes this codec
+    sends for `t` in `dtype` (default its own): also what activation commitments hash.
 
     Written for small tensors: each avoidable torch call costs ~1-3 us at this size, and ~100 us
     right after the process woke. A tensor this codec decoded goes out as the bytes it came in
@@ -321,7 +321,15 @@ def _tensor_parts(t: torch.Tensor, dtype: torch.dtype | None) -> list:
             f"tensor values up to {float(t.detach().abs().max()):.6g} overflow {dtype}; "
             "use bfloat16 on the wire for this session"
         )
-    return [_SHAPES[len(shape)].pack(code, len(shape), *shape), raw]
+    return _SHAPES[len(shape)].pack(code, len(shape), *shape), raw
+
+
+def wire_dtype(code: int) -> torch.dtype:
+    """The torch dtype of a wire dtype code."""
+    try:
+        return _DTYPES[code]
+    except KeyError:
+        raise WireError(f"unknown wire dtype code {code}") from None
 
 
 # --------------------------------------------------------------------------- encoding
@@ -377,14 +385,14 @@ def _payload(msg: Message) -> tuple[int, list]:
         parts = [
             struct.pack(f">IIH{len(keep)}HI{len(pos)}i", msg.step, msg.cache_len, len(keep), *keep,
                         len(pos), *pos),
-            *_tensor_parts(msg.hidden, msg.wire_dtype),
+            *tensor_wire(msg.hidden, msg.wire_dtype),
         ]
         if msg.mask is not None:
             flags |= STEP_HAS_MASK
             bits = msg.mask.detach().cpu().contiguous().numpy().reshape(-1)
             parts.append(np.packbits(bits, bitorder="little").tobytes())
     elif isinstance(msg, StepOk):
-        parts = [_U32.pack(msg.step), *_tensor_parts(msg.hidden, msg.wire_dtype)]
+        parts = [_U32.pack(msg.step), *tensor_wire(msg.hidden, msg.wire_dtype)]
     elif isinstance(msg, Close):
         parts = []
     elif isinstance(msg, ErrorMsg):
@@ -455,7 +463,7 @@ class _Reader:
             raise NonFiniteTensor(f"{what} contains inf or NaN")
         t = torch.frombuffer(raw, dtype=dtype).view(shape)
         if _LITTLE:
-            setattr(t, _WIRE, raw)  # the tensor's own memory, in wire order: see _tensor_parts
+            setattr(t, _WIRE, raw)  # the tensor's own memory, in wire order: see tensor_wire
         return t
 
 
@@ -554,6 +562,18 @@ def decode_body(body: bytes | bytearray | memoryview) -> Message:
             msg.extensions[typ] = value  # unknown: kept for the curious, otherwise ignored
     validate(msg)
     return msg
+
+
+def peek(frame: bytes | bytearray | memoryview) -> tuple[int, int | None] | None:
+    """The message type of one encoded frame (length prefix included) and, for an ERROR, its
+    code, read from the header alone; None if the bytes do not start a Diffuse frame. For
+    observers of a stream (metrics) that must not decode every message."""
+    if len(frame) < 4 + HEADER_SIZE or frame[4:6] != MAGIC:
+        return None
+    mtype = _HEADER.unpack_from(frame, 4)[3]
+    if mtype == MsgType.ERROR and len(frame) >= 4 + HEADER_SIZE + _ERROR.size:
+        return mtype, _ERROR.unpack_from(frame, 4 + HEADER_SIZE)[0]
+    return mtype, None
 
 
 def decode(frame: bytes, max_frame: int = MAX_FRAME) -> Message:
@@ -669,115 +689,3 @@ def validate(msg: Message) -> None:
             raise WireError("OPEN_OK: max_length must be >= 1")
         if len(msg.compute_dtype.encode()) > MAX_DTYPE_NAME:
             raise WireError(f"OPEN_OK: compute_dtype over {MAX_DTYPE_NAME} bytes")
-
-
-# --------------------------------------------------------------------------- session state
-
-
-class SessionState(Enum):
-    AWAIT_OPEN = "await_open"  # nothing received yet
-    OPENING = "opening"  # OPEN received; the server must answer OPEN_OK or ERROR
-    OPEN = "open"
-    CLOSED = "closed"  # CLOSE or ERROR: terminal
-
-
-class ServerSession:
-    """Server-side rules for one session (one stream), with no I/O, in the style of h11.
-
-    Call `receive(msg)` for each decoded client message before acting on it and `send(msg)` to
-    encode each reply. Both raise SessionError (code BAD_STEP, TOO_LONG, ...) for illegal
-    sequences. Tracks the KV bookkeeping the server must mirror: `committed` entries and
-    `candidates` (tokens of the previous step kept provisionally for the next `keep`).
-    """
-
-    def __init__(self) -> None:
-        self.state = SessionState.AWAIT_OPEN
-        self.open: Open | None = None
-        self.max_length = 0  # granted
-        self.committed = 0
-        self.candidates = 0
-        self.last_step = -1
-        self.hidden_size: int | None = None
-        self._pending: deque[tuple[int, int]] = deque()  # (step, T) awaiting STEP_OK
-
-    @property
-    def minor(self) -> int:
-        """The session's protocol minor version: min(client's, ours); features beyond it are off."""
-        return min(self.open.minor, VERSION_MINOR) if self.open else VERSION_MINOR
-
-    def _fail(self, why: str, code: ErrorCode = ErrorCode.BAD_STEP) -> NoReturn:
-        raise SessionError(f"session {self.state.value}: {why}", code)
-
-    def receive(self, msg: Message) -> None:
-        if isinstance(msg, (Ping, Pong)):
-            return
-        if self.state is SessionState.CLOSED:
-            self._fail(f"{type(msg).__name__} after the session ended")
-        if isinstance(msg, Open):
-            if self.state is not SessionState.AWAIT_OPEN:
-                self._fail("second OPEN on one stream")
-            self.open, self.state = msg, SessionState.OPENING
-            return
-        if self.open is None or msg.session_id != self.open.session_id:
-            self._fail(f"{type(msg).__name__} for a session that was not opened on this stream")
-        if isinstance(msg, (Close, ErrorMsg)):
-            self.state = SessionState.CLOSED
-        elif isinstance(msg, Step):
-            self._receive_step(msg)
-        else:
-            self._fail(f"a client may not send {type(msg).__name__}")
-
-    def _receive_step(self, m: Step) -> None:
-        if self.state is not SessionState.OPEN:
-            self._fail("STEP before OPEN_OK")
-        if m.step <= self.last_step:
-            self._fail(f"step {m.step} after step {self.last_step}: steps must increase")
-        if m.keep and not self.candidates:
-            self._fail(f"step {m.step}: keep given but the previous step had no candidates")
-        if m.keep and m.keep[-1] >= self.candidates:
-            self._fail(f"step {m.step}: keep index {m.keep[-1]} out of range for "
-                       f"{self.candidates} candidate tokens")
-        if m.cache_len > self.committed + len(m.keep):
-            self._fail(f"step {m.step}: cache_len {m.cache_len} exceeds the "
-                       f"{self.committed + len(m.keep)} committed entries")
-        b, t, h = m.hidden.shape
-        if m.cache_len + t > self.max_length:
-            self._fail(f"step {m.step}: {m.cache_len} + {t} tokens exceed max_length "
-                       f"{self.max_length}", ErrorCode.TOO_LONG)
-        if b != self.open.batch_size or m.hidden.dtype != self.open.dtype:
-            self._fail(f"step {m.step}: hidden is {m.hidden.dtype} batch {b}, session is "
-                       f"{self.open.dtype} batch {self.open.batch_size}")
-        if self.hidden_size not in (None, h):
-            self._fail(f"step {m.step}: hidden size {h}, earlier steps had {self.hidden_size}")
-        self.hidden_size, self.last_step = h, m.step
-        self.committed = m.cache_len + (t if m.commit else 0)
-        self.candidates = 0 if m.commit else t
-        self._pending.append((m.step, t))
-
-    def send(self, msg: Message) -> bytes:
-        """Check that `msg` is a legal reply now, update state, return its encoded frame."""
-        if isinstance(msg, ErrorMsg):
-            self.state = SessionState.CLOSED
-        elif isinstance(msg, OpenOk):
-            if self.state is not SessionState.OPENING:
-                self._fail("OPEN_OK without a pending OPEN", ErrorCode.INTERNAL)
-            if msg.max_length > self.open.max_length:
-                self._fail("OPEN_OK grants more than was requested", ErrorCode.INTERNAL)
-            self.max_length, self.state = msg.max_length, SessionState.OPEN
-        elif isinstance(msg, StepOk):
-            if not self._pending or self._pending[0][0] != msg.step:
-                self._fail(f"STEP_OK for step {msg.step} out of order", ErrorCode.INTERNAL)
-            step, t = self._pending.popleft()
-            if tuple(msg.hidden.shape[:2]) != (self.open.batch_size, t):
-                self._fail(f"STEP_OK {step}: output shape {list(msg.hidden.shape)}",
-                           ErrorCode.INTERNAL)
-            if msg.wire_dtype is None:
-                msg = replace(msg, wire_dtype=self.open.dtype)
-            elif msg.wire_dtype != self.open.dtype:
-                self._fail(f"STEP_OK in {msg.wire_dtype}, session is {self.open.dtype}",
-                           ErrorCode.INTERNAL)
-        elif not isinstance(msg, (Ping, Pong)):
-            self._fail(f"a server may not send {type(msg).__name__}", ErrorCode.INTERNAL)
-        if isinstance(msg, (OpenOk, StepOk)) and msg.session_id != self.open.session_id:
-            self._fail("reply carries another session's id", ErrorCode.INTERNAL)
-        return encode(msg)

@@ -4,22 +4,48 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from diffuse.data.codec import PROTOCOL_ID
 from diffuse.data.server import BlockServer, ServerLimits
+from diffuse.model.engine import BlockSpan
 from diffuse.model.load import load_span
-
-if TYPE_CHECKING:  # an honest peer never imports the tamper module
-    from diffuse.trust.tamper import Tamper
 
 log = logging.getLogger(__name__)
 
 
-def measure_throughput(span, tokens: int = 8) -> float:
+@dataclass(frozen=True)
+class Contribution:
+    """What a peer lends of its machine: torch threads, concurrent sessions, KV-cache tokens."""
+
+    threads: int
+    max_sessions: int
+    cache_tokens: int
+
+
+# --contribution levels: (share of the cores, sessions, share of the cache); pause lends nothing.
+LEVELS: dict[str, tuple[float, int, float] | None] = {
+    "max": (1.0, 64, 1.0), "moderate": (0.5, 32, 0.5), "min": (0.0, 8, 0.125), "pause": None}
+
+
+def contribution(level: str, cache_tokens: int, cores: int) -> Contribution | None:
+    """What `level` lends of a machine with `cores` cores and `cache_tokens` of KV cache to
+    give; None: serve nothing (pause)."""
+    try:
+        share = LEVELS[level]
+    except KeyError:
+        raise ValueError(f"unknown contribution level {level!r}: choose one of {', '.join(LEVELS)}") from None
+    if share is None:
+        return None
+    cpu, sessions, cache = share
+    return Contribution(max(1, int(cores * cpu)), sessions, max(1, int(cache_tokens * cache)))
+
+
+def measure_throughput(span: BlockSpan, tokens: int = 8) -> float:
     """Tokens/s one sequence gets through the span (single-token decode, the common step)."""
     cache = span.new_cache(tokens + 1)
     h = torch.randn(1, 1, span.cfg.hidden_size, dtype=cache.k.dtype, device=cache.k.device)
@@ -36,11 +62,11 @@ class PeerService:
     """The inference handler of one peer; `prepare` loads the chosen span before it is announced."""
 
     def __init__(self, model_dir: Path, model_id: str, dtype: torch.dtype, device: str = "cpu",
-                 limits: ServerLimits | None = None, tamper: Tamper | None = None,
+                 limits: ServerLimits | None = None, wrap: Callable[[BlockSpan], BlockSpan] | None = None,
                  throughput: float | None = None):
         self.model_dir, self.model_id, self.dtype, self.device = model_dir, model_id, dtype, device
         self.limits = limits or ServerLimits()
-        self.tamper = tamper  # testing only: `join --tamper`
+        self.wrap = wrap  # what serves the loaded span instead of it (testing only: `join --tamper`)
         self.server: BlockServer | None = None
         # An operator's figure replaces the start-up measurement, which peers starting together on
         # shared cores skew (and routes follow it).
@@ -50,7 +76,7 @@ class PeerService:
         def load() -> tuple[BlockServer, float]:
             span = load_span(self.model_dir, start, end, self.dtype, self.device)  # verifies hashes
             throughput = self.throughput or measure_throughput(span)
-            served = span if self.tamper is None else self.tamper.wrap(span)
+            served = span if self.wrap is None else self.wrap(span)
             return BlockServer(self.model_id, served, self.limits), throughput
 
         self.server, self.throughput = load()  # on the main thread, like every step (server.py)

@@ -14,26 +14,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import trio
 
 from diffuse.data.codec import (
-    Close, ErrorCode, ErrorMsg, FrameDecoder, Open, OpenOk, Ping, Pong, ServerSession, Step,
-    StepOk, WireError, encode,
+    Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping, Pong, Step, StepOk, WireError,
 )
-from diffuse.model.llama import BlockSpan, KVCache
-from diffuse.trust.commitments import input_commitment, output_commitment
+from diffuse.data.commitments import input_commitment, output_commitment
+from diffuse.data.session import Role, SessionRules, SessionState
+from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
+from diffuse.model.engine import BlockSpan, KVCache
 
 log = logging.getLogger(__name__)
-READ_CHUNK = 1 << 16  # one read may carry several frames; each yamux read costs ~50 us
-
-
-class ByteStream(Protocol):
-    async def read(self, n: int = -1) -> bytes: ...
-    async def write(self, data: bytes) -> None: ...
-    async def close(self) -> None: ...
 
 
 @dataclass
@@ -102,10 +95,7 @@ class BlockServer:
         finally:
             self.conns.discard(conn)
             conn.release()
-            try:
-                await stream.close()
-            except Exception:  # noqa: BLE001 - the stream may already be gone
-                pass
+            await close_quietly(stream)
 
 
 def _is_stream_error(e: Exception) -> bool:
@@ -118,7 +108,7 @@ class _Conn:
 
     def __init__(self, server: BlockServer, stream: ByteStream):
         self.server, self.stream = server, stream
-        self.state = ServerSession()
+        self.state = SessionRules(Role.SERVER)
         self.decoder = FrameDecoder(server.limits.max_frame)
         self.cache: KVCache | None = None
         self.span: BlockSpan | None = None
@@ -159,10 +149,10 @@ class _Conn:
                 await self.error(e.code, str(e))
                 return
 
-    async def on_message(self, msg) -> bool:
+    async def on_message(self, msg: Message) -> bool:
         """Handle one message; True ends the session."""
         if isinstance(msg, Ping):
-            await self.stream.write(encode(Pong(msg.nonce, msg.session_id)))
+            await self.stream.write(self.state.send(Pong(msg.nonce, msg.session_id)))
             return False
         if isinstance(msg, Pong):
             return False
@@ -258,12 +248,15 @@ class _Conn:
         return False
 
     async def error(self, code: ErrorCode, message: str) -> bool:
-        sid = self.state.open.session_id if self.state.open else bytes(16)
+        """Answer with ERROR (once: a closed session says nothing more) and end the session."""
         log.info("session error %s: %s", code.name, message)
+        if self.state.state is SessionState.CLOSED:
+            return True
+        sid = self.state.open.session_id if self.state.open else bytes(16)
         try:
-            await self.stream.write(encode(ErrorMsg(int(code), message, sid)))
-        except Exception:  # noqa: BLE001 - the client may be gone already
-            pass
+            await self.stream.write(self.state.send(ErrorMsg(int(code), message, sid)))
+        except Exception as e:  # noqa: BLE001 - the client may be gone already
+            log.debug("ERROR not delivered: %s", e)
         return True
 
     def release(self) -> None:

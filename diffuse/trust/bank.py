@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffuse.model.llama import BlockSpan
+from diffuse.model.engine import BlockSpan
 from diffuse.model.load import load_head, load_span
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.model.weights import load_manifest
@@ -168,7 +168,8 @@ class CanaryBank:
         return save
 
 
-def _benign(span: BlockSpan, canaries: list[C.Canary], dtypes, wire_dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
+def _benign(span: BlockSpan, canaries: list[C.Canary], dtypes,
+            wire_dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
     """Two honest realizations per dtype; fp32's first is the references themselves (the same
     computation), which saves one of the five passes."""
     out = {}

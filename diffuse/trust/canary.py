@@ -37,7 +37,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from diffuse.model.llama import BlockSpan, Head
+from diffuse.model.engine import BlockSpan, Head
 
 ALPHA = 1e-4  # false-positive budget per peer, over all of its canaries
 # Floors on the measured noise, in log10 units of drift. Between realizations the per-canary

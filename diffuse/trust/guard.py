@@ -6,33 +6,30 @@
   max_length, a prefill of the canary's first tokens, then single-token steps paced like the
   client's real decode steps. Replies are scored against the peer's declared compute dtype
   (canary.CanaryMonitor), so benign dtype drift is not tampering.
-- Spot checks: recomputed by the client's fp32 referee for the hop's span, which replays the
-  hop's committed inputs into its own KV cache, and compared within the calibrated tolerance.
-  Deferred (plain steps of a generation that can rewind): each hop session is audited with
-  probability `spot_rate`, decided in secret as it opens, and then every step of it is
-  checked: a check needs the referee to recompute the session's whole history anyway, so
-  checking all of it costs what checking one late step would (TOPLOC audits whole sequences
-  for the same reason). The output is used at once; a background thread at low priority
-  verifies each batch of steps in one forward, trailing by at most `max_lag` tokens; a failure
-  rewinds the generation to before the bad step (the data plane's Rewind), and no token after
-  it has been shown (the generation holds back tokens with checks pending). Otherwise
-  (candidate trees): each step with probability `spot_rate`, verified before its output is
-  used. Either way a caught step never reaches the answer.
+- Spot checks: recomputed by the referee (referee.py) and compared within the calibrated
+  tolerance. Behind the generation (plain steps of a generation that can rewind): each hop
+  session is audited with probability `spot_rate`, decided in secret as it opens, and then
+  every step of it is checked: a check needs the referee to recompute the session's whole
+  history anyway, so checking all of it costs what checking one late step would (TOPLOC audits
+  whole sequences for the same reason). The output is used at once, the referee trails by at
+  most `max_lag` tokens, and a failure rewinds the generation to before the bad step (the data
+  plane's Rewind); no token after it has been shown (the generation holds back tokens with
+  checks pending). Otherwise (candidate trees): each step with probability `spot_rate`,
+  verified before its output is used. Either way a caught step never reaches the answer.
 - Verdicts: a failed canary test or spot check becomes signed Evidence, bans the peer locally for
   a day, is published in the DHT (public mode), and raises `Caught`, which the data plane treats
-  like any failed hop: route around it and replay into a replica.
+  like any rejected hop: route around it and replay into a replica.
+
+`Guard` is the data plane's StepChecks (data/checks.py) for one client and model.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -41,14 +38,17 @@ from libp2p.peer.id import ID
 from torch import Tensor
 
 from diffuse.control.routing import Hop
-from diffuse.errors import DiffuseError
+from diffuse.data.checks import ChecksUnavailable, OpenSession, Rejected
+from diffuse.data.hop import HopSession, Sent
+from diffuse.data.commitments import bind
 from diffuse.trust.bank import CanaryBank, SpanMaterial
 from diffuse.trust.canary import CanaryMonitor
-from diffuse.trust.commitments import bind
+from diffuse.trust.referee import Check, Referee
 from diffuse.trust.reputation import BanList, Evidence, SignedEvidence, canary_evidence, sign, spot_evidence
 from diffuse.trust.spotcheck import DEFAULT_RATE, SpotChecker, compare
 
 log = logging.getLogger(__name__)
+PACED_ROWS = 8  # steps of at most this many positions set the pace canary steps imitate
 
 
 @dataclass
@@ -60,89 +60,28 @@ class TrustOptions:
     canaries: int = 16  # pool size per span
     canary_tokens: int = 16
     publish: bool = True  # public mode: evidence goes to the DHT
-    max_lag: int = 16  # tokens a deferred spot check may trail the generation (what a stream holds back)
+    max_lag: int = 16  # tokens a check behind the generation may trail it (what a stream holds back)
 
 
-class Caught(Exception):
+class Caught(Rejected):
     """A peer failed a trust check; `evidence` says how."""
 
-    def __init__(self, evidence: SignedEvidence):
+    def __init__(self, evidence: SignedEvidence, session: HopSession | None = None,
+                 inputs: Sequence[Sent] = (), length: int | None = None):
         e = evidence.evidence
         super().__init__(f"failed a {e.kind} check on blocks {e.start}-{e.end - 1} "
-                         f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})")
+                         f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})", session, list(inputs), length)
         self.evidence = evidence
-        self.check: Check | None = None  # set when a deferred spot check failed: rewind to before it
 
 
-class TrustUnavailable(DiffuseError):
+class TrustUnavailable(ChecksUnavailable):
     """The client cannot judge peers (no canary material for a span): refuse rather than trust blindly."""
 
 
-class _Shadow:
-    """The referee's KV cache for one hop session: the hop's committed inputs, caught up at each check."""
-
-    def __init__(self, material: SpanMaterial, max_len: int):
-        self.span, self.cache = material.referee, material.referee.new_cache(max_len)
-        self.done: list[Any] = []  # the context items already in the cache (by identity)
-
-    def replay(self, context: Sequence[Any], wanted: set[int] = frozenset()) -> dict[int, Tensor]:
-        """Bring the cache to `context`. What is new since the last call goes in as one causal
-        chunk of the committed rows (a kept tree path is a chain): a prefill's cost, not one
-        decode step per token, and equal to the peer's cache up to fp32 rounding. Returns the
-        outputs of the new items whose id() is in `wanted` (the deferred checks' steps)."""
-        same = 0
-        while same < min(len(self.done), len(context)) and self.done[same] is context[same]:
-            same += 1
-        if same < len(self.done):
-            self.cache.rollback(sum(x.tokens for x in self.done[:same]))
-            del self.done[same:]
-        new = list(context[same:])
-        if not new:
-            return {}
-        rows = [sent.committed() for sent in new]
-        y = self.span(torch.cat([r[0] for r in rows], 1).float(), torch.cat([r[1] for r in rows]), self.cache)
-        self.done.extend(new)
-        outs, offset = {}, 0
-        for sent, (h, _) in zip(new, rows):
-            if id(sent) in wanted:
-                outs[id(sent)] = y[:, offset:offset + h.shape[1]]
-            offset += h.shape[1]
-        return outs
-
-    def step(self, h: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
-        """The step's output as the referee computes it; leaves no trace in the cache."""
-        out = self.span(h.float(), positions, self.cache, mask, False)
-        self.cache.rollback(self.cache.length)
-        return out
-
-
-@dataclass
-class Check:
-    """A deferred spot check of one committed plain step of one hop session."""
-
-    session: Any  # data.client.HopSession
-    length: int  # tokens the session held before the step: where a failed check rewinds to
-    context: list[Any]  # the session's committed inputs before the step (data.client.Sent)
-    step: Any  # the step's input as sent (Sent)
-    out: Tensor  # the peer's output as received
-    receipt: tuple[int, bytes | None]  # the step's number and input commitment
-    material: SpanMaterial
-    result: Future = field(default_factory=Future)  # -> the referee's output
-
-
-def _background() -> None:
-    """The referee thread yields to the data plane: the lowest priority, and one core (a team
-    of threads at low priority stalls whenever one of them is preempted). Both are per thread
-    (Linux nice, OpenMP's thread count), so the client's own computation keeps its cores."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-    torch.set_num_threads(1)
-
-
 class Guard:
-    """Per client and model: canary monitors per (peer, span), referees, bans and evidence."""
+    """Per client and model: canary monitors per (peer, span), the referee, bans and evidence."""
+
+    commitments = True  # every session asks for, and checks, output commitments: evidence needs them
 
     def __init__(self, model_id: str, bank: CanaryBank, key_pair: KeyPair, options: TrustOptions | None = None,
                  publish: Callable[[SignedEvidence], Awaitable[None]] | None = None,
@@ -154,18 +93,16 @@ class Guard:
         self.rng = rng or random.SystemRandom()  # picks the peer must not be able to predict
         self.spot = SpotChecker(self.opts.spot_rate, self.rng)
         self.bans = BanList(self.me)
+        self.referee = Referee()
         self.monitors: dict[tuple[str, int, int, str], CanaryMonitor] = {}
         self.passed: dict[tuple[str, int, int], int] = {}
-        self.shadows: dict[int, _Shadow] = {}
-        self.checks: list[Check] = []  # deferred spot checks not yet judged, in order
-        self._referee: ThreadPoolExecutor | None = None
-        self._lagging: dict[int, _Shadow] = {}  # the deferred checks' shadows: referee thread only
-        self._inbox: list[Check] = []  # deferred checks the referee thread has not taken yet
-        self._inbox_lock = threading.Lock()
+        self.audited: set[bytes] = set()  # session ids whose every plain step is checked behind
         self.pace = 0.0  # seconds between the client's real decode steps (EMA), for canary timing
-        self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0, "referee_cpu_s": 0.0}
+        self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0}
 
-    # ---- materials ----
+    @property
+    def max_lag(self) -> int:
+        return self.opts.max_lag
 
     async def material(self, start: int, end: int, dtype: str | None = None) -> SpanMaterial:
         """Canaries, calibration and referee for a span, able to judge a peer computing in `dtype`."""
@@ -183,19 +120,20 @@ class Guard:
     def excluded(self) -> set[str]:
         return self.bans.active()
 
-    def note_step(self, seconds: float) -> None:
-        self.pace = seconds if self.pace == 0 else 0.8 * self.pace + 0.2 * seconds
+    def note_step(self, seconds: float, positions: int) -> None:
+        if positions <= PACED_ROWS:
+            self.pace = seconds if self.pace == 0 else 0.8 * self.pace + 0.2 * seconds
 
     # ---- canaries ----
 
-    async def vet(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
+    async def vet(self, hop: Hop, open_session: OpenSession) -> None:
         """Canaries for `hop` until it has passed enough; raises Caught on a failed test."""
         key = (hop.peer_id, hop.start, hop.end)
         for _ in range(self.opts.vet_canaries - self.passed.get(key, 0)):
-            await self.canary(hop, session_factory)
+            await self.canary(hop, open_session)
             self.passed[key] = self.passed.get(key, 0) + 1
 
-    async def after_session(self, hops: Sequence[Hop], session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
+    async def closed(self, hops: Sequence[Hop], open_session: OpenSession) -> None:
         """One more canary for each hop with probability canary_rate, once the user has the answer
         (off the time to first token and the tokens' pace). A cheat caught here is banned and
         reported for the sessions to come; nothing is raised, the session is over."""
@@ -203,15 +141,15 @@ class Guard:
             if self.rng.random() >= self.opts.canary_rate or self.bans.banned(hop.peer_id):
                 continue
             try:
-                await self.canary(hop, session_factory)
+                await self.canary(hop, open_session)
             except Caught:
                 pass
             except Exception as e:  # noqa: BLE001 - a peer gone since is the data plane's business
                 log.info("canary for %s not run: %s", hop.peer_id, e)
 
-    async def canary(self, hop: Hop, session_factory: Callable[[Hop, int], Awaitable[Any]]) -> None:
+    async def canary(self, hop: Hop, open_session: OpenSession) -> None:
         base = await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
-        session = await session_factory(hop, base.canaries[0].hidden.shape[0])
+        session = await open_session(hop, base.canaries[0].hidden.shape[0])
         try:
             dtype = session.peer_dtype
             material = await self.material(hop.start, hop.end, dtype)
@@ -234,148 +172,92 @@ class Guard:
         verdict = monitor.observe(index, c, torch.cat(outs, 1)[0])
         if verdict.tampered:
             steps = tuple(r for r in receipts if r is not None)
-            await self._convict(canary_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
-                                                dtype, steps))
+            raise Caught(await self._convict(canary_evidence(verdict, hop.peer_id, self.me, self.model_id,
+                                                             hop.start, hop.end, dtype, steps)))
 
     # ---- spot checks ----
 
-    def pick(self) -> bool:
-        return self.spot.pick()
+    def opened(self, session: HopSession) -> None:
+        if self.spot.pick():
+            self.audited.add(session.session_id)
 
-    async def checked_step(self, session: Any, context: Sequence[Any], h: Tensor, positions: Tensor,
-                           mask: Tensor | None, commit: bool) -> Tensor:
-        """`session.step(...)` with the referee recomputing the same step meanwhile (so on a real
-        network the check costs little beyond the round trip); Caught if the outputs disagree.
-        `context` is what the session had committed before this step."""
-        hop = session.hop
-        material = await self.material(hop.start, hop.end, session.peer_dtype)
-        shadow = self.shadows.get(id(session))
-        if shadow is None:
-            shadow = self.shadows[id(session)] = _Shadow(material, session.max_len)
+    async def step(self, session: HopSession, h: Tensor, positions: Tensor, mask: Tensor | None,
+                   commit: bool, behind: bool) -> Tensor:
+        """The session's step, checked with probability spot_rate before its output is used, or
+        behind the generation for every plain step of an audited session."""
+        if not (session.session_id in self.audited if behind else self.spot.pick()):
+            return await session.step(h, positions, mask, commit)
+        context = session.inputs()
+        material = await self.material(session.hop.start, session.hop.end, session.peer_dtype)
+        if behind:
+            out = await session.step(h, positions, mask, commit)
+            self.referee.queue(Check(session, session.committed - session.history[-1].tokens, context,
+                                     session.history[-1], out, session.receipt_context, material))
+            return out
         sent = h.to(session.dtype)
         refs: list[Tensor] = []
 
-        def recompute() -> None:
-            shadow.replay(context)
-            refs.append(shadow.step(sent, positions, mask))
+        async def recompute() -> None:  # while the peer computes the same step
+            refs.append(await self.referee.recompute(session, material, context, sent, positions, mask))
 
-        async def referee() -> None:
-            await trio.to_thread.run_sync(recompute)
-
-        error: Exception | None = None
+        failed: Exception | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(referee)
+            nursery.start_soon(recompute)
             try:
                 out = await session.step(h, positions, mask, commit)
-            except Exception as e:  # noqa: BLE001 - re-raised as is, not wrapped in a group
-                error = e
-        if error is not None:
-            raise error
-        self.counts["spot_checks"] += 1
-        wire = out.dtype
-        verdict = compare(out.float(), refs[0].to(wire).float(), material.tolerance, session.peer_dtype,
-                          torch.float32, positions.tolist())
-        if not verdict.ok:
-            step, inputs = session.receipt_context
-            binding, tree = bind(session.session_id, step, inputs, out, wire)
-            await self._convict(spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
-                                              session.peer_dtype, "self", binding, tree))
+            except Exception as e:  # noqa: BLE001 - re-raised bare below, not in an exception group
+                failed = e
+        if failed is not None:
+            raise failed
+        await self._verdict(session, session.receipt_context, out, refs[0], positions, material, context, None)
         return out
 
-    async def defer(self, session: Any, context: Sequence[Any], out: Tensor) -> None:
-        """Queue a spot check of the plain step `session` just committed (its last input), for
-        the referee thread; `settle` judges it."""
-        material = await self.material(session.hop.start, session.hop.end, session.peer_dtype)
-        check = Check(session, session.committed - session.history[-1].tokens, list(context),
-                      session.history[-1], out, session.receipt_context, material)
-        if self._referee is None:
-            self._referee = ThreadPoolExecutor(1, "diffuse-referee", initializer=_background)
-        self.checks.append(check)
-        with self._inbox_lock:
-            self._inbox.append(check)
-        self._referee.submit(self._recompute)
-
-    def _recompute(self) -> None:
-        """Referee thread: every check queued so far, one forward per session (its last check's
-        context and step contain the earlier ones: deferred steps always commit, and a rewind
-        cancels the checks after it)."""
-        with self._inbox_lock:
-            batch, self._inbox = self._inbox, []
-        sessions: dict[int, list[Check]] = {}
-        for check in batch:
-            if check.result.set_running_or_notify_cancel():
-                sessions.setdefault(id(check.session), []).append(check)
-        for key, checks in sessions.items():
-            t0 = time.thread_time()
-            try:
-                shadow = self._lagging.get(key)
-                if shadow is None:
-                    shadow = self._lagging[key] = _Shadow(checks[0].material, checks[0].session.max_len)
-                last = checks[-1]
-                outs = shadow.replay([*last.context, last.step], {id(c.step) for c in checks})
-                for check in checks:
-                    check.result.set_result(outs[id(check.step)])
-            except BaseException as e:  # noqa: BLE001 - handed to settle(), which re-raises it
-                for check in checks:
-                    if not check.result.done():
-                        check.result.set_exception(e)
-            self.counts["referee_cpu_s"] += time.thread_time() - t0  # one torch thread: all of it
-
-    def unverified_from(self, sessions: Sequence[Any]) -> int | None:
+    def unverified_from(self, sessions: Sequence[HopSession]) -> int | None:
         """The smallest length a pending check of these sessions could rewind to, or None."""
-        ids = {id(s) for s in sessions}
-        return min((c.length for c in self.checks if id(c.session) in ids), default=None)
+        return min((c.length for c in self.referee.pending if c.session in sessions), default=None)
 
-    async def settle(self, sessions: Sequence[Any], wait: bool) -> None:
+    async def settle(self, sessions: Sequence[HopSession], wait: bool) -> None:
         """Judge the finished checks of these sessions (with `wait`, all of them), oldest first.
-        Raises Caught with `.check` set at the first failure; its and all later checks of these
-        sessions are dropped (the caller rewinds past them)."""
-        ids = {id(s) for s in sessions}
-        for check in [c for c in self.checks if id(c.session) in ids]:
-            if not check.result.done():
+        Raises Caught at the first failure, with the length to rewind to; its and all later
+        checks of these sessions are dropped (the caller rewinds past them)."""
+        for check in [c for c in self.referee.pending if c.session in sessions]:
+            if not check.done.is_set():
                 if not wait:
                     return
-                await trio.to_thread.run_sync(check.result.exception, abandon_on_cancel=True)
-            self.checks.remove(check)
+                await check.done.wait()
+            self.referee.pending.remove(check)
+            if check.error is not None:
+                raise check.error
             try:
-                await self._judge(check, check.result.result())
-            except Caught as e:
-                e.check = check
-                for c in [c for c in self.checks if id(c.session) in ids]:
-                    c.result.cancel()
-                    self.checks.remove(c)
+                await self._verdict(check.session, check.receipt, check.out, check.reference,
+                                    check.step.positions, check.material, check.context, check.length)
+            except Caught:
+                self.referee.cancel([c for c in self.referee.pending if c.session in sessions])
                 raise
 
-    async def _judge(self, check: Check, ref: Tensor) -> None:
-        session, out = check.session, check.out
-        self.counts["spot_checks"] += 1
-        verdict = compare(out.float(), ref.to(out.dtype).float(), check.material.tolerance, session.peer_dtype,
-                          torch.float32, check.step.positions.tolist())
-        if not verdict.ok:
-            step, inputs = check.receipt
-            binding, tree = bind(session.session_id, step, inputs, out, out.dtype)
-            hop = session.hop
-            await self._convict(spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
-                                              session.peer_dtype, "self", binding, tree))
-
-    def forget(self, session: Any) -> None:
-        for c in [c for c in self.checks if c.session is session]:
-            c.result.cancel()
-            self.checks.remove(c)
-        shadow = self.shadows.pop(id(session), None)
-        if shadow is not None:
-            shadow.cache.wipe()
-        if self._referee is not None:  # after any check it is running for this session
-            self._referee.submit(self._drop, id(session))
-
-    def _drop(self, key: int) -> None:
-        shadow = self._lagging.pop(key, None)
-        if shadow is not None:
-            shadow.cache.wipe()
+    def forget(self, session: HopSession) -> None:
+        self.audited.discard(session.session_id)
+        self.referee.forget(session)
 
     # ---- verdicts ----
 
-    async def _convict(self, evidence: Evidence) -> None:
+    async def _verdict(self, session: HopSession, receipt: tuple[int, bytes | None], out: Tensor, ref: Tensor,
+                       positions: Tensor, material: SpanMaterial, context: list[Sent], length: int | None) -> None:
+        """Compare a peer's output with the referee's, both as sent on the wire; Caught if they disagree."""
+        self.counts["spot_checks"] += 1
+        verdict = compare(out.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
+                          torch.float32, positions.tolist())
+        if verdict.ok:
+            return
+        step, inputs = receipt
+        binding, tree = bind(session.session_id, step, inputs, out, out.dtype)
+        hop = session.hop
+        evidence = spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
+                                 session.peer_dtype, "self", binding, tree)
+        raise Caught(await self._convict(evidence), session, context, length)
+
+    async def _convict(self, evidence: Evidence) -> SignedEvidence:
+        """Sign, ban locally, publish (public mode): what every failed check leads to."""
         signed = sign(evidence, self.key_pair)
         self.bans.add(signed)
         self.counts["caught"] += 1
@@ -388,10 +270,11 @@ class Guard:
                     await self.publish(signed)
                 except Exception as e:  # noqa: BLE001 - the verdict stands even if the DHT is down
                     log.warning("could not publish evidence against %s: %s", evidence.accused, e)
-        raise Caught(signed)
+        return signed
 
     def status(self) -> dict:
-        return {**self.counts, "banned": sorted(self.bans.active()), "at": time.time()}
+        return {**self.counts, "referee_cpu_s": self.referee.cpu_s, "banned": sorted(self.bans.active()),
+                "at": time.time()}
 
 
 __all__ = ["Caught", "Guard", "TrustOptions", "TrustUnavailable"]

@@ -16,7 +16,6 @@ and the accused's committed outputs) once it is retired.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ import cbor2
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from diffuse.control.records import evidence_key
+from diffuse.control.node import Node
+from diffuse.control.records import NAMESPACE, SetCodec, SetCodecs, tag
 from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
+from diffuse.data.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
 from diffuse.errors import DiffuseError
 from diffuse.trust.canary import CanaryVerdict
-from diffuse.trust.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
 from diffuse.trust.spotcheck import SpotVerdict
 
 EVIDENCE_VERSION = 1
@@ -153,7 +153,7 @@ def decode(value: bytes) -> SignedEvidence:
     """The inverse of SignedEvidence.encode, verifying on the way."""
     try:
         item = cbor2.loads(value)
-    except Exception:
+    except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes
         raise InvalidEvidence("evidence is not valid CBOR") from None
     if not isinstance(item, list) or len(item) != 2:
         raise InvalidEvidence("evidence is [payload, signature]")
@@ -222,7 +222,7 @@ def _peer(v: Any) -> str:
         raise InvalidEvidence("bad peer id")
     try:
         return ID(v).to_base58()
-    except Exception:
+    except Exception:  # noqa: BLE001 - py-libp2p's ID raises several types on bad bytes
         raise InvalidEvidence("bad peer id") from None
 
 
@@ -252,8 +252,14 @@ def _opening(v: Any) -> tuple[int, Opening]:
 
 # ---- evidence sets: the DHT value under evidence_key(accused) ----
 
+EVIDENCE_PREFIX = f"/{NAMESPACE}/evidence/"
 MAX_EVIDENCE = 32  # per accused: the latest report of each of the most recent reporters
 EVIDENCE_TTL_S = 7 * 24 * 3600.0
+
+
+def evidence_key(accused: str) -> str:
+    """Where evidence against one peer collects."""
+    return EVIDENCE_PREFIX + tag("evidence:" + accused)
 
 
 def encode_set(items: list[SignedEvidence]) -> bytes:
@@ -290,3 +296,21 @@ def merge_set(items: list[SignedEvidence], now: float | None = None) -> list[Sig
 def contributes(new: list[SignedEvidence], old: list[SignedEvidence]) -> bool:
     have = {e.evidence.reporter: e.evidence.timestamp for e in old}
     return any(e.evidence.timestamp > have.get(e.evidence.reporter, -1.0) for e in new)
+
+
+EVIDENCE_SETS: SetCodec[SignedEvidence] = SetCodec(decode_set, merge_set, encode_set, contributes, InvalidEvidence)
+
+
+def swarm_codecs() -> SetCodecs:
+    """What a node of a swarm whose clients publish evidence stores: peer records and evidence."""
+    return SetCodecs({EVIDENCE_PREFIX: EVIDENCE_SETS})
+
+
+async def publish(node: Node, evidence: SignedEvidence) -> int:
+    """Store signed evidence under its accused's key; returns how many DHT nodes took it."""
+    return await node.put_set(evidence_key(evidence.evidence.accused), [evidence])
+
+
+async def reports(node: Node, peer_id: str) -> list[SignedEvidence]:
+    """Verified evidence anyone has published against `peer_id`, latest per reporter."""
+    return await node.fetch_set(evidence_key(peer_id))

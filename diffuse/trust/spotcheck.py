@@ -11,10 +11,10 @@ Honest peers disagree with each other by their dtypes' rounding (bf16 against fp
 tolerance is per pair of dtypes (and early/later positions), measured: the errors between
 honest outputs of each pair (canary.benign_outputs, different realizations) are fitted with a
 log-normal (upper body only, see _upper), and the threshold is the quantile that leaves a
-false-positive probability `alpha` per token, never below the largest error actually seen. Both outputs are compared as sent on
-the wire (a local recomputation is rounded to the wire dtype first), as in the calibration.
-A spot check is a single sample, so it catches gross tampering; subtle tampering is the
-canaries' job.
+false-positive probability `alpha` per token, never below the largest error actually seen.
+Both outputs are compared as sent on the wire (a local recomputation is rounded to the wire
+dtype first), as in the calibration. A spot check is a single sample, so it catches gross
+tampering; subtle tampering is the canaries' job.
 """
 
 from __future__ import annotations

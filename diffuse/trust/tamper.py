@@ -35,13 +35,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from diffuse.model.llama import BlockSpan, KVCache
+from diffuse.model.engine import BlockSpan, KVCache
 
 ACTIVATION_KINDS = ("noise", "scale", "signflip", "zero", "replay")
 WEIGHT_KINDS = ("skip", "quant", "minifloat", "lowrank")
 KINDS = ACTIVATION_KINDS + WEIGHT_KINDS
+# A strength that is detectable but not absurd, per kind: what `KIND` alone means on the CLI.
+DEFAULT_STRENGTH = {"noise": 20.0, "scale": 8.0, "signflip": 8.0, "zero": 0.1, "replay": 1.0,
+                    "skip": 1.0, "quant": 4.0, "minifloat": 2.0, "lowrank": 0.1}
 SCALED_DIMS = 4
 LOWRANK_RANK = 4
+
+
+def parse_spec(text: str) -> tuple[str, float]:
+    """`KIND[:STRENGTH]` -> (kind, strength); ValueError naming what is wrong."""
+    kind, _, strength = text.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown tamper kind {kind!r}: choose one of {', '.join(KINDS)}")
+    try:
+        return kind, float(strength) if strength else DEFAULT_STRENGTH[kind]
+    except ValueError:
+        raise ValueError(f"tamper strength must be a number, not {strength!r}") from None
 
 
 @dataclass

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from diffuse.data.codec import tensor_wire, wire_dtype
 
 CHUNK_SIZE = 4096  # bytes per leaf: ~3.5 tokens of SmolLM2 in fp16; proofs stay small
 DIGEST_SIZE = 32
@@ -37,9 +38,6 @@ ZERO = bytes(DIGEST_SIZE)
 _LEAF, _NODE = b"\x00", b"\x01"
 _OUTPUT_DOMAIN = b"diffuse/step-output/v1\x00"
 _INPUT_DOMAIN = b"diffuse/step-input/v1\x00"
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # as in the wire codec
-_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
-_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
 def tensor_bytes(t: Tensor, dtype: torch.dtype | None = None) -> memoryview:
@@ -48,19 +46,7 @@ def tensor_bytes(t: Tensor, dtype: torch.dtype | None = None) -> memoryview:
     The server should convert its output to the wire dtype once, commit to that tensor and send
     the same tensor, so the committed and the sent bytes cannot differ by a second rounding.
     """
-    dtype = t.dtype if dtype is None else dtype
-    if dtype not in _DTYPE_CODES:
-        raise ValueError(f"wire dtype must be float16, bfloat16 or float32, not {dtype}")
-    w = t.detach().to(dtype).cpu().contiguous()
-    ints = w.view(_INT_VIEW[dtype]).numpy()
-    if sys.byteorder != "little":
-        ints = ints.byteswap()
-    return memoryview(ints).cast("B")
-
-
-def _tensor_header(t: Tensor, dtype: torch.dtype | None) -> bytes:
-    dtype = t.dtype if dtype is None else dtype
-    return struct.pack(f">BB{t.dim()}I", _DTYPE_CODES[dtype], t.dim(), *t.shape)
+    return memoryview(tensor_wire(t, dtype)[1]).cast("B")
 
 
 def _leaf(chunk: bytes | memoryview) -> bytes:
@@ -150,7 +136,7 @@ class StepBinding:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.header[0]]
+        return wire_dtype(self.header[0])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -174,9 +160,9 @@ class StepBinding:
 def bind(session_id: bytes, step: int, input_commitment: bytes | None, t: Tensor,
          dtype: torch.dtype | None = None, chunk_size: int = CHUNK_SIZE) -> tuple[StepBinding, MerkleTree]:
     """The binding and Merkle tree of output `t` (sent in `dtype`) of one step."""
-    data = tensor_bytes(t, dtype)
-    binding = StepBinding(session_id, step, input_commitment or ZERO, _tensor_header(t, dtype),
-                          len(data), chunk_size)
+    header, raw = tensor_wire(t, dtype)
+    data = memoryview(raw).cast("B")
+    binding = StepBinding(session_id, step, input_commitment or ZERO, header, len(data), chunk_size)
     return binding, MerkleTree(data, chunk_size)
 
 
@@ -202,9 +188,10 @@ def input_commitment(session_id: bytes, step: int, previous: bytes | None, hidde
     fields = struct.pack(f">QI{len(positions)}iQI{len(keep)}IB", step, len(positions), *positions,
                          cache_len, len(keep), *keep, commit)
     m = b"" if mask is None else bytes(mask.detach().cpu().bool().flatten().numpy().tobytes())
-    root = MerkleTree(tensor_bytes(hidden, dtype)).root
+    header, raw = tensor_wire(hidden, dtype)
+    root = MerkleTree(raw).root
     return hashlib.sha256(_INPUT_DOMAIN + session_id + (previous or ZERO) + fields
-                          + struct.pack(">I", len(m)) + m + _tensor_header(hidden, dtype) + root).digest()
+                          + struct.pack(">I", len(m)) + m + header + root).digest()
 
 
 def chunks_of_token(shape: Sequence[int], dtype: torch.dtype, row: int, token: int,

@@ -1,0 +1,263 @@
+"""One inference session on one peer, as the client sees it: the exchange and its committed inputs.
+
+A `HopSession` speaks the wire protocol (data/codec.py) under the session rules (data/session.py)
+over one stream, and keeps what failover needs: every committed step's input as it was sent
+(`Sent`), so a replacement peer can be rebuilt with the same matmuls, or, in an exact session,
+with the committed rows in a few long chunks (`rechunked`). commit/rollback never cost a round
+trip: they ride on the next STEP (keep, cache_len).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import trio
+from torch import Tensor
+
+from diffuse.control.routing import Hop
+from diffuse.data.codec import Close, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError
+from diffuse.data.commitments import StepBinding, bind, input_commitment
+from diffuse.data.session import Role, SessionRules, SessionState
+from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
+from diffuse.errors import DiffuseError
+
+log = logging.getLogger(__name__)
+REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
+
+
+class HopFailed(DiffuseError):
+    def __init__(self, hop: Hop, why: str, code: int | None = None):
+        super().__init__(f"peer {hop.peer_id[-8:]} (blocks {hop.start}-{hop.end - 1}): {why}")
+        self.hop, self.code = hop, code
+
+
+@dataclass
+class Sent:
+    """A committed STEP's input as first sent: a plain chunk (keep None), or a candidate tree and
+    the nodes kept from it. Replaying it as sent repeats the same matmuls, so a replacement peer
+    rebuilds a bit-identical cache, speculative steps included."""
+
+    h: Tensor
+    positions: Tensor
+    mask: Tensor | None = None
+    keep: list[int] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.h.shape[1] if self.keep is None else len(self.keep)
+
+    def head(self, n: int) -> "Sent":
+        """The first n committed tokens of this step."""
+        return replace(self, keep=self.keep[:n]) if self.keep is not None else Sent(self.h[:, :n], self.positions[:n])
+
+    def committed(self) -> tuple[Tensor, Tensor]:
+        """The rows this step committed and their positions: all of a plain chunk, or the kept
+        path of a tree (a chain, so the rows in order attend causally as they did in the tree)."""
+        if self.keep is None:
+            return self.h, self.positions
+        return self.h[:, self.keep], self.positions[self.keep]
+
+
+def rechunked(inputs: Sequence[Sent], rows: int = REPLAY_ROWS) -> list[Sent]:
+    """The committed rows of `inputs` as plain chunks of at most `rows`. Only for an exact session:
+    its outputs and KV entries do not depend on how tokens share a step (spec 7.4), so a
+    replacement rebuilds the same cache at prefill cost instead of one decode step per token."""
+    if not inputs:
+        return []
+    parts = [sent.committed() for sent in inputs]
+    h, positions = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
+    return [Sent(h[:, i:i + rows], positions[i:i + rows]) for i in range(0, positions.shape[0], rows)]
+
+
+class HopSession:
+    """One session on one peer: the protocol exchange plus the inputs it has committed."""
+
+    def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
+                 dtype: torch.dtype, timeout: float, commitments: bool = False, exact: bool = False):
+        self.hop, self.stream, self.model_id = hop, stream, model_id
+        self.commitments = commitments  # ask for, and check, per-step output commitments
+        self.exact = exact  # require batch-invariant kernels (protocol 1.1 OPEN flag EXACT)
+        self.peer_dtype = ""  # the compute dtype the peer declared in OPEN_OK
+        self.last_input: bytes | None = None  # input-commitment chain, as the server computes it
+        self.receipt: tuple[StepBinding, bytes] | None = None  # last step's output binding, commitment
+        self.receipt_context: tuple[int, bytes | None] = (0, None)  # its step number and input commitment
+        self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
+        self.session_id = os.urandom(16)
+        self.rules = SessionRules(Role.CLIENT)
+        self.decoder = FrameDecoder()
+        self.inbox: deque[Message] = deque()  # frames read but not yet consumed
+        self.step_no = 0
+        self.history: list[Sent] = []  # committed inputs, in order, as sent
+        self.committed = 0
+        self.pending: Sent | None = None  # last step's candidate inputs
+        self.keep: list[int] = []  # deferred commit, sent with the next STEP
+        self.bytes_sent = 0
+        self.compute_s = 0.0
+
+    async def _send(self, msg: Message) -> None:
+        data = self.rules.send(msg)
+        self.bytes_sent += len(data)
+        await self.stream.write(data)
+
+    async def _receive(self) -> Message:
+        """The next frame, once the session's rules allow it (replayed steps are pipelined: one
+        read may bring several)."""
+        while not self.inbox:
+            data = await self.stream.read(READ_CHUNK)
+            if not data:
+                raise HopFailed(self.hop, "connection closed")
+            try:
+                self.inbox.extend(self.decoder.feed(data))
+            except WireError as e:
+                raise HopFailed(self.hop, f"sent a bad frame: {e}") from None
+        msg = self.inbox.popleft()
+        try:
+            self.rules.receive(msg)
+        except WireError as e:
+            raise HopFailed(self.hop, f"broke the protocol: {e}") from None
+        if isinstance(msg, ErrorMsg):
+            raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code)
+        return msg
+
+    async def open(self) -> None:
+        with trio.fail_after(self.timeout):
+            await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
+                                  self.max_len, self.batch, self.dtype, self.commitments, self.exact))
+            ok = await self._receive()
+        if not isinstance(ok, OpenOk) or ok.max_length < self.max_len:
+            raise HopFailed(self.hop, f"bad answer to OPEN: {ok!r}")
+        if self.exact and not (ok.exact and ok.minor >= 1):
+            raise HopFailed(self.hop, "peer does not grant exact (batch-invariant) computation: it "
+                            f"speaks protocol 1.{ok.minor} or computes on a GPU")
+        self.peer_dtype = ok.compute_dtype
+
+    async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
+                   timeout: float | None = None) -> Tensor:
+        msg = self._message(h, positions, mask, commit)
+        with trio.fail_after(timeout or self.timeout):
+            await self._send(msg)
+            reply = await self._receive()
+        out = self._accept(msg, reply)
+        self._advance(msg, positions)
+        return out
+
+    async def replay(self, inputs: Sequence[Sent], timeout: float) -> list[Tensor]:
+        """Send every step of `inputs` as first sent, then read the replies while writing, so a
+        replacement peer's cache is rebuilt in one round trip, not one per step (on a WAN the
+        round trips are most of a failover). A failure leaves this session unusable."""
+        msgs = []
+        for sent in inputs:
+            msgs.append(self._message(sent.h, sent.positions, sent.mask, sent.keep is None, replay=True))
+            self._advance(msgs[-1], sent.positions)
+            if sent.keep is not None:
+                self.commit(sent.keep)  # rides on the next STEP, as it first did
+        frames = [self.rules.send(m) for m in msgs]  # an fp16 overflow surfaces here, unwrapped
+        outs: list[Tensor] = []
+
+        async def write_all() -> None:
+            for data in frames:
+                self.bytes_sent += len(data)
+                await self.stream.write(data)
+
+        failed: BaseException | None = None
+        with trio.fail_after(timeout):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write_all)
+                try:
+                    for msg in msgs:
+                        outs.append(self._accept(msg, await self._receive()))
+                except Exception as e:  # noqa: BLE001 - re-raised bare below, not in a group
+                    failed = e
+                    nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+        return outs
+
+    def _message(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
+                 replay: bool = False) -> Step:
+        if h.dtype != self.dtype:  # a hop's output usually is in the wire dtype: sent on as received
+            h = h.to(self.dtype)
+        # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
+        msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
+                   keep=self.keep, mask=mask, commit=commit, replay=replay)
+        if self.commitments:
+            msg.input_commitment = input_commitment(self.session_id, self.step_no, self.last_input, h,
+                                                    msg.positions, msg.cache_len, msg.keep, mask, commit,
+                                                    self.dtype)
+        return msg
+
+    def _accept(self, msg: Step, reply) -> Tensor:
+        """A reply's hidden states, once it answers `msg` (and, asked for, commits to its bytes)."""
+        if not isinstance(reply, StepOk) or reply.step != msg.step:
+            raise HopFailed(self.hop, f"bad answer to STEP {msg.step}")
+        if self.commitments:
+            self._check_commitment(msg, reply)
+        self.compute_s += (reply.compute_us or 0) / 1e6
+        return reply.hidden
+
+    def _advance(self, msg: Step, positions: Tensor) -> None:
+        """The session's state once `msg` has been answered (or, replaying, is on its way)."""
+        self.last_input = msg.input_commitment
+        self.step_no += 1
+        if self.keep:
+            self._commit_pending(self.keep)
+        self.keep, self.pending = [], None
+        if msg.commit:
+            self.history.append(Sent(msg.hidden, positions))
+            self.committed += msg.hidden.shape[1]
+        else:
+            self.pending = Sent(msg.hidden, positions, msg.mask)
+
+    def _check_commitment(self, msg: Step, reply: StepOk) -> None:
+        """The output commitment must name exactly the bytes received, bound to our inputs: what a
+        spot check or canary later holds the peer to."""
+        binding, tree = bind(self.session_id, msg.step, msg.input_commitment, reply.hidden, self.dtype)
+        commitment = binding.commit(tree.root)
+        if reply.output_commitment != commitment:
+            raise HopFailed(self.hop, f"STEP {msg.step}: output commitment missing or not over the bytes sent")
+        self.receipt, self.receipt_context = (binding, commitment), (msg.step, msg.input_commitment)
+
+    def _commit_pending(self, keep: Sequence[int]) -> None:
+        self.history.append(replace(self.pending, keep=list(keep)))
+        self.committed += len(keep)
+
+    def commit(self, keep: Sequence[int] | None) -> None:
+        if self.pending is None:
+            return
+        if keep is None:
+            keep = range(self.pending.h.shape[1])
+        self.keep = list(keep)
+
+    def rollback(self, length: int) -> None:
+        if self.keep:
+            self._commit_pending(self.keep)
+        self.keep, self.pending = [], None
+        kept, total = [], 0
+        for sent in self.history:
+            if total >= length:
+                break
+            kept.append(sent.head(length - total))
+            total += kept[-1].tokens
+        self.history, self.committed = kept, length
+
+    def inputs(self) -> list[Sent]:
+        """Everything committed so far, as it was first sent (plus a kept-but-not-yet-sent
+        commit). Replaying the same chunks makes the same matmuls, so a replacement peer
+        rebuilds a bit-identical KV cache: one batched replay would differ in low-order bits,
+        enough to flip a near-tie in bf16, except in an exact session (`rechunked`)."""
+        return self.history + ([replace(self.pending, keep=self.keep)] if self.keep else [])
+
+    async def close(self) -> None:
+        with trio.move_on_after(1.0):
+            try:
+                if self.rules.state is not SessionState.CLOSED and self.rules.open is not None:
+                    await self._send(Close(self.session_id))
+            except Exception as e:  # noqa: BLE001 - a dead stream fails in py-libp2p's own ways
+                log.debug("CLOSE to %s not sent: %s", self.hop.peer_id, e)
+            finally:
+                await close_quietly(self.stream)
