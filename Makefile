@@ -8,4 +8,6 @@ run: setup
 	.venv/bin/diffuse demo "What is the capital of France?"
 
 test: setup
+	.venv/bin/ruff check diffuse scripts tests
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q
