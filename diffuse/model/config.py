@@ -127,9 +127,9 @@ class ModelConfig:
 
     @property
     def rope_description(self) -> str:
-        text = f"theta {self.rope_theta:g}, {self.rope_scaling.describe()}"
+        text = f"theta {_number(self.rope_theta)}, {self.rope_scaling.describe()}"
         if self.local_rope_theta is not None:
-            text += f"; sliding layers theta {self.local_rope_theta:g}"
+            text += f"; sliding layers theta {_number(self.local_rope_theta)}"
         if self.rotary_dim != self.head_dim:
             text += f"; {self.rotary_dim} of {self.head_dim} dims"
         return text
@@ -209,6 +209,10 @@ class ModelConfig:
                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                   "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
         return d
+
+
+def _number(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:g}"
 
 
 def unsupported(arch: object) -> str:

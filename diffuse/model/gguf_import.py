@@ -20,7 +20,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -421,11 +421,11 @@ def _open(src: Path):
         raise ModelError(f"{src}: not a valid GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
 
 
-def import_gguf(src: Path, dest: Path, progress: Progress | None = None) -> Path:
+def import_gguf(src: Path, dest: Path, progress: Progress | None = None, extra_files: Sequence[Path] = ()) -> Path:
     """Convert GGUF `src` into HF directory `dest` (replaced if present); returns `dest`.
 
     Written into `<dest>.partial` and renamed at the end, so an interrupted import never leaves
-    a directory that looks like a model.
+    a directory that looks like a model; `extra_files` (licence terms) are copied in before.
     """
     src, dest = Path(src), Path(dest)
     say = progress or (lambda _msg: None)
@@ -450,6 +450,8 @@ def import_gguf(src: Path, dest: Path, progress: Progress | None = None) -> Path
         _write_tokenizer(tmp, reader, arch, cfg)
         _write_notice(tmp, reader, src)
         _write_tensors(tmp / "model.safetensors", reader, arch, cfg, say)
+        for extra in extra_files:
+            shutil.copyfile(extra, tmp / Path(extra).name)
     except ModelError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelError(f"{src}: {e}") from None

