@@ -9,6 +9,7 @@ import torch
 from diffuse.model.weights import write_manifest
 
 WINDOW = 8  # sliding window of the tiny models: tests run sequences longer than it
+PREFIX = 12  # > WINDOW: trees and decode steps after it see a window that has slid
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
               tie_word_embeddings=False)
@@ -71,6 +72,25 @@ def make_tiny(path: Path, arch: str = "llama", layers: int = 4, seed: int = 0) -
     model.save_pretrained(path, safe_serialization=True)
     write_manifest(path)
     return path
+
+
+def tree() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three candidate branches after a root token: r -> a -> b, r -> c, r -> a -> d.
+
+    Layout [r, a, b, c, d]; depths 0,1,2,1,2; parents -, r, a, r, a. Returns (mask, depth).
+    """
+    parents = [-1, 0, 1, 0, 1]
+    t = len(parents)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask, mask.sum(1) - 1
+
+
+BRANCHES = ([0, 1, 2], [0, 3], [0, 1, 4])  # the tree's root-to-leaf paths
 
 
 def load_reference(path: Path, dtype=torch.float32):
