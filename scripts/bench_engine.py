@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Engine vs transformers on the same weights, dtype and prompt: prefill time and decode tokens/s.
+"""Engine vs transformers on the same weights, dtype and prompt: prefill and decode tokens/s.
 
-    .venv/bin/python scripts/bench_engine.py [--tokens 64] [--repeats 3] [--dtypes fp32,bf16]
+    .venv/bin/python scripts/bench_engine.py [--model gemma-3-270m] [--tokens 64] [--repeats 3] [--dtypes fp32,bf16]
 
-Runs alternate (engine, transformers, engine, ...) so machine noise hits both alike; prints the
-medians and the ratio engine / transformers (> 1 means the engine is faster).
+transformers runs `generate` (greedy) on the store's safetensors; the engine runs one span of all
+blocks and the head, as `ask --local` does. Runs alternate (engine, transformers, engine, ...) so
+machine noise hits both alike; prints the medians and the ratios engine / transformers (> 1 means
+the engine is faster). A model without a chat template gets the plain prompt.
 """
 
 from __future__ import annotations
@@ -14,19 +16,15 @@ import os
 import statistics
 import time
 
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
-import torch  # noqa: E402
-
-from diffuse.client.local import open_local  # noqa: E402
-from diffuse.home import data_home  # noqa: E402
-from diffuse.model import store  # noqa: E402
-from diffuse.model.load import parse_dtype  # noqa: E402
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # read once, when torch loads (below, in main)
 
 PROMPT = "Explain in a few sentences why the sky is blue, and what changes at sunset."
 
 
 def bench_engine(model, prompt: list[int], n: int) -> tuple[float, float]:
+    """(prefill seconds, decode tokens/s) of n greedy tokens."""
+    import torch
+
     head, (span,) = model.head, model.spans
     cache = span.new_cache(len(prompt) + n + 1)
     ids = torch.tensor([prompt])
@@ -43,16 +41,23 @@ def bench_engine(model, prompt: list[int], n: int) -> tuple[float, float]:
     return t1 - t0, (n - 1) / (t2 - t1)
 
 
-@torch.inference_mode()
 def bench_hf(model, prompt: list[int], n: int) -> tuple[float, float]:
+    """The same for transformers' generate: prefill is a 1-token generate, decode the rest."""
+    import torch
+
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    t0 = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-    t1 = time.perf_counter()
-    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-    t2 = time.perf_counter()
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        t2 = time.perf_counter()
     return t1 - t0, (n - 1) / ((t2 - t1) - (t1 - t0))
+
+
+def median(runs: list[tuple[float, float]], i: int) -> float:
+    return statistics.median(r[i] for r in runs)
 
 
 def main() -> None:
@@ -63,7 +68,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="fp32,bf16")
     args = ap.parse_args()
+    import torch
     import transformers
+
+    from diffuse.client.local import open_local
+    from diffuse.home import data_home
+    from diffuse.model import kernels, store
+    from diffuse.model.load import parse_dtype
 
     home = data_home(args.home)
     path = store.resolve(home, args.model)
@@ -71,22 +82,23 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         model, tok = open_local(home, args.model, dtype)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype)).eval()
-        prompt = tok.encode_chat([{"role": "user", "content": PROMPT}])
+        prompt = tok.encode_chat([{"role": "user", "content": PROMPT}])  # plain for a base model
         bench_engine(model, prompt, 4), bench_hf(hf, prompt, 4)  # warm-up
         ours, theirs = [], []
         for _ in range(args.repeats):
             ours.append(bench_engine(model, prompt, args.tokens))
             theirs.append(bench_hf(hf, prompt, args.tokens))
-        med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
-        rows.append((dtype, med(ours, 0) * 1e3, med(theirs, 0) * 1e3, med(ours, 1), med(theirs, 1)))
+        rows.append((dtype, median(ours, 0), median(theirs, 0), median(ours, 1), median(theirs, 1)))
         del model, hf
-    print(f"SmolLM2 engine vs transformers {transformers.__version__}; prompt {len(prompt)} tokens, "
-          f"{args.tokens} new tokens, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"| dtype | prefill ms engine | prefill ms transformers | decode tok/s engine "
-          f"| decode tok/s transformers | decode ratio |")
-    print("|---|---|---|---|---|---|")
+    print(f"{path.name} engine vs transformers {transformers.__version__} generate; prompt {len(prompt)} tokens, "
+          f"{args.tokens} new tokens, {torch.get_num_threads()} threads, median of {args.repeats}; "
+          f"kernels: {kernels.describe()}")
+    print("| dtype | prefill tok/s engine | prefill tok/s transformers | prefill ratio "
+          "| decode tok/s engine | decode tok/s transformers | decode ratio |")
+    print("|---|---|---|---|---|---|---|")
     for dtype, pe, ph, de, dh in rows:
-        print(f"| {dtype} | {pe:.1f} | {ph:.1f} | {de:.1f} | {dh:.1f} | {de / dh:.2f}x |")
+        n = len(prompt)
+        print(f"| {dtype} | {n / pe:.0f} | {n / ph:.0f} | {ph / pe:.2f}x | {de:.1f} | {dh:.1f} | {de / dh:.2f}x |")
 
 
 if __name__ == "__main__":

