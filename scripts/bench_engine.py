@@ -2,6 +2,7 @@
 """Engine vs transformers on the same weights, dtype and prompt: prefill and decode tokens/s.
 
     .venv/bin/python scripts/bench_engine.py [--model gemma-3-270m] [--tokens 64] [--repeats 3] [--dtypes fp32,bf16]
+                                             [--threads N]
 
 transformers runs `generate` (greedy) on the store's safetensors; the engine runs one span of all
 blocks and the head, as `ask --local` does. Runs alternate (engine, transformers, engine, ...) so
@@ -67,10 +68,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     args = ap.parse_args()
     import torch
     import transformers
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from diffuse.client.local import open_local
     from diffuse.home import data_home
     from diffuse.model import kernels, store
