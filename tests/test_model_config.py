@@ -124,3 +124,22 @@ def test_block_parameters_count_every_expert(tmp_path):
     assert block_parameters(cfg, 1) == attention + 3 * 64 * 128  # mlp_only_layers: dense
     d = json.loads((tmp_path / "moe" / "config.json").read_text())
     assert d["num_local_experts"] == 8  # transformers 5 writes this name; both are read
+
+
+def test_model_list_and_info_show_architecture_rope_and_memory(tmp_path, capsys):
+    from diffuse.cli import main
+    from diffuse.home import models_dir
+
+    make_tiny(models_dir(tmp_path) / "tiny-gemma3", "gemma3")
+    assert main(["--home", str(tmp_path), "model", "list"]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:3] == ["tiny-gemma3", "gemma3_text", "4"]
+    assert main(["--home", str(tmp_path), "model", "info", "tiny-gemma3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    params = block_parameters(ModelConfig.load(models_dir(tmp_path) / "tiny-gemma3"), 0)
+    assert d["block_bytes"] == {"fp32": 4 * params, "bf16": 2 * params, "fp16": 2 * params}
+    assert d["kv_bytes_per_token_per_block"]["bf16"] == 2 * 2 * 32 * 2  # k and v, 2 heads of 32, 2 bytes
+    assert d["rope"] == "theta 50000, linear (factor 4); sliding layers theta 1000"
+    assert d["attention"] == "sliding window 8 in 2 of 4 layers" and d["experts"] is None
+    assert main(["--home", str(tmp_path), "model", "info", "tiny-gemma3"]) == 0
+    assert "per block    fp32" in capsys.readouterr().out
