@@ -15,9 +15,9 @@ from safetensors import safe_open
 from tokenizers import pre_tokenizers
 
 from diffuse.errors import ModelError
-from diffuse.model.config import SLIDING, ModelConfig
+from diffuse.model.config import ModelConfig
 from diffuse.model.gguf_import import embedded_gguf_path, import_gguf, unpermute_rotary
-from tiny import FAMILIES, load_reference, make_tiny
+from tiny import load_reference, make_tiny
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
