@@ -535,6 +535,20 @@ def test_session_minor_and_client_error():
     assert s.state is SessionState.CLOSED
 
 
+def test_a_bad_frame_ends_a_read_after_the_messages_before_it():
+    good, bad = encode(Ping(1)), b"\x00\x00\x00\x05hello"
+    dec = FrameDecoder()
+    assert [m.nonce for m in dec.feed(good + encode(Ping(2)) + bad)] == [1, 2]
+    assert isinstance(dec.failed, WireError) and "magic" in str(dec.failed)
+    with pytest.raises(WireError, match="unusable"):
+        dec.feed(good)
+    one = FrameDecoder(max_frame=64)
+    one.receive(encode(Ping(3)) + encode(StepOk(SID, 0, torch.zeros(1, 4, 8))))
+    assert one.next_message().nonce == 3
+    one.max_frame = MAX_FRAME  # a receiver may raise the bound between messages
+    assert isinstance(one.next_message(), StepOk) and one.next_message() is None and one.pending == 0
+
+
 def test_client_rules_mirror_the_server_and_blame_the_right_side():
     """The client keeps the same rules: it may not send what the server would refuse (INTERNAL:
     its own bug), and a reply the server may not send is refused with the code to answer it."""

@@ -80,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
                    help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
     p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
-    p.add_argument("--model", action="append", default=[], help="model id (repeatable; default: the default model)")
+    p.add_argument("--model", action="append", default=[],
+                   help="model in the store (repeatable; default: the default model): its manifest says how many "
+                        "blocks it has and which weights they hold")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll until every model is servable or SECONDS pass")
@@ -221,10 +223,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from diffuse.control.coverage import format_text
     from diffuse.control.node import open_node
-    from diffuse.home import DEFAULT_MODEL
+    from diffuse.home import data_home
+    from diffuse.model import store
+    from diffuse.model.weights import load_manifest
 
     boot = _bootstrap_addrs(args, required=True)
-    models = args.model or [DEFAULT_MODEL]
+    manifests = [load_manifest(store.resolve(data_home(args.home), name)) for name in args.model or [None]]
     result: list = []
 
     async def main() -> None:
@@ -233,7 +237,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                              bootstrap=boot, server=False, codecs=reputation.swarm_codecs()) as node:
             deadline = trio.current_time() + max(0.0, args.wait)
             while True:
-                covs = [await node.coverage(m) for m in models]
+                covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in manifests]
                 if all(c.servable for c in covs) or trio.current_time() >= deadline:
                     break
                 await trio.sleep(0.5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,9 @@ from diffuse.trust.guard import Guard, TrustOptions
 
 log = logging.getLogger(__name__)
 RTT_TTL_S = 60.0  # re-measure a peer's round trip after this long, as Petals refreshes routes
+UNREACHABLE_S = 10.0  # the RTT a peer that did not answer a ping counts with (routes avoid it)
+PROBE_WAVE = 16  # peers pinged at once while looking for a route
+PROBE_REPLICAS = 2  # stop pinging once every block has this many reachable peers
 # A session fetches records as it opens; its failovers reuse them while this young (and unexpired),
 # so replacing a dead peer needs no DHT lookup (1.5 s on a loaded box, up to the query timeout per
 # dead node on a WAN). A route they cannot give fetches fresh ones.
@@ -125,10 +129,13 @@ class SwarmClient:
             return await self._plan(start, end, exclude, await self.records())
 
     async def _plan(self, start: int, end: int, exclude: set[str], records: list[PeerRecord]) -> list[Hop]:
+        """A route over peers this client has pinged: valid records are not proof of a peer
+        (anyone can sign records pointing anywhere), an answer to a ping is."""
         candidates = [r for r in records if r.peer_id not in exclude and r.start < end and r.end > start]
-        await self._measure_rtts(candidates)
+        await self._probe(candidates, start, end)
         now = time.monotonic()
         rtt = {p: s for p, (s, t) in self.rtt.items() if now - t < RTT_TTL_S}
+        records = [r for r in candidates if r.peer_id in rtt]
         if self.guard is not None:
             suspects = await self._suspects(candidates)
             if suspects:
@@ -159,21 +166,36 @@ class SwarmClient:
         acks = await reputation.publish(self.node, evidence)
         log.info("evidence against %s published to %d DHT nodes", evidence.evidence.accused, acks)
 
-    async def _measure_rtts(self, records: list[PeerRecord]) -> None:
+    async def _probe(self, records: list[PeerRecord], start: int, end: int) -> None:
+        """Ping peers not measured lately, most supported first (those in the most DHT nodes'
+        copies: a throwaway record flooded into the DHT is in few), PROBE_WAVE at a time, until
+        every block of [start, end) has PROBE_REPLICAS reachable peers or none is left."""
         now = time.monotonic()
-        todo = {r.peer_id: r for r in records if now - self.rtt.get(r.peer_id, (0, -1e9))[1] >= RTT_TTL_S}
+        support = self.node.support.get(self.model_id, {})
+        fresh = {p for p, (_, t) in self.rtt.items() if now - t < RTT_TTL_S}
+        todo = [r for r in records if r.peer_id not in fresh]
+        random.shuffle(todo)  # ties in any order, not the records' (the attacker's) order
+        todo.sort(key=lambda r: -support.get(r.peer_id, 0))
 
         async def one(r: PeerRecord) -> None:
             with trio.move_on_after(2.0):
                 try:
                     self.rtt[r.peer_id] = (await self._ping(r), time.monotonic())
-                except Exception as e:  # noqa: BLE001 - an unreachable peer just gets no RTT
+                    return
+                except Exception as e:  # noqa: BLE001 - an unreachable peer just gets no route
                     log.info("cannot ping %s: %s", r.peer_id, e)
-                    self.rtt[r.peer_id] = (10.0, time.monotonic())
+            self.rtt[r.peer_id] = (UNREACHABLE_S, time.monotonic())
 
-        async with trio.open_nursery() as nursery:
-            for r in todo.values():
-                nursery.start_soon(one, r)
+        while todo and not self._reachable_cover(records, start, end):
+            wave, todo = todo[:PROBE_WAVE], todo[PROBE_WAVE:]
+            async with trio.open_nursery() as nursery:
+                for r in wave:
+                    nursery.start_soon(one, r)
+
+    def _reachable_cover(self, records: list[PeerRecord], start: int, end: int) -> bool:
+        now = time.monotonic()
+        up = [r for r in records if (m := self.rtt.get(r.peer_id)) and m[0] < UNREACHABLE_S and now - m[1] < RTT_TTL_S]
+        return all(sum(r.serves(b) for r in up) >= PROBE_REPLICAS for b in range(start, end))
 
     async def _ping(self, r: PeerRecord) -> float:
         stream = await self.dial(Hop(r.peer_id, tuple(r.addrs), r.start, r.end))

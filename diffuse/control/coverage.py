@@ -7,7 +7,6 @@ block placement all see the same picture, and tests need no network.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,25 +55,23 @@ class Coverage:
 def coverage(
     records: Iterable[PeerRecord],
     model: str,
-    num_blocks: int | None = None,
+    num_blocks: int,
     *,
     expected_hashes: Sequence[str] | None = None,
     now: float | None = None,
 ) -> Coverage:
     """The block map of `model` from peer records (any mix of models, states and ages).
 
-    Withdrawn and expired records are ignored. `num_blocks` defaults to what most peers claim.
-    With `expected_hashes` (the manifest's per-block SHA-256), a peer announcing other weights
-    for any block it serves is excluded rather than silently routed through.
+    Withdrawn and expired records are ignored. `num_blocks` and `expected_hashes` (the
+    manifest's per-block SHA-256) come from the model's manifest, never from the records: a peer
+    announcing another block count, or other weights for any block it serves, is excluded rather
+    than counted or routed through. Without hashes (tests of the map alone) only the block
+    count is checked.
     """
     now = time.time() if now is None else now
     recs = [r for r in records if r.model == model and r.online and r.fresh(now)]
-    if num_blocks is None:
-        if expected_hashes is not None:
-            num_blocks = len(expected_hashes)
-        else:
-            counts = Counter(r.num_blocks for r in recs)
-            num_blocks = counts.most_common(1)[0][0] if counts else 0
+    if expected_hashes is not None and len(expected_hashes) != num_blocks:
+        raise ValueError(f"{len(expected_hashes)} hashes for a model of {num_blocks} blocks")
     peers: dict[str, PeerRecord] = {}
     excluded: dict[str, str] = {}
     for r in sorted(recs, key=lambda r: (r.started, r.peer_id)):

@@ -19,8 +19,10 @@ blocks could not even announce them all). See protocols/dht-records.md.
 from __future__ import annotations
 
 import logging
+import random
 import time
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 from libp2p.abc import IHost
@@ -31,7 +33,7 @@ from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.control.records import NAMESPACE, RecordValidator, SetCodecs
+from diffuse.control.records import NAMESPACE, RecordValidator, SetCodec, SetCodecs
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -47,14 +49,23 @@ class BootstrapError(DiffuseError):
 class MergingValueStore(ValueStore):
     """A value store whose /diffuse/ values are record sets merged on write, pruned on read.
 
+    A value holds at most its codec's `capacity` items, so a flood of valid records from
+    throwaway identities cannot grow it past what readers can fetch. When a merge overflows, the
+    half of the items this node has held longest (by its own clock, not by any claim in the
+    records) stay, and the rest is a fresh random sample of the others: peers that were here
+    before a flood keep their place in every node's copy, while the flood churns the other half
+    (see "Flooding" in protocols/dht-records.md).
+
     Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
     one signature check for the new record, not one per record already held.
     """
 
-    def __init__(self, host: IHost, local_peer_id: ID, codecs: SetCodecs, clock=time.time) -> None:
+    def __init__(self, host: IHost, local_peer_id: ID, codecs: SetCodecs, clock: Callable[[], float] = time.time,
+                 rng: random.Random | None = None) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
-        self.codecs, self.clock = codecs, clock
+        self.codecs, self.clock, self.rng = codecs, clock, rng or random.Random()
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
+        self._first_seen: dict[bytes, dict[str, float]] = {}  # key -> owner -> when this node first held it
 
     def records(self, key: bytes) -> list:
         entry = self.store.get(key)
@@ -82,7 +93,21 @@ class MergingValueStore(ValueStore):
             new = codec.decode(record.value, k, now=self.clock(), strict=False)
         except (*self.codecs.invalid, UnicodeDecodeError):
             return
-        self._set(key, codec.merge(self.records(key) + new, self.clock()))
+        self._set(key, self._admit(key, codec, codec.merge(self.records(key) + new, self.clock())))
+
+    def _admit(self, key: bytes, codec: SetCodec, items: list) -> list:
+        """At most `codec.capacity` items: the longest-held half, then a random sample."""
+        seen, now = self._first_seen.setdefault(key, {}), self.clock()
+        for item in items:
+            seen.setdefault(codec.owner(item), now)
+        if len(items) > codec.capacity:
+            ordered = sorted(items, key=lambda it: (seen[codec.owner(it)], codec.owner(it)))
+            half = codec.capacity // 2
+            items = ordered[:half] + self.rng.sample(ordered[half:], codec.capacity - half)
+        held = {codec.owner(item) for item in items}
+        for owner in [o for o in seen if o not in held]:
+            del seen[owner]
+        return items
 
     def get(self, key: bytes) -> Record | None:
         rec = super().get(key)
@@ -99,6 +124,7 @@ class MergingValueStore(ValueStore):
         if not recs:
             self.remove(key)
             self._parsed.pop(key, None)
+            self._first_seen.pop(key, None)
             return
         value = self.codecs.for_key(key.decode()).encode(recs)
         # Unsigned at the libp2p layer on purpose: this node assembled the set, and every record
@@ -167,13 +193,15 @@ async def put_set(dht: KadDHT, key: str, records: Sequence,
     return acks
 
 
-async def fetch_set(dht: KadDHT, key: str) -> list:
+async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
     """Every valid record (or evidence) under `key` that the k closest nodes or this node hold,
-    merged. Includes tombstones (OFFLINE records), which callers filter."""
+    merged, and per owner how many of those answers held it (its support: a peer that announced
+    before a flood is in every node's copy, a throwaway record in a few). Includes tombstones
+    (OFFLINE records), which callers filter."""
     kb = key.encode()
     codecs = _codecs(dht)
     codec = codecs.for_key(key)
-    got: list = list(dht.value_store.records(kb))
+    answers: list[list] = [list(dht.value_store.records(kb))]
     peers = await closest(dht, key)
 
     async def ask(peer: ID) -> None:
@@ -181,12 +209,13 @@ async def fetch_set(dht: KadDHT, key: str) -> list:
             rec = await dht.value_store._get_from_peer(peer, kb, return_record=True)
             if isinstance(rec, Record) and rec.value:
                 try:
-                    got.extend(codec.decode(rec.value, key, strict=False))
+                    answers.append(codec.decode(rec.value, key, strict=False))
                 except codecs.invalid as e:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
 
     await _gather(ask, peers)
-    return codec.merge(got)
+    support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
+    return codec.merge([item for answer in answers for item in answer], None), support
 
 
 def _codecs(dht: KadDHT) -> SetCodecs:

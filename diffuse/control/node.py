@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections import Counter
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -82,6 +83,7 @@ class Node:
         self.dht = make_dht(self.host, self.codecs, server=server)
         self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
         self._reads = SharedReads(self._read_records)
+        self.support: dict[str, Counter[str]] = {}  # model -> peer -> DHT answers of the last read holding it
         self.announce_addrs = list(announce_addrs)
         self.bootstrap_timeout = bootstrap_timeout
         self.announcer: Announcer | None = None
@@ -188,12 +190,13 @@ class Node:
         return await self._reads.records(model, include_offline=include_offline)
 
     async def _read_records(self, model: str) -> list[PeerRecord]:
-        found = await fetch_set(self.dht, blocks_key(model))
+        found, support = await fetch_set(self.dht, blocks_key(model))
+        self.support[model] = support
         return [s.record for s in found if s.record.model == model]
 
     async def peer_record(self, peer_id: str) -> PeerRecord | None:
         """A peer's current record by id (online or withdrawn), or None if none is fresh."""
-        found = await fetch_set(self.dht, peer_key(peer_id))
+        found, _ = await fetch_set(self.dht, peer_key(peer_id))
         return found[0].record if found else None
 
     async def put_set(self, key: str, items: Sequence[Any]) -> int:
@@ -203,10 +206,11 @@ class Node:
 
     async def fetch_set(self, key: str) -> list[Any]:
         """Every valid item under `key` the k closest DHT nodes or this node hold, merged."""
-        return await fetch_set(self.dht, key)
+        return (await fetch_set(self.dht, key))[0]
 
-    async def coverage(self, model: str, num_blocks: int | None = None,
-                       expected_hashes: Sequence[str] | None = None) -> Coverage:
+    async def coverage(self, model: str, num_blocks: int, expected_hashes: Sequence[str]) -> Coverage:
+        """The block map of `model`, judged against its manifest (block count and hashes), so
+        records that claim another model shape or other weights cannot distort it."""
         return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
 
 

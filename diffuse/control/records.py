@@ -38,9 +38,10 @@ ONLINE, OFFLINE = "online", "offline"
 
 MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
 MAX_TTL_S = 3600.0  # a record may not claim to live longer than this past its issue time
-MAX_PAYLOAD_BYTES = 48 * 1024
-MAX_SET_RECORDS = 1024  # a DHT value must stay under py-libp2p's 1 MiB record limit
-MAX_BLOCKS = 1024
+MAX_PAYLOAD_BYTES = 16 * 1024
+MAX_SET_RECORDS = 64  # per stored value: a node keeps a bounded sample (dht.MergingValueStore)
+MAX_VALUE_BYTES = MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES + 128)  # ~1 MiB, under py-libp2p's 4 MiB messages
+MAX_BLOCKS = 256
 MAX_ADDRS = 16
 MAX_TEXT = 256
 MAX_EXTRA = 32
@@ -228,9 +229,8 @@ def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool
         seen.add(sr.peer_id)
         return sr
 
-    return decode_signed_set(value, check, max_items=MAX_SET_RECORDS,
-                             max_bytes=MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES // 8), error=InvalidRecord,
-                             noun="record", strict=strict)
+    return decode_signed_set(value, check, max_items=MAX_SET_RECORDS, max_bytes=MAX_VALUE_BYTES,
+                             error=InvalidRecord, noun="record", strict=strict)
 
 
 def merge(records: Iterable[SignedRecord], now: float | None = None) -> list[SignedRecord]:
@@ -244,10 +244,7 @@ def merge(records: Iterable[SignedRecord], now: float | None = None) -> list[Sig
         cur = best.get(r.peer_id)
         if cur is None or r.order > cur.order:
             best[r.peer_id] = r
-    out = sorted(best.values(), key=lambda r: r.peer_id)
-    if len(out) > MAX_SET_RECORDS:  # keep the longest-lived; spam beyond the cap is dropped
-        out = sorted(sorted(out, key=lambda r: -r.record.expires)[:MAX_SET_RECORDS], key=lambda r: r.peer_id)
-    return out
+    return sorted(best.values(), key=lambda r: r.peer_id)
 
 
 def contributes(new: Iterable[SignedRecord], old: Iterable[SignedRecord]) -> bool:
@@ -266,9 +263,12 @@ class SetCodec(Generic[Item]):
     encode: Callable[[list[Item]], bytes]
     contributes: Callable[[list[Item], list[Item]], bool]  # (new, old): not a replay
     invalid: type[Exception]  # what decode raises for a bad value
+    owner: Callable[[Item], str]  # whose item it is: one per owner in a set
+    capacity: int  # items a DHT node keeps per value
 
 
-RECORD_SETS: SetCodec[SignedRecord] = SetCodec(decode_set, merge, encode_set, contributes, InvalidRecord)
+RECORD_SETS: SetCodec[SignedRecord] = SetCodec(decode_set, merge, encode_set, contributes, InvalidRecord,
+                                               lambda r: r.peer_id, MAX_SET_RECORDS)
 
 
 class SetCodecs:

@@ -580,58 +580,82 @@ def decode(frame: bytes, max_frame: int = MAX_FRAME) -> Message:
     """Decode exactly one whole frame (length prefix included)."""
     dec = FrameDecoder(max_frame)
     messages = dec.feed(frame)
-    if len(messages) != 1 or dec.pending:
+    if len(messages) != 1 or dec.pending or dec.failed:
         raise WireError(f"expected one whole frame, got {len(messages)} and {dec.pending} bytes")
     return messages[0]
 
 
 class FrameDecoder:
-    """Reassembles frames from reads that may split anywhere; feed() returns whole messages.
+    """Reassembles frames from reads that may split anywhere (h11-style: no I/O).
 
-    After it has raised once the stream is out of sync, so every later feed() raises too.
+    `receive(data)` adds bytes; `next_message()` returns the next whole message, None while it is
+    incomplete, or raises WireError for a bad frame. One message at a time, so a receiver acts on
+    each (and may change `max_frame`, as a session's state allows) before the next is judged, and
+    answers a bad frame after every message that came before it. After a bad frame the stream is
+    out of sync: every later call raises. `feed(data)` does both for receivers that take every
+    message a read completes at once.
     """
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
-        self._buf = bytearray()
-        self._error: ProtocolError | None = None
+        self._buf: bytes | bytearray = b""
+        self._off = 0  # bytes of _buf already decoded
+        self.failed: ProtocolError | None = None
 
     @property
     def pending(self) -> int:
         """Bytes of an incomplete frame held back; non-zero at end of stream means truncation."""
-        return len(self._buf)
+        return len(self._buf) - self._off
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        if self._error is not None:
-            raise WireError(f"stream unusable after an earlier error: {self._error}")
+    def receive(self, data: bytes | bytearray | memoryview) -> None:
+        if self.failed is not None:
+            raise WireError(f"stream unusable after an earlier error: {self.failed}")
+        if self._off == len(self._buf):  # nothing held back: decode straight from these bytes
+            self._buf, self._off = data if isinstance(data, bytes) else bytes(data), 0
+            return
+        if isinstance(self._buf, bytes):
+            self._buf = bytearray(memoryview(self._buf)[self._off:])
+        else:
+            del self._buf[:self._off]
+        self._buf += data
+        self._off = 0
+
+    def next_message(self) -> Message | None:
+        if self.failed is not None:
+            raise WireError(f"stream unusable after an earlier error: {self.failed}")
+        buf, pos = self._buf, self._off
+        if len(buf) - pos < 4:
+            return None
+        (n,) = _U32.unpack_from(buf, pos)
         try:
-            if self._buf:
-                self._buf += data
-                out, used = self._parse(self._buf, copy=True)
-                del self._buf[:used]
-            else:
-                data = data if isinstance(data, bytes) else bytes(data)
-                out, used = self._parse(data, copy=False)
-                self._buf = bytearray(memoryview(data)[used:])
-            return out
-        except ProtocolError as e:
-            self._error = e
-            raise
-
-    def _parse(self, buf: bytes | bytearray, copy: bool) -> tuple[list[Message], int]:
-        out: list[Message] = []
-        pos, end = 0, len(buf)
-        while end - pos >= 4:
-            (n,) = _U32.unpack_from(buf, pos)
             if n > self.max_frame:
                 raise FrameTooLarge(f"frame length {n} exceeds the limit of {self.max_frame} bytes")
-            if end - pos - 4 < n:
-                break
+            if len(buf) - pos - 4 < n:
+                return None
             # A bytearray buffer is resized later, so decode a copy rather than a view of it.
-            body = buf[pos + 4 : pos + 4 + n] if copy else memoryview(buf)[pos + 4 : pos + 4 + n]
-            out.append(decode_body(body))
-            pos += 4 + n
-        return out, pos
+            body = memoryview(buf)[pos + 4:pos + 4 + n] if isinstance(buf, bytes) else bytes(buf[pos + 4:pos + 4 + n])
+            msg = decode_body(body)
+        except ProtocolError as e:
+            self.failed, self._buf, self._off = e, b"", 0
+            raise
+        self._off = pos + 4 + n
+        return msg
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """Every whole message `data` completes. A bad frame after some of them ends the list
+        (it is in `failed`, and raised by the next call); one before any of them is raised now."""
+        self.receive(data)
+        out: list[Message] = []
+        while True:
+            try:
+                msg = self.next_message()
+            except ProtocolError:
+                if not out:
+                    raise
+                return out
+            if msg is None:
+                return out
+            out.append(msg)
 
 
 # --------------------------------------------------------------------------- validation

@@ -108,6 +108,8 @@ class HopSession:
         """The next frame, once the session's rules allow it (replayed steps are pipelined: one
         read may bring several)."""
         while not self.inbox:
+            if self.decoder.failed is not None:  # a bad frame after the good ones of a read
+                raise HopFailed(self.hop, f"sent a bad frame: {self.decoder.failed}")
             data = await self.stream.read(READ_CHUNK)
             if not data:
                 raise HopFailed(self.hop, "connection closed")

@@ -1,41 +1,58 @@
 """Server side of inference sessions: one stream = one session = one KV cache in RAM.
 
 The peer keeps serving whatever a client does: every protocol violation, bad request or
-resource problem is answered with an ERROR frame naming it, the stream is closed, and the
-session's cache is zeroed and released. Compute runs behind a limiter of one, so two sessions
-never fight over the same cores, on the event loop's own thread: torch computed 20-25% slower in
-worker threads on these machines, and the price - heartbeats and other sessions' frames wait
-for the step in progress, at most a long prefill - is smaller.
+resource problem is answered with an ERROR frame naming it (after the replies to every message
+that came before it), the stream is closed, and the session's cache is zeroed and released.
+
+What a session may take is bounded per session, per remote peer and in total, in KV-cache
+tokens (batch rows counted) and in bytes of unfinished frames; a stream that does not OPEN, or
+an OPEN that does not STEP, within `first_step_timeout` is closed, so an idle reservation
+expires fast (and costs nothing meanwhile: cache pages are touched only as tokens arrive).
+Compute is scheduled in slices (scheduler.py): a long prefill is split into chunks, and a step
+of another session waits behind one slice at most.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 import trio
 
 from diffuse.data.codec import (
-    Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping, Pong, Step, StepOk, WireError,
+    HEADER_SIZE, MAX_FRAME, Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping, Pong, Step,
+    StepOk, WireError,
 )
 from diffuse.data.commitments import input_commitment, output_commitment
+from diffuse.data.scheduler import Compute
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
-from diffuse.model.engine import BlockSpan, KVCache
+from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache
 
 log = logging.getLogger(__name__)
+OPEN_FRAME = 4096  # bytes a frame may have before OPEN_OK: an OPEN is under 300, a PING 32
 
 
 @dataclass
 class ServerLimits:
-    max_session_tokens: int = 8192  # KV entries one session may hold
+    max_session_tokens: int = 8192  # KV entries one session may hold (max_length x batch rows)
     max_total_tokens: int = 65536  # KV entries over all sessions of this peer
     max_sessions: int = 64
-    idle_timeout: float = 300.0  # seconds a session may sit without a message
-    max_frame: int = 64 << 20
+    peer_share: float = 0.5  # of the sessions and of the KV entries one remote peer may hold
+    idle_timeout: float = 300.0  # seconds a session may sit between messages
+    first_step_timeout: float = 10.0  # seconds from the stream's start to OPEN, and from OPEN_OK to a STEP
+    max_frame: int = MAX_FRAME  # bytes of one frame, however large a session is
+    max_buffered: int = 256 << 20  # bytes of unfinished frames over all streams
+
+
+def frame_bound(m: Open, hidden_size: int, dtype_bytes: int, limit: int) -> int:
+    """The largest frame the session `m` can legitimately send: one STEP of max_length tokens
+    (positions, keep list, hidden states, mask), or `limit` if smaller."""
+    t = m.max_length
+    return min(limit, HEADER_SIZE + 16 + 2 * t + 4 * t + 2 + 4 * 3 + m.batch_size * t * hidden_size * dtype_bytes
+               + (t * t + 7) // 8 + 4096)
 
 
 class BlockServer:
@@ -44,9 +61,11 @@ class BlockServer:
     def __init__(self, model_id: str, span: BlockSpan, limits: ServerLimits | None = None):
         self.model_id, self.span = model_id, span
         self.limits = limits or ServerLimits()
-        self.compute = trio.CapacityLimiter(1)
+        self.compute = Compute()
         self.tokens_reserved = 0
         self.sessions = 0
+        self.by_peer: dict[str, list[int]] = {}  # remote peer -> [sessions, KV entries] it holds
+        self.buffered = 0  # bytes of unfinished frames over all streams
         self.steps_served = 0
         self.tokens_served = 0
         self.accepting = True
@@ -78,9 +97,10 @@ class BlockServer:
                 await trio.sleep(0.05)
         return len(busy)
 
-    async def handle(self, stream: ByteStream) -> None:
-        """Run one session to its end; never raises for anything the client did."""
-        conn = _Conn(self, stream)
+    async def handle(self, stream: ByteStream, remote: str = "") -> None:
+        """Run one session to its end; never raises for anything the client did. `remote`
+        names the peer at the other end (its share of this peer is bounded)."""
+        conn = _Conn(self, stream, remote)
         self.conns.add(conn)
         try:
             await conn.run()
@@ -106,14 +126,16 @@ def _is_stream_error(e: Exception) -> bool:
 class _Conn:
     """One stream's session: protocol state, cache, and the resources it holds."""
 
-    def __init__(self, server: BlockServer, stream: ByteStream):
-        self.server, self.stream = server, stream
-        self.state = SessionRules(Role.SERVER)
-        self.decoder = FrameDecoder(server.limits.max_frame)
+    def __init__(self, server: BlockServer, stream: ByteStream, remote: str):
+        self.server, self.stream, self.remote = server, stream, remote
+        self.state = SessionRules(Role.SERVER, server.span.cfg.hidden_size)
+        self.decoder = FrameDecoder(min(OPEN_FRAME, server.limits.max_frame))
+        self.buffered = 0  # this stream's share of server.buffered
         self.cache: KVCache | None = None
         self.span: BlockSpan | None = None
         self.reserved = 0
         self.counted = False
+        self.stepped = False
         self.last_input: bytes | None = None  # this session's input-commitment chain
         self.waiting: trio.CancelScope | None = None  # the read between messages, while in it
         self.leaving = False
@@ -128,7 +150,8 @@ class _Conn:
         limits = self.server.limits
         while True:
             data = b""
-            with trio.move_on_after(limits.idle_timeout) as idle:
+            wait = limits.idle_timeout if self.stepped else min(limits.first_step_timeout, limits.idle_timeout)
+            with trio.move_on_after(wait) as idle:
                 self.waiting = idle
                 if not self.leaving:
                     data = await self.stream.read(READ_CHUNK)
@@ -137,17 +160,35 @@ class _Conn:
                 await self.error(ErrorCode.OVERLOADED, "peer is shutting down: continue on a replica")
                 return
             if idle.cancelled_caught:
-                await self.error(ErrorCode.TIMEOUT, f"session idle for {limits.idle_timeout:g} s: closed")
+                what = "" if self.stepped else (" without a STEP" if self.counted else " without an OPEN")
+                await self.error(ErrorCode.TIMEOUT, f"session idle for {wait:g} s{what}: closed")
                 return
-            if not data:
+            if not data:  # end of stream; an unfinished frame in the decoder is dropped with it
                 return
             try:
-                for msg in self.decoder.feed(data):
+                self.decoder.receive(data)
+                while (msg := self.decoder.next_message()) is not None:
                     if await self.on_message(msg):
                         return
             except WireError as e:
                 await self.error(e.code, str(e))
                 return
+            if self._buffer_over():
+                await self.error(ErrorCode.OVERLOADED, "this peer holds too many bytes of unfinished frames: "
+                                 f"over {limits.max_buffered} over all sessions")
+                return
+
+    def _buffer_over(self) -> bool:
+        """Account this stream's unfinished frame; True if all streams' together would pass the
+        bound with it (then it is dropped at once, before others read on)."""
+        srv = self.server
+        srv.buffered += self.decoder.pending - self.buffered
+        self.buffered = self.decoder.pending
+        if srv.buffered <= srv.limits.max_buffered:
+            return False
+        srv.buffered -= self.buffered
+        self.buffered = 0
+        return True
 
     async def on_message(self, msg: Message) -> bool:
         """Handle one message; True ends the session."""
@@ -159,43 +200,58 @@ class _Conn:
         self.state.receive(msg)
         if isinstance(msg, Open):
             return await self.on_open(msg)
-        if isinstance(msg, Close):
+        if isinstance(msg, (Close, ErrorMsg)):  # the client ended the session, with a reason or without
             return True
         if isinstance(msg, Step):
+            self.stepped = True
             return await self.on_step(msg)
         return False
 
+    def _refusal(self, m: Open) -> tuple[ErrorCode, str] | None:
+        """Why this peer cannot take the session `m`, if it cannot."""
+        srv, limits, span = self.server, self.server.limits, self.server.span
+        if not srv.accepting:
+            return ErrorCode.OVERLOADED, "peer is shutting down: use another replica"
+        if m.model_id != srv.model_id:
+            return ErrorCode.UNKNOWN_MODEL, f"this peer serves {srv.model_id!r}, not {m.model_id!r}"
+        if not span.start <= m.start < m.end <= span.end:
+            return (ErrorCode.BLOCKS_NOT_SERVED,
+                    f"blocks [{m.start}, {m.end}) requested, this peer serves [{span.start}, {span.end})")
+        tokens = m.max_length * m.batch_size
+        if tokens > limits.max_session_tokens:
+            return (ErrorCode.TOO_LONG, f"max_length {m.max_length} x batch {m.batch_size} = {tokens} KV entries "
+                    f"exceed this peer's limit of {limits.max_session_tokens} per session")
+        if srv.sessions >= limits.max_sessions or tokens > srv.free_tokens:
+            return (ErrorCode.NO_CAPACITY, f"no KV cache room: {tokens} entries asked, {srv.free_tokens} free, "
+                    f"{srv.sessions} of {limits.max_sessions} sessions open")
+        sessions, held = srv.by_peer.get(self.remote, [0, 0])
+        peer_tokens = int(limits.max_total_tokens * limits.peer_share)
+        peer_sessions = max(1, int(limits.max_sessions * limits.peer_share))
+        if sessions >= peer_sessions or held + tokens > peer_tokens:
+            return (ErrorCode.NO_CAPACITY, f"your share of this peer is full: {sessions} of {peer_sessions} sessions, "
+                    f"{held} + {tokens} of {peer_tokens} KV entries")
+        return None
+
     async def on_open(self, m: Open) -> bool:
         srv = self.server
-        span = srv.span
-        if not srv.accepting:
-            return await self.error(ErrorCode.OVERLOADED, "peer is shutting down: use another replica")
-        if m.model_id != srv.model_id:
-            return await self.error(ErrorCode.UNKNOWN_MODEL,
-                                    f"this peer serves {srv.model_id!r}, not {m.model_id!r}")
-        if not span.start <= m.start < m.end <= span.end:
-            return await self.error(ErrorCode.BLOCKS_NOT_SERVED,
-                                    f"blocks [{m.start}, {m.end}) requested, this peer serves "
-                                    f"[{span.start}, {span.end})")
-        if m.max_length > srv.limits.max_session_tokens:
-            return await self.error(ErrorCode.TOO_LONG,
-                                    f"max_length {m.max_length} exceeds this peer's limit of "
-                                    f"{srv.limits.max_session_tokens} tokens per session")
-        tokens = m.max_length * m.batch_size
-        if srv.sessions >= srv.limits.max_sessions or tokens > srv.free_tokens:
-            return await self.error(ErrorCode.NO_CAPACITY,
-                                    f"no KV cache room: {tokens} tokens asked, {srv.free_tokens} free, "
-                                    f"{srv.sessions} sessions open")
-        self.span = span.view(m.start, m.end)
+        refused = self._refusal(m)
+        if refused is not None:
+            return await self.error(*refused)
+        self.span = srv.span.view(m.start, m.end)
         # Batch-invariant kernels are checked for CPU BLAS only (kernels.exact_linear); a GPU declines.
         exact = m.exact and self.state.minor >= 1 and srv.device.type == "cpu"
         try:
             self.cache = self.span.new_cache(m.max_length, m.batch_size, exact)
         except (RuntimeError, MemoryError) as e:
             return await self.error(ErrorCode.NO_CAPACITY, f"cannot allocate the KV cache: {e}")
+        tokens = m.max_length * m.batch_size
         srv.tokens_reserved += tokens
         srv.sessions += 1
+        share = srv.by_peer.setdefault(self.remote, [0, 0])
+        share[0] += 1
+        share[1] += tokens
         self.reserved, self.counted = tokens, True
+        self.decoder.max_frame = frame_bound(m, srv.span.cfg.hidden_size, m.dtype.itemsize, srv.limits.max_frame)
         await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length,
                                                        str(srv.dtype).removeprefix("torch."), exact)))
         return False
@@ -210,35 +266,16 @@ class _Conn:
             if m.input_commitment is not None and m.input_commitment != self.last_input:
                 return await self.error(ErrorCode.BAD_STEP, f"STEP {m.step}: input commitment differs "
                                         "from this session's inputs as received")
-        cache, span = self.cache, self.span
+        cache = self.cache
         if m.keep:
             cache.commit(m.keep)
         elif cache.pending:
             cache.rollback(cache.length)  # candidates nobody kept
         if m.cache_len < cache.length:
             cache.rollback(m.cache_len)
-        positions = torch.tensor(m.positions, dtype=torch.long)
-        hidden = m.hidden
-
-        def compute() -> tuple[torch.Tensor, float]:
-            t0 = time.perf_counter()
-            out = span(hidden.to(self.server.dtype), positions, cache, m.mask, m.commit)
-            return out, time.perf_counter() - t0
-
-        # On the loop's own thread: torch ran 20-25% slower in worker threads here (44 vs 55 ms per
-        # 30-block decode step), and computes one step at a time anyway; the loop waits meanwhile.
-        # A free limiter is taken without trio's checkpoint (one pass through the run loop, on
-        # every token); a busy one is waited for in order, and release hands it to the next.
-        try:
-            self.server.compute.acquire_nowait()
-        except trio.WouldBlock:
-            await self.server.compute.acquire()
-        try:
-            out, seconds = compute()
-        finally:
-            self.server.compute.release()
+        out, seconds = await self._compute(m)
         self.server.steps_served += 1
-        self.server.tokens_served += hidden.shape[1]
+        self.server.tokens_served += m.hidden.shape[1]
         commitment = None
         if opened.want_commitments:
             out = out.to(opened.dtype)  # commit to exactly the bytes that go out
@@ -246,6 +283,25 @@ class _Conn:
         await self.stream.write(self.state.send(StepOk(m.session_id, m.step, out, output_commitment=commitment,
                                                        compute_us=min(math.ceil(seconds * 1e6), 2**32 - 1))))
         return False
+
+    async def _compute(self, m: Step) -> tuple[torch.Tensor, float]:
+        """The step's output and its compute seconds: a committed prefill in the engine's chunks
+        of PREFILL_CHUNK rows, one slice each, anything else in one slice; T = 0 computes nothing."""
+        span, cache, dtype = self.span, self.cache, self.server.dtype
+        hidden = m.hidden.to(dtype)
+        positions = torch.tensor(m.positions, dtype=torch.long)
+        t = hidden.shape[1]
+        if t == 0:
+            return hidden, 0.0
+        if not m.commit or m.mask is not None or t <= PREFILL_CHUNK:
+            return await self.server.compute.run(lambda: span(hidden, positions, cache, m.mask, m.commit))
+        outs, seconds = [], 0.0
+        for a in range(0, t, PREFILL_CHUNK):
+            b = min(t, a + PREFILL_CHUNK)
+            out, s = await self.server.compute.run(lambda a=a, b=b: span(hidden[:, a:b], positions[a:b], cache))
+            outs.append(out)
+            seconds += s
+        return torch.cat(outs, 1), seconds
 
     async def error(self, code: ErrorCode, message: str) -> bool:
         """Answer with ERROR (once: a closed session says nothing more) and end the session."""
@@ -260,10 +316,18 @@ class _Conn:
         return True
 
     def release(self) -> None:
+        srv = self.server
+        srv.buffered -= self.buffered
+        self.buffered = 0
         if self.cache is not None:
             self.cache.wipe()
             self.cache = None
         if self.counted:
-            self.server.tokens_reserved -= self.reserved
-            self.server.sessions -= 1
+            srv.tokens_reserved -= self.reserved
+            srv.sessions -= 1
+            share = srv.by_peer[self.remote]
+            share[0] -= 1
+            share[1] -= self.reserved
+            if share[0] == 0:
+                del srv.by_peer[self.remote]
             self.counted = False

@@ -43,7 +43,9 @@ _SERVER_SENDS = (OpenOk, StepOk)
 class SessionRules:
     """One session's state, advanced by every message either side sends."""
 
-    def __init__(self, role: Role) -> None:
+    def __init__(self, role: Role, hidden_size: int | None = None) -> None:
+        """hidden_size: the model's, where this side knows it (a server does); otherwise the
+        first STEP sets it for the session."""
         self.role = role
         self.state = SessionState.AWAIT_OPEN
         self.open: Open | None = None
@@ -51,7 +53,7 @@ class SessionRules:
         self.committed = 0
         self.candidates = 0
         self.last_step = -1
-        self.hidden_size: int | None = None
+        self.hidden_size = hidden_size
         self.pending: deque[tuple[int, int]] = deque()  # (step, T) sent and not yet answered
 
     @property
@@ -126,7 +128,7 @@ class SessionRules:
             fail(f"step {m.step}: hidden is {m.hidden.dtype} batch {b}, session is "
                  f"{self.open.dtype} batch {self.open.batch_size}")
         if self.hidden_size not in (None, h):
-            fail(f"step {m.step}: hidden size {h}, earlier steps had {self.hidden_size}")
+            fail(f"step {m.step}: hidden size {h}, the session's is {self.hidden_size}")
         self.hidden_size, self.last_step = h, m.step
         self.committed = m.cache_len + (t if m.commit else 0)
         self.candidates = 0 if m.commit else t

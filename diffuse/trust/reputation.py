@@ -298,7 +298,8 @@ def contributes(new: list[SignedEvidence], old: list[SignedEvidence]) -> bool:
     return any(e.evidence.timestamp > have.get(e.evidence.reporter, -1.0) for e in new)
 
 
-EVIDENCE_SETS: SetCodec[SignedEvidence] = SetCodec(decode_set, merge_set, encode_set, contributes, InvalidEvidence)
+EVIDENCE_SETS: SetCodec[SignedEvidence] = SetCodec(decode_set, merge_set, encode_set, contributes, InvalidEvidence,
+                                                   lambda e: e.evidence.reporter, MAX_EVIDENCE)
 
 
 def swarm_codecs() -> SetCodecs:
