@@ -1,6 +1,11 @@
 #!/usr/bin/env python
 """Control-plane scaling on loopback: N peers announce blocks of a 30-block model; how long does
-a fresh client take to learn full coverage, and how many bytes does announcing cost a peer?
+a fresh client take to learn full coverage, and how many bytes does announcing cost a peer? And
+under a flood (--hostile): 20 honest peers plus 1,000 valid records from throwaway keys that
+claim real spans with the manifest's hashes and dialable addresses (a TCP tarpit: it accepts and
+never answers), so only contacting a peer tells it apart; how long, and how many bytes, until a
+fresh client (SwarmClient: DHT read, then pings in order of DHT support) has a route through
+peers that answer, against the same swarm without the flood.
 
 All nodes (one sentinel, N peers, the client) run in this process, each with its own libp2p host
 on 127.0.0.1, talking over real TCP sockets with Noise + yamux. One process makes byte accounting
@@ -10,6 +15,7 @@ delta is the cost of exactly the operation measured.
 
     python scripts/bench_dht.py                 # N = 10, 25, 50
     python scripts/bench_dht.py --peers 10 --json
+    python scripts/bench_dht.py --hostile 1000  # the flood, against no flood, in one run
 """
 
 from __future__ import annotations
@@ -29,9 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 from libp2p.io.trio import TrioTCPStream  # noqa: E402
 
+from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.announce import Serving  # noqa: E402
+from diffuse.control.dht import put_set  # noqa: E402
+from diffuse.control.identity import peer_id  # noqa: E402
 from diffuse.control.node import Node  # noqa: E402
-from diffuse.control.records import blocks_key, encode_set  # noqa: E402
+from diffuse.control.records import PeerRecord, blocks_key, encode_set, sign  # noqa: E402
+from diffuse.control.routing import NoRoute  # noqa: E402
+from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode  # noqa: E402
+from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
+from diffuse.model.weights import load_manifest  # noqa: E402
 
 MODEL, BLOCKS = "bench-model", 30
 HASHES = [hashlib.sha256(f"block{i}".encode()).hexdigest() for i in range(BLOCKS)]
@@ -97,7 +110,7 @@ async def measure(n: int) -> dict:
         client = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot, server=False).run)
         reads = 0
         while True:
-            cov = await client.coverage(MODEL)
+            cov = await client.coverage(MODEL, BLOCKS, HASHES)
             reads += 1
             if cov.servable and len(cov.peers) == n:
                 break
@@ -125,17 +138,108 @@ async def measure(n: int) -> dict:
     }
 
 
+async def _answer_pings(stream) -> None:
+    """An honest peer's inference stream, as far as a client probing it can tell: PONG per PING."""
+    decoder = FrameDecoder()
+    while data := await stream.read(65536):
+        for msg in decoder.feed(data):
+            if isinstance(msg, Ping):
+                await stream.write(encode(Pong(msg.nonce, msg.session_id)))
+
+
+async def _tarpit(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """A TCP listener that accepts every connection and never says a word."""
+    held = []
+
+    async def hold(stream) -> None:
+        held.append(stream)
+        await trio.sleep_forever()
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    await trio.serve_listeners(hold, listeners)
+
+
+async def flooded(n_honest: int, n_hostile: int) -> dict:
+    """Time and bytes until a fresh SwarmClient has a route, with n_hostile flooded records."""
+    model_dir = models_dir(data_home()) / DEFAULT_MODEL
+    manifest = load_manifest(model_dir)
+    n, hashes = manifest.num_layers, manifest.block_hashes
+    async with trio.open_nursery() as nursery:
+        sentinel = await nursery.start(Node(create_new_key_pair(), listen=LISTEN).run)
+        boot = sentinel.full_addrs()
+        peers = []
+        for start, end in spans_of(n, n_honest):
+            node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot, heartbeat=1800.0,
+                                            ttl=3600.0, handlers={PROTOCOL_ID: _answer_pings}).run)
+            await node.serve(Serving(manifest.model_id, n, start, end, hashes[start:end], "bfloat16",
+                                     protocols=(PROTOCOL_ID,)))
+            peers.append(node)
+        for node in peers:  # steady state: each has re-announced to the k closest of the whole swarm
+            node.announcer._targets.clear()
+            await node.announcer.publish()
+        if n_hostile:
+            port = await nursery.start(_tarpit)
+            attacker = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot).run)
+            now, fakes = time.time(), []
+            for i in range(n_hostile):  # alternately the two halves: spans real peers serve
+                start, end = (0, n // 2) if i % 2 == 0 else (n // 2, n)
+                kp = create_new_key_pair()
+                fakes.append(sign(PeerRecord(peer_id(kp).to_base58(), manifest.model_id, n, start, end,
+                                             tuple(hashes[start:end]), "bfloat16", 50.0, 65536,
+                                             (f"/ip4/127.0.0.1/tcp/{port}",), now, now + 3600, now - 600,
+                                             protocols=(PROTOCOL_ID,)), kp))
+            key = blocks_key(manifest.model_id)
+            for i in range(0, len(fakes), 32):  # each PUT within a value's bounds
+                await put_set(attacker.dht, key, fakes[i:i + 32])
+        held = sentinel.dht.value_store.records(blocks_key(manifest.model_id).encode())
+        value_bytes = len(encode_set(held))
+        b0, t0 = SENT[0], time.perf_counter()
+        client_node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot,
+                                               server=False).run)
+        client = SwarmClient(client_node, model_dir, SwarmOptions(trust=None, local_blocks=(0, 0)))
+        load_s = time.perf_counter() - t0  # the client's head and tokenizer, not discovery
+        while True:
+            try:
+                await client.route(0, n, set())
+                break
+            except NoRoute:
+                await trio.sleep(0.1)
+        route_s, client_bytes = time.perf_counter() - t0 - load_s, SENT[0] - b0
+        for node in peers:
+            node.announcer.withdrawn = True
+        nursery.cancel_scope.cancel()
+    return {"hostile": n_hostile, "route_s": route_s, "client_bytes": client_bytes, "pings": len(client.rtt),
+            "held_records": len(held), "value_bytes": value_bytes}
+
+
+def spans_of(blocks: int, n: int) -> list[tuple[int, int]]:
+    """n spans tiling a `blocks`-block model twice over, as `spans` does for the bench model."""
+    return [(s * blocks // BLOCKS, e * blocks // BLOCKS) for s, e in spans(n)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, nargs="+", default=[10, 25, 50])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--hostile", type=int, default=0, metavar="N",
+                    help="instead: 20 honest peers with and without N throwaway records")
     args = ap.parse_args()
     _count_socket_writes()
     rows = []
-    for n in args.peers:
+    for n in [] if args.hostile else args.peers:
         t = time.perf_counter()
         rows.append(trio.run(measure, n))
         print(f"  N={n} done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    if args.hostile:
+        flood = [trio.run(flooded, 20, n) for n in (0, args.hostile)]
+        print("| hostile records | client finds a route (s) | client bytes | pings "
+              "| blocks value held (records, KiB) |")
+        print("|---|---|---|---|---|")
+        for r in flood:
+            print(f"| {r['hostile']} | {r['route_s']:.2f} | {r['client_bytes'] / 1024:.0f} KiB | {r['pings']} "
+                  f"| {r['held_records']}, {r['value_bytes'] / 1024:.0f} |")
+        return
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -22,7 +22,8 @@ from control_helpers import Procs, make_fake_model
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.identity import peer_id
 from diffuse.control.node import open_node
-from diffuse.home import DEFAULT_MODEL
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model.weights import load_manifest
 
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -73,15 +74,15 @@ def test_swarm_coverage_expiry_withdrawal_and_auto_placement(tmp_path, home, cap
             assert p["expires_in_s"] > 0 and p["throughput"] > 0 and p["addrs"], p
         print(f"[{time.monotonic() - t0:5.1f} s] diffuse status done")
 
-        trio.run(_scenario, procs, boot, peers, ids, addrs, tmp_path)
+        trio.run(_scenario, procs, boot, peers, ids, addrs, tmp_path, load_manifest(models_dir(home) / DEFAULT_MODEL))
         print(f"[{time.monotonic() - t0:5.1f} s] done")
 
 
-async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict, tmp_path) -> None:
+async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict, tmp_path, manifest) -> None:
     t = trio.current_time()
     async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as client:
         with trio.fail_after(30):
-            while (await client.coverage(DEFAULT_MODEL)).replicas != [2] * 30:
+            while (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).replicas != [2] * 30:
                 await trio.sleep(0.2)
         learned = trio.current_time() - t
         assert learned < 10, f"a new client needed {learned:.1f} s to learn the full coverage"
@@ -91,27 +92,27 @@ async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict
 
         # SIGKILL: no goodbye. C stays listed while any record of it we have seen is valid,
         # and vanishes once the last one expires (ttl 8 s).
-        before = (await client.coverage(DEFAULT_MODEL)).peers[ids["C"]]
+        before = (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).peers[ids["C"]]
         peers["C"].signal(signal.SIGKILL)
         killed = time.time()
-        gone, last = await _wait_gone(client, ids["C"], before, timeout=TTL["C"] + 10)
+        gone, last = await _wait_gone(client, manifest, ids["C"], before, timeout=TTL["C"] + 10)
         assert gone >= last.expires - 0.05, "a SIGKILLed peer vanished while its record was still valid"
         assert gone - killed < TTL["C"] + 5, f"SIGKILLed peer vanished only after {gone - killed:.1f} s"
         print(f"SIGKILLed peer gone {gone - killed:.1f} s after the kill (ttl {TTL['C']} s)")
 
         # SIGTERM: B withdraws; it vanishes while its last record (ttl 60 s) is still valid,
         # which only the withdrawal can explain.
-        before = (await client.coverage(DEFAULT_MODEL)).peers[ids["B"]]
+        before = (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).peers[ids["B"]]
         peers["B"].signal(signal.SIGTERM)
         termed = time.time()
-        gone, last = await _wait_gone(client, ids["B"], before, timeout=25)
+        gone, last = await _wait_gone(client, manifest, ids["B"], before, timeout=25)
         assert gone < last.expires - 30 and gone - termed < 20
         print(f"SIGTERMed peer gone {gone - termed:.2f} s after the signal (ttl {TTL['B']} s)")
         assert await trio.to_thread.run_sync(peers["B"].wait, 15) == 0
         noise = [ln for ln in peers["B"].stderr if "WARNING" in ln or "Traceback" in ln or "ERROR" in ln]
         assert not noise, noise[:5]
 
-        cov = await client.coverage(DEFAULT_MODEL)
+        cov = await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)
         assert not cov.servable and cov.missing == list(range(10, 20)), cov.replicas
 
         # --blocks auto fills the hole.
@@ -122,16 +123,16 @@ async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict
         print(f"auto-placed peer serving after {time.monotonic() - t:.1f} s")
         assert lines[-1].startswith(f"serving {DEFAULT_MODEL} blocks 10:20 "), lines
         with trio.fail_after(10):
-            while not (await client.coverage(DEFAULT_MODEL)).servable:
+            while not (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).servable:
                 await trio.sleep(0.3)
 
 
-async def _wait_gone(client, peer: str, last, timeout: float):
+async def _wait_gone(client, manifest, peer: str, last, timeout: float):
     """Poll coverage until `peer` is gone; returns (coverage time it was first missing, the
     latest record of it seen before that)."""
     with trio.fail_after(timeout):
         while True:
-            cov = await client.coverage(DEFAULT_MODEL)
+            cov = await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)
             rec = cov.peers.get(peer)
             if rec is None:
                 return cov.now, last

@@ -92,7 +92,7 @@ def test_coverage_counts_fresh_online_consistent_peers():
     recs = [rec(0, 15), rec(15, 30), rec(0, 15), rec(10, 30),
             rec(0, 30, state=OFFLINE), rec(0, 30, ago=100), rec(0, 30, model="other"),
             rec(0, 10, hashes=fake_hashes(30, "evil"))]
-    cov = coverage(recs, MODEL, expected_hashes=fake_hashes(30))
+    cov = coverage(recs, MODEL, 30, expected_hashes=fake_hashes(30))
     assert cov.servable and cov.missing == []
     assert cov.replicas == [2] * 10 + [3] * 5 + [2] * 15
     assert len(cov.peers) == 4 and len(cov.excluded) == 1
@@ -105,8 +105,16 @@ def test_coverage_counts_fresh_online_consistent_peers():
 
 
 def test_coverage_reports_holes():
-    cov = coverage([rec(0, 10), rec(20, 30)], MODEL)
+    cov = coverage([rec(0, 10), rec(20, 30)], MODEL, 30)
     assert not cov.servable and cov.missing == list(range(10, 20))
-    assert cov.num_blocks == 30  # learned from the records
     assert "NOT servable" in format_text(cov) and "uncovered" in format_text(cov)
-    assert not coverage([], MODEL).servable
+    assert not coverage([], MODEL, 30).servable
+
+
+def test_the_manifest_not_a_majority_of_records_says_how_many_blocks_a_model_has():
+    """Three throwaway records claiming a 256-block model outnumber two real peers: they are
+    excluded, and the real peers cover the manifest's 30 blocks."""
+    fakes = [rec(0, 256, n=256) for _ in range(3)]
+    cov = coverage([rec(0, 15), rec(15, 30), *fakes], MODEL, 30, expected_hashes=fake_hashes(30))
+    assert cov.num_blocks == 30 and cov.servable and cov.replicas == [1] * 30
+    assert len(cov.excluded) == 3 and all("256 blocks" in why for why in cov.excluded.values())
