@@ -196,8 +196,8 @@ class Head(nn.Module):
         self.softcap = cfg.final_logit_softcapping
 
     def load_hf(self, t: dict[str, Tensor]) -> None:
-        missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") + (() if self.tied else ("lm_head.weight",))
-                   if n not in t]
+        names = ("model.embed_tokens.weight", "model.norm.weight") + (() if self.tied else ("lm_head.weight",))
+        missing = [n for n in names if n not in t]
         if missing:
             raise ModelError(f"the head lacks tensor(s) {', '.join(missing)}")
         with torch.no_grad():
