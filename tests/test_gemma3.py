@@ -81,7 +81,8 @@ def test_pull_installs_imports_and_verifies(gemma):
     assert path == models_dir(home) / NAME
     assert any("verified (model hash" in line for line in lines)
     cfg = ModelConfig.load(path)
-    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads) == ("gemma3_text", 18, 640, 256, 1)
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.head_dim) == ("gemma3_text", 18, 640, 256)
+    assert cfg.num_kv_heads == 1
     assert (cfg.sliding_window, cfg.local_rope_theta, cfg.rope_theta, cfg.tie_word_embeddings) == (512, 1e4, 1e6, True)
     assert sum(cfg.window(i) is not None for i in range(18)) == 15
     # The licence travels with the weights: the notice its terms require, and the terms themselves.
@@ -132,7 +133,8 @@ class Swarm:
     def start(self, name: str) -> None:
         self.proc[name] = self.procs.start(
             "join", "--model", NAME, "--dtype", "fp32", "--identity", str(self.tmp / f"{name}.key"),
-            "--bootstrap", self.boot, "--listen", LOCAL, "--blocks", self.spans[name], "--heartbeat", "2", "--ttl", "30")
+            "--bootstrap", self.boot, "--listen", LOCAL, "--blocks", self.spans[name],
+            "--heartbeat", "2", "--ttl", "30")
 
     def wait(self, name: str) -> None:
         line = self.proc[name].read_until("serving", timeout=300)[0]

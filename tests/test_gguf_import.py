@@ -337,7 +337,8 @@ def write_family_gguf(src, path, name) -> None:
     for i in range(layers):
         p = f"model.layers.{i}."
         experts = sorted({k.split(".")[5] for k in t if k.startswith(p + "mlp.experts.")}, key=int)
-        for proj, gguf_name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+        for proj, gguf_name in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                                ("down_proj", "ffn_down_exps")):
             if experts:
                 w.add_tensor(f"blk.{i}.{gguf_name}.weight",
                              np.stack([t.pop(f"{p}mlp.experts.{e}.{proj}.weight") for e in experts]))

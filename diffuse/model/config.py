@@ -303,7 +303,8 @@ def _fields(arch: str, d: dict) -> dict:
                     attn_logit_softcapping=float(cap) if cap else None,
                     final_logit_softcapping=float(final) if final else None)
     if arch == "qwen3_moe":
-        out |= dict(num_experts=int(d.get("num_experts", d.get("num_local_experts", 128))), num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+        out |= dict(num_experts=int(d.get("num_experts", d.get("num_local_experts", 128))),
+                    num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
                     moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                     decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),

@@ -258,7 +258,8 @@ def _read_config(reader, arch: str, tensors: dict) -> ModelConfig:
                        norm_topk_prob=True,  # llama.cpp always renormalises Qwen3-MoE's top-k weights
                        mlp_only_layers=tuple(i for i, s in enumerate(sparse) if not s))
     if qkv_bias != o_bias and arch not in ("qwen2",) or (arch == "qwen2" and o_bias):
-        raise ModelError(f"a {arch} file with q/k/v biases {'and' if o_bias else 'but no'} output bias is not supported")
+        raise ModelError(f"a {arch} file with q/k/v biases {'and' if o_bias else 'but no'} output bias "
+                         "is not supported")
     return ModelConfig(**fields)
 
 
@@ -417,7 +418,7 @@ def _open(src: Path):
         raise ModelError(f"{src}: no such GGUF file")
     try:
         return GGUFReader(src)
-    except Exception as e:  # the reader raises ValueError, IndexError, struct/numpy errors...
+    except Exception as e:  # noqa: BLE001 - the reader raises ValueError, IndexError, struct/numpy errors...
         raise ModelError(f"{src}: not a valid GGUF file, corrupt or truncated ({type(e).__name__}: {e})") from None
 
 

@@ -84,7 +84,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
         ) from None
     except HFValidationError:
         raise ModelError(f"{repo_id!r} is neither a local directory nor a valid Hub repo id (org/name)") from None
-    except Exception as e:  # HTTP, proxy, TLS, disk errors: say what failed, not where
+    except Exception as e:  # noqa: BLE001 - HTTP, proxy, TLS, disk errors: say what failed, not where
         raise ModelError(f"downloading {repo_id} failed: {type(e).__name__}: {e}") from None
 
 

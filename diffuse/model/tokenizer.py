@@ -194,7 +194,7 @@ class Tokenizer:
         try:
             backend = _Backend.from_file(str(path))
             config, gen = optional_json("tokenizer_config.json"), optional_json("generation_config.json")
-        except Exception as e:  # tokenizers raises a bare Exception on a bad tokenizer.json
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a bad tokenizer.json
             raise ModelError(f"cannot read the tokenizer in {d}: {e}") from None
         template = config.get("chat_template")
         if (d / "chat_template.jinja").is_file():  # newer repos keep the template in its own file
