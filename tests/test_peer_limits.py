@@ -57,6 +57,12 @@ class Client:
         self.got.clear()
 
 
+def rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def serve(span, **limits) -> BlockServer:
     return BlockServer(MODEL, span, ServerLimits(**limits))
 
@@ -87,9 +93,11 @@ def test_one_remote_peer_gets_its_share_and_idle_reservations_expire(span):
     async def main():
         async with trio.open_nursery() as nursery:
             hog = [Client(nursery, server, "hog") for _ in range(8)]
+            before = rss()
             for c in hog:
                 await c.send(Open(c.sid, MODEL, 0, 4, 8192, 1, torch.bfloat16))
             first = [(await c.receive(1))[0] for c in hog]
+            grown = rss() - before
             held = server.tokens_reserved
             caches = [conn.cache for conn in server.conns if conn.cache is not None]
             other = Client(nursery, server, "someone else")
@@ -98,14 +106,16 @@ def test_one_remote_peer_gets_its_share_and_idle_reservations_expire(span):
             assert isinstance((await other.receive(1))[0], StepOk)
             last = [(await c.receive(2, timeout=10))[-1] for c, f in zip(hog, first) if isinstance(f, OpenOk)]
             nursery.cancel_scope.cancel()
-        return first, held, caches, last
+        return first, held, caches, last, grown
 
-    first, held, caches, last = trio.run(main)
+    first, held, caches, last, grown = trio.run(main)
     granted = [m for m in first if isinstance(m, OpenOk)]
     refused = [m for m in first if isinstance(m, ErrorMsg)]
     assert len(granted) == 4 and held == 4 * 8192  # half of the 65536 entries
     assert all(m.code == ErrorCode.NO_CAPACITY and "your share" in m.message for m in refused)
     assert all(c.touched == 0 for c in caches)  # an OPEN reserves entries, it writes none
+    assert sum(c.nbytes for c in caches) == 4 * 2 * 4 * 3 * 8192 * 64 * 2  # 100 MiB of bf16 reserved ...
+    assert grown < 20 << 20  # ... and not resident
     assert all(isinstance(m, ErrorMsg) and m.code == ErrorCode.TIMEOUT and "without a STEP" in m.message
                for m in last)
     assert server.sessions == 0 and server.tokens_reserved == 0 and not server.by_peer
