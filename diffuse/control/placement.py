@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from diffuse.errors import DiffuseError
 from diffuse.model.config import ModelConfig
+from diffuse.model.engine import block_parameters
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
@@ -83,13 +84,9 @@ def parse_size(text: str) -> int:
 
 
 def block_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """Weight bytes of one transformer block (attention, MLP, two norms) in `dtype`."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q = cfg.num_heads * hd
-    kv = cfg.num_kv_heads * hd
-    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.attention_bias else 0)
-    mlp = 3 * h * cfg.intermediate_size
-    return (attn + mlp + 2 * h) * DTYPE_BYTES.get(dtype, 4)
+    """Weight bytes of the model's largest transformer block in `dtype` (every expert of a
+    mixture included: a peer holds whole blocks)."""
+    return max(block_parameters(cfg, layer) for layer in range(cfg.num_layers)) * DTYPE_BYTES.get(dtype, 4)
 
 
 def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str) -> int:

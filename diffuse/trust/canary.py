@@ -113,16 +113,8 @@ def _permute(span: BlockSpan, seed: int) -> Tensor:
     g = torch.Generator().manual_seed(seed)
     cfg = span.cfg
     p, q = torch.randperm(cfg.hidden_size, generator=g), torch.randperm(cfg.intermediate_size, generator=g)
-    n = cfg.intermediate_size
-    with torch.no_grad():
-        for b in span.blocks:
-            for norm in (b.attn_norm, b.mlp_norm):
-                norm.weight.copy_(norm.weight[p])
-            b.wqkv.weight.copy_(b.wqkv.weight[:, p])
-            b.wo.weight.copy_(b.wo.weight[p])
-            w = b.w_gate_up.weight
-            b.w_gate_up.weight.copy_(torch.cat([w[:n][q], w[n:][q]])[:, p])
-            b.w_down.weight.copy_(b.w_down.weight[p][:, q])
+    for block in span.blocks:  # each family knows its own weights (sandwich norms, experts)
+        block.permute_(p, q)
     return p
 
 

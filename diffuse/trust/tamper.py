@@ -125,15 +125,16 @@ class Tamper:
         with torch.no_grad():
             if k == "skip":
                 for i in torch.randperm(len(span.blocks), generator=g)[:int(s)].tolist():
-                    span.blocks[i].wo.weight.zero_()  # residual + 0: the block is an identity
-                    span.blocks[i].w_down.weight.zero_()
+                    for w in _outputs(span.blocks[i]):  # residual + 0: the block is an identity
+                        w.zero_()
             elif k in ("quant", "minifloat"):
                 for block in span.blocks:
-                    for lin in (block.wqkv, block.wo, block.w_gate_up, block.w_down):
-                        w = lin.weight.float()
-                        lin.weight.copy_(_quantise(w, int(s)) if k == "quant" else _minifloat(w, int(s)))
+                    for w in block.parameters():
+                        if w.dim() >= 2:  # every matrix (experts included), not the norms
+                            w.copy_(_quantise(w.float(), int(s)) if k == "quant" else _minifloat(w.float(), int(s)))
             elif k == "lowrank":
-                w = span.blocks[int(torch.randint(len(span.blocks), (1,), generator=g))].w_down.weight
+                w = _outputs(span.blocks[int(torch.randint(len(span.blocks), (1,), generator=g))])[-1]
+                w = w if w.dim() == 2 else w[0]  # a mixture's first expert
                 u = torch.randn(w.shape[0], LOWRANK_RANK, generator=g)
                 v = torch.randn(LOWRANK_RANK, w.shape[1], generator=g)
                 edit = u @ v
@@ -148,6 +149,11 @@ class Tamper:
         if self.on_weights:
             tampered = self.apply_weights(span if self.rate >= 1.0 else copy.deepcopy(span))
         return TamperedSpan(self, span, tampered)
+
+
+def _outputs(block: torch.nn.Module) -> list[Tensor]:
+    """The weights that write into the residual stream: attention's output, the MLP's (or experts') down."""
+    return [w for name, w in block.named_parameters() if name in ("wo.weight", "w_down.weight", "w_down_experts")]
 
 
 def _fit(old: Tensor, shape: torch.Size) -> Tensor:
