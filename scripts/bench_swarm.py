@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Greedy decoding through a loopback swarm (1, 2 and 3 hops) against the in-process engine, and
-the time to recover from a SIGKILLed peer, from one run.
+the time to recover from a SIGKILLed peer, from one run, in a private and a public swarm.
 
     .venv/bin/python scripts/bench_swarm.py [--tokens 64] [--repeats 3] [--kills 3] [--dtype bf16]
+                                            [--mode private --mode public]
 
-A sentinel and seven `diffuse join` processes start on 127.0.0.1: one peer with every block
+Per swarm, a sentinel and seven `diffuse join` processes start on 127.0.0.1: one peer with every block
 (1 hop), two with 15 each (2 hops), three with 10 each (3 hops), and a replica of the second
 2-hop span. The client runs in this process with `local_blocks=(0, 0)`: it keeps embeddings,
 final norm and LM head, and the hops run every block. Each path's sessions are routed only over
@@ -20,6 +21,11 @@ new route, replay of the committed inputs, retried step. Reported per kill: the 
 peer's death to the next token minus a normal token interval, and the client's own failover
 record. The killed peer restarts (same identity) before the next kill.
 
+Modes: each --mode (default: both) gets a swarm of its own, up at the same time: private (a swarm
+key made for the run: every connection also runs the private-network layer, XSalsa20 below
+Noise) and public (no key). Repeats alternate the modes too, path by path, so the difference per
+hop between them is the private-network layer's cost; kills alternate the same way.
+
 Before/after the transport tuning: `GOMP_SPINCOUNT=300000 PY_YAMUX_RELEASE_ON_READ=1
 DIFFUSE_QUICK_IO=0` (the libraries' defaults, and py-libp2p unpatched) in the environment undoes
 what `diffuse` sets by default.
@@ -34,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `diffuse` sets it; before torch starts
@@ -48,7 +55,9 @@ from diffuse.client.pipeline import Pipeline  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.host import parse_peer_addr  # noqa: E402
+from diffuse.control.modes import MODES, PRIVATE  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.data.client import RemoteSpan  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
@@ -65,18 +74,26 @@ RECOVERY_TARGET_S = 1.5
 
 
 class Peers:
-    """The sentinel and peer processes; a peer can be SIGKILLed and restarted on its identity."""
+    """The sentinel and peer processes of one swarm; a peer can be SIGKILLed and restarted on its
+    identity. mode private: a swarm key made in `tmp`, which in-process nodes take as `swarm_key`."""
 
-    def __init__(self, home: Path, tmp: Path, dtype: str, timeout: float = 300.0):
-        self.home, self.tmp, self.dtype, self.timeout = home, tmp, dtype, timeout
+    def __init__(self, home: Path, tmp: Path, dtype: str, timeout: float = 300.0, mode: str = "public"):
+        self.home, self.tmp, self.dtype, self.timeout, self.mode = home, tmp, dtype, timeout, mode
         self.spans = {n: s for group in [*PATHS.values(), REPLICA] for n, s in group.items()}
         self.proc: dict[str, Child] = {}
         self.ids: dict[str, str] = {}
         self.sentinel: Child | None = None
+        self.swarm_key = SwarmKey.generate() if mode == PRIVATE else None
+        self.swarm_args = ["--mode", mode]
+        if self.swarm_key is not None:
+            tmp.mkdir(parents=True, exist_ok=True)
+            write_key(tmp / "swarm.key", self.swarm_key)
+            self.swarm_args += ["--swarm-key", str(tmp / "swarm.key")]
 
     def launch(self) -> None:
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.sentinel = Child("sentinel", ["--home", str(self.home), "sentinel", "--identity", str(self.tmp / "s.key"),
-                                                 "--listen", LOCAL], self.tmp / "sentinel.log")
+                                           "--listen", LOCAL, *self.swarm_args], self.tmp / "sentinel.log")
         self.boot = self.sentinel.wait_for("/ip4/", self.timeout)
         for name in self.spans:
             self.start(name)
@@ -86,8 +103,8 @@ class Peers:
     def start(self, name: str) -> None:
         self.proc[name] = Child(name, ["--home", str(self.home), "join", "--bootstrap", self.boot,
                                        "--blocks", self.spans[name], "--dtype", self.dtype,
-                                       "--identity", str(self.tmp / f"{name}.key"), "--listen", LOCAL],
-                                self.tmp / f"{name}.log")
+                                       "--identity", str(self.tmp / f"{name}.key"), "--listen", LOCAL,
+                                       *self.swarm_args], self.tmp / f"{name}.log")
 
     def wait(self, name: str) -> None:
         addr = self.proc[name].wait_for("/ip4/", self.timeout)
@@ -122,101 +139,123 @@ def decode_tps(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-async def bench(args, home: Path, peers: Peers) -> None:
+class Side:
+    """One mode's swarm as the benchmark drives it: its client node, and sessions routed only
+    over the peers of one path."""
+
+    def __init__(self, peers: Peers, client: SwarmClient) -> None:
+        self.peers, self.client = peers, client
+        self.everyone = set(peers.ids.values())
+        self.spent = {"route": 0.0, "dial": 0.0}  # seconds, for the failover breakdown
+
+    async def dial(self, hop):
+        t0 = time.perf_counter()
+        try:
+            return await self.client.dial(hop)
+        finally:
+            self.spent["dial"] += time.perf_counter() - t0
+
+    def remote(self, names: set[str], max_len: int) -> RemoteSpan:
+        """A session over every block, routed only over these peers."""
+        others = self.everyone - {self.peers.ids[m] for m in names}
+
+        async def route(start: int, end: int, exclude: set[str]):
+            t0 = time.perf_counter()
+            try:
+                return await self.client.route(start, end, exclude | others)
+            finally:
+                self.spent["route"] += time.perf_counter() - t0
+
+        c = self.client
+        return RemoteSpan(c.model_id, 0, c.cfg.num_layers, self.dial, route, c.bans, max_len,
+                          dtype=c.opts.wire_dtype, timeout=c.opts.step_timeout)
+
+    async def session(self, path: str, max_len: int) -> Pipeline:
+        span = self.remote(set(PATHS[path]), max_len)
+        await self.client.records()  # as SwarmClient.session does: fresh records for the route
+        await span.open()
+        return Pipeline(self.client.head, [span])
+
+
+async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
     model_dir = store.resolve(home, None)
     dtype = parse_dtype(args.dtype)
     tok = Tokenizer.load(model_dir)
     prompt = tok.encode(PROMPT)
     max_len = len(prompt) + args.tokens
     local, _ = open_local(home, None, args.dtype)
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[peers.boot], server=False) as node:
-        client = SwarmClient(node, model_dir, SwarmOptions(local_blocks=(0, 0), dtype=dtype, trust=None))
-        n = client.cfg.num_layers
-        everyone = set(peers.ids.values())
-        with trio.fail_after(120):
-            while not everyone <= {r.peer_id for r in await client.records()}:
-                await trio.sleep(0.5)
+    async with AsyncExitStack() as stack:
+        sides: dict[str, Side] = {}
+        for mode, peers in swarms.items():
+            node = await stack.enter_async_context(open_node(
+                create_new_key_pair(), listen=[LOCAL], bootstrap=[peers.boot], server=False, swarm_key=peers.swarm_key))
+            side = sides[mode] = Side(peers, SwarmClient(node, model_dir, SwarmOptions(
+                local_blocks=(0, 0), dtype=dtype, trust=None)))
+            with trio.fail_after(120):
+                while not side.everyone <= {r.peer_id for r in await side.client.records()}:
+                    await trio.sleep(0.5)
 
-        spent = {"route": 0.0, "dial": 0.0}  # seconds, for the failover breakdown
-
-        async def dial(hop):
-            t0 = time.perf_counter()
-            try:
-                return await client.dial(hop)
-            finally:
-                spent["dial"] += time.perf_counter() - t0
-
-        def remote(names: set[str]) -> RemoteSpan:
-            """A session over blocks [0, n) routed only over these peers."""
-            others = everyone - {peers.ids[m] for m in names}
-
-            async def route(start: int, end: int, exclude: set[str]):
-                t0 = time.perf_counter()
-                try:
-                    return await client.route(start, end, exclude | others)
-                finally:
-                    spent["route"] += time.perf_counter() - t0
-
-            return RemoteSpan(client.model_id, 0, n, dial, route, client.bans, max_len,
-                              dtype=client.opts.wire_dtype, timeout=client.opts.step_timeout)
-
-        async def session(path: str) -> Pipeline:
-            if path == "in-process":
-                return local.session(max_len)
-            span = remote(set(PATHS[path]))
-            await client.records()  # as SwarmClient.session does: fresh records for the route
-            await span.open()
-            return Pipeline(client.head, [span])
-
-        order = ["in-process", *PATHS]
-        tps: dict[str, list[float]] = {p: [] for p in order}
-        tokens: dict[str, set[tuple[int, ...]]] = {p: set() for p in order}
+        cells = [("in-process", "")] + [(path, mode) for path in PATHS for mode in sides]
+        tps: dict[tuple[str, str], list[float]] = {c: [] for c in cells}
+        tokens: dict[tuple[str, str], set[tuple[int, ...]]] = {c: set() for c in cells}
         for rep in range(args.repeats + 1):  # round 0 warms caches, connections and RTTs
-            for path in order:
-                ids, stamps = await decode(await session(path), prompt, args.tokens)
-                tokens[path].add(tuple(ids))
+            for path, mode in cells:
+                pipe = local.session(max_len) if not mode else await sides[mode].session(path, max_len)
+                ids, stamps = await decode(pipe, prompt, args.tokens)
+                tokens[path, mode].add(tuple(ids))
                 if rep:
-                    tps[path].append(decode_tps(stamps))
+                    tps[path, mode].append(decode_tps(stamps))
             print(f"round {rep}{' (warm-up)' if not rep else ''}: " + ", ".join(
-                f"{p} {tps[p][-1]:.1f}" for p in order if rep), file=sys.stderr, flush=True)
+                f"{f'{path} {mode}'.strip()} {tps[path, mode][-1]:.1f}" for path, mode in cells if rep),
+                file=sys.stderr, flush=True)
 
         recoveries = []
         group = set(PATHS["2 hops"]) | set(REPLICA)
         for k in range(args.kills):
-            kill_at = args.tokens // 4 + k * args.tokens // (2 * max(1, args.kills))
-            span = remote(group)
-            await client.records()
-            await span.open()
-            victim = next(m for m in group if peers.ids[m] == span.route_taken[-1]["peer"])
-            died: list[float] = []
-
-            def on_token(i: int, kill_at=kill_at, victim=victim, died=died) -> None:
-                if i == kill_at:
-                    peers.kill(victim)
-                    died.append(time.perf_counter())
-                    spent.update(route=0.0, dial=0.0)
-
-            ids, stamps = await decode(Pipeline(client.head, [span]), prompt, args.tokens, on_token)
-            normal = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-            record = span.stats.failovers[0] if span.stats.failovers else {}
-            recoveries.append({"kill_at": kill_at, "victim": victim, "same": tuple(ids) in tokens["in-process"],
-                               "gap_s": stamps[kill_at + 1] - died[0] - normal, "normal_s": normal,
-                               "client_s": record.get("recovery_s", float("nan")),
-                               "failovers": len(span.stats.failovers), **spent,
-                               "replayed": record.get("replayed_tokens", 0)})
-            print(f"kill {k}: {recoveries[-1]}", file=sys.stderr, flush=True)
-            peers.start(victim)
-            peers.wait(victim)
-            client.bans.until.clear()
-            with trio.fail_after(120):  # its fresh record (new port) must be what routes read
-                while peers.ids[victim] not in {r.peer_id for r in await client.records()}:
-                    await trio.sleep(0.5)
+            for mode, side in sides.items():
+                recoveries.append(await recover(args, side, group, k, prompt, max_len, tokens["in-process", ""]))
+                recoveries[-1]["mode"] = mode
+                print(f"kill {k} ({mode}): {recoveries[-1]}", file=sys.stderr, flush=True)
 
     report(args, tps, tokens, recoveries)
 
 
-def report(args, tps: dict[str, list[float]], tokens: dict[str, set], recoveries: list[dict]) -> None:
-    base = statistics.median(tps["in-process"])
+async def recover(args, side: Side, group: set[str], k: int, prompt: list[int], max_len: int, reference) -> dict:
+    """Kill the peer on the route of the replicated span after a chosen token; time the recovery,
+    then restart it and wait until routes read its fresh record."""
+    peers, client = side.peers, side.client
+    kill_at = args.tokens // 4 + k * args.tokens // (2 * max(1, args.kills))
+    span = side.remote(group, max_len)
+    await client.records()
+    await span.open()
+    victim = next(m for m in group if peers.ids[m] == span.route_taken[-1]["peer"])
+    died: list[float] = []
+
+    def on_token(i: int) -> None:
+        if i == kill_at:
+            peers.kill(victim)
+            died.append(time.perf_counter())
+            side.spent.update(route=0.0, dial=0.0)
+
+    ids, stamps = await decode(Pipeline(client.head, [span]), prompt, args.tokens, on_token)
+    normal = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    record = span.stats.failovers[0] if span.stats.failovers else {}
+    result = {"kill_at": kill_at, "victim": victim, "same": tuple(ids) in reference,
+              "gap_s": stamps[kill_at + 1] - died[0] - normal, "normal_s": normal,
+              "client_s": record.get("recovery_s", float("nan")), "failovers": len(span.stats.failovers),
+              **side.spent, "replayed": record.get("replayed_tokens", 0)}
+    peers.start(victim)
+    peers.wait(victim)
+    client.bans.until.clear()
+    with trio.fail_after(120):  # its fresh record (new port) must be what routes read
+        while peers.ids[victim] not in {r.peer_id for r in await client.records()}:
+            await trio.sleep(0.5)
+    return result
+
+
+def report(args, tps: dict[tuple[str, str], list[float]], tokens: dict[tuple[str, str], set],
+           recoveries: list[dict]) -> None:
+    base = statistics.median(tps["in-process", ""])
     load = os.getloadavg()
     print(f"\nSmolLM2-135M {args.dtype}, greedy decode of {args.tokens} tokens after a "
           f"{PROMPT!r} prompt, median of {args.repeats} alternated repeats; client keeps embeddings "
@@ -225,28 +264,40 @@ def report(args, tps: dict[str, list[float]], tokens: dict[str, set], recoveries
           f"PY_YAMUX_RELEASE_ON_READ={os.environ.get('PY_YAMUX_RELEASE_ON_READ', '0 (diffuse default)')} "
           f"DIFFUSE_QUICK_IO={os.environ.get('DIFFUSE_QUICK_IO', '1 (diffuse default)')}")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores\n")
-    print("| path | tokens/s | ratio | ms/token | overhead ms/token | per hop ms | target |")
-    print("|---|---|---|---|---|---|---|")
-    for path, values in tps.items():
+    print("| path | mode | tokens/s | ratio | ms/token | overhead ms/token | per hop ms | target |")
+    print("|---|---|---|---|---|---|---|---|")
+    ms: dict[tuple[str, str], float] = {}
+    for (path, mode), values in tps.items():
         t = statistics.median(values)
-        hops = int(path.split()[0]) if path != "in-process" else 0
+        ms[path, mode] = 1e3 / t
+        hops = _hops(path)
         over = 1e3 / t - 1e3 / base
         target = TARGETS.get(path)
         mark = "" if target is None else f">= {target}x {'met' if t / base >= target else 'MISSED'}"
-        print(f"| {path} | {t:.1f} | {t / base:.2f}x | {1e3 / t:.2f} | "
+        print(f"| {path} | {mode or '-'} | {t:.1f} | {t / base:.2f}x | {1e3 / t:.2f} | "
               f"{over:.2f} | {over / hops if hops else 0:.2f} | {mark} |")
-    same = all(v == tokens["in-process"] and len(v) == 1 for v in tokens.values())
-    print(f"\ngreedy tokens identical on every path: {'yes' if same else 'NO'}")
+    modes = sorted({m for _, m in tps if m})
+    if set(modes) == set(MODES):
+        per_hop = {path: (ms[path, "private"] - ms[path, "public"]) / _hops(path) for path in PATHS}
+        print("\nprivate-network layer (private - public), ms per token per hop: " + ", ".join(
+            f"{path} {d:+.2f}" for path, d in per_hop.items()) + f"; median {statistics.median(per_hop.values()):+.2f}")
+    same = all(v == tokens["in-process", ""] and len(v) == 1 for v in tokens.values())
+    print(f"\ngreedy tokens identical on every path and mode: {'yes' if same else 'NO'}")
     if recoveries:
-        print("\n| kill after token | victim | recovery s (gap - normal) | client failover s | of which route s "
+        print("\n| mode | kill after token | victim | recovery s (gap - normal) | client failover s | of which route s "
               "| dial s | replayed tokens | same answer |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in recoveries:
-            print(f"| {r['kill_at']} | {r['victim']} | {r['gap_s']:.3f} | {r['client_s']:.3f} | {r['route']:.3f} | "
-                  f"{r['dial']:.3f} | {r['replayed']} | {'yes' if r['same'] and r['failovers'] == 1 else 'NO'} |")
+            print(f"| {r['mode']} | {r['kill_at']} | {r['victim']} | {r['gap_s']:.3f} | {r['client_s']:.3f} | "
+                  f"{r['route']:.3f} | {r['dial']:.3f} | {r['replayed']} | "
+                  f"{'yes' if r['same'] and r['failovers'] == 1 else 'NO'} |")
         worst = max(r["gap_s"] for r in recoveries)
         print(f"\nrecovery: median {statistics.median(r['gap_s'] for r in recoveries):.3f} s, worst "
               f"{worst:.3f} s (target < {RECOVERY_TARGET_S} s: {'met' if worst < RECOVERY_TARGET_S else 'MISSED'})")
+
+
+def _hops(path: str) -> int:
+    return int(path.split()[0]) if path != "in-process" else 0
 
 
 def main() -> None:
@@ -256,19 +307,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--mode", action="append", choices=MODES,
+                    help="a swarm in this mode (repeatable; default: one private and one public, alternated)")
     args = ap.parse_args()
     if args.tokens < 8 or args.repeats < 1 or args.kills < 0:
         ap.error("need --tokens >= 8, --repeats >= 1, --kills >= 0")
+    modes = list(dict.fromkeys(args.mode or MODES))
     logging.basicConfig(level=logging.ERROR)  # failovers are expected here; the table reports them
     home = data_home(args.home)
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
-        print("starting a sentinel and 7 peers...", file=sys.stderr, flush=True)
-        peers = Peers(home, Path(tmp), args.dtype)
+        swarms = {mode: Peers(home, Path(tmp) / mode, args.dtype, mode=mode) for mode in modes}
         try:
-            peers.launch()
-            trio.run(bench, args, home, peers)
+            for mode, peers in swarms.items():
+                print(f"starting a {mode} swarm: a sentinel and 7 peers...", file=sys.stderr, flush=True)
+                peers.launch()
+            trio.run(bench, args, home, swarms)
         finally:
-            peers.stop()
+            for peers in swarms.values():
+                peers.stop()
 
 
 if __name__ == "__main__":

@@ -1,20 +1,30 @@
 """Helpers for control-plane tests: a SmolLM2-shaped fake model store, and CLI processes that
-are always killed (each test wraps them in `Procs`, whose exit kills whatever still runs)."""
+are always killed (each test wraps them in `Procs`, whose exit kills whatever still runs).
+
+The swarms `Procs` starts are private, as the CLI's default: every child finds one swarm key,
+made once per test run, in $DIFFUSE_SWARM_KEY, and in-process nodes joining them take
+`swarm_key()`."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from diffuse.control.modes import KEY_ENV
+from diffuse.control.swarm_key import SwarmKey, read_key, write_key
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.config import ModelConfig
 
@@ -90,12 +100,29 @@ class Proc:
         return self.p.wait(timeout=timeout)
 
 
+@functools.cache
+def swarm_key_file() -> Path:
+    """The test run's swarm key, written once (mode 0600) and removed when the run ends."""
+    tmp = Path(tempfile.mkdtemp(prefix="diffuse-test-swarm-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    write_key(tmp / "swarm.key", SwarmKey.generate())
+    return tmp / "swarm.key"
+
+
+def swarm_key() -> SwarmKey:
+    """The key of the swarms `Procs` starts, for in-process nodes that join them."""
+    return read_key(swarm_key_file())
+
+
 class Procs:
-    """Context manager owning child processes: every one is killed on exit, pass or fail."""
+    """Context manager owning child processes: every one is killed on exit, pass or fail. They
+    join a private swarm, whose key in-process nodes take from `swarm_key()`."""
 
     def __init__(self, home: Path) -> None:
-        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                                 KEY_ENV: str(swarm_key_file())}
         self.env.pop("LIBP2P_DEBUG", None)
+        self.swarm_key = swarm_key()
         self.procs: list[Proc] = []
 
     def start(self, *args: str) -> Proc:

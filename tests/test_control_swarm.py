@@ -18,7 +18,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, make_fake_model
+from control_helpers import Procs, make_fake_model, swarm_key, swarm_key_file
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.identity import peer_id
 from diffuse.control.node import open_node
@@ -65,7 +65,8 @@ def test_swarm_coverage_expiry_withdrawal_and_auto_placement(tmp_path, home, cap
         # `diffuse status --json` (in this process: a second interpreter would spend most of its
         # time importing torch) sees every block twice, with each peer's age and heartbeat.
         capsys.readouterr()
-        assert main(["--home", str(home), "status", "--bootstrap", boot, "--json", "--wait", "30"]) == 0
+        assert main(["--home", str(home), "status", "--bootstrap", boot, "--json", "--wait", "30",
+                     "--swarm-key", str(swarm_key_file())]) == 0
         cov = json.loads(capsys.readouterr().out)["models"][0]
         assert cov["servable"] and [b["replicas"] for b in cov["blocks"]] == [2] * 30, cov
         assert {p["peer_id"] for p in cov["peers"]} == set(ids.values())
@@ -80,7 +81,8 @@ def test_swarm_coverage_expiry_withdrawal_and_auto_placement(tmp_path, home, cap
 
 async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict, tmp_path, manifest) -> None:
     t = trio.current_time()
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as client:
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+                         swarm_key=swarm_key()) as client:
         with trio.fail_after(30):
             while (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).replicas != [2] * 30:
                 await trio.sleep(0.2)
@@ -190,9 +192,12 @@ def _len(span: str) -> int:
     (["status"], "no bootstrap peer"),
     (["sentinel", "--listen", "/ip4/127.0.0.1/udp/5/quic"], "not TCP"),
 ])
-def test_user_errors_exit_2_without_traceback(tmp_path, capsys, argv, message):
+def test_user_errors_exit_2_without_traceback(tmp_path, capsys, monkeypatch, argv, message):
     from diffuse.cli import main
     from diffuse.control.identity import load_or_create
+    from diffuse.control.modes import KEY_ENV
+
+    monkeypatch.setenv(KEY_ENV, str(swarm_key_file()))  # private, as Procs' swarms: the key is not the error
 
     home = tmp_path / "home"
     make_fake_model(home)

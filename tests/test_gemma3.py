@@ -13,7 +13,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs
+from control_helpers import Procs, swarm_key
 from diffuse.client.local import open_local
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
@@ -155,7 +155,8 @@ def test_swarm_answers_equal_transformers_and_survive_a_sigkill(gemma, reference
     answers = reference[1]
 
     async def run() -> dict:
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                             swarm_key=swarm_key()) as node:
             client = SwarmClient(node, path, SwarmOptions(dtype=torch.float32, wire_dtype=torch.float32, trust=None))
             for prompt, (ids, answer) in answers.items():
                 pipe = await client.session(len(ids) + TOKENS)

@@ -15,7 +15,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs
+from control_helpers import Procs, swarm_key
 from diffuse.client.generate import Generation, session_length
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost
@@ -64,7 +64,7 @@ async def generate(boot: str, home, spec: SpecState | None, kill=None) -> tuple[
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     params = SamplingParams(max_tokens=TOKENS)
     async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         codecs=reputation.swarm_codecs()) as node:
+                         codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, exact=True))
         with trio.fail_after(60):
             while not await client.covered():

@@ -23,9 +23,10 @@ def reference(home) -> list[int]:
 def ask(procs: Procs, boot: str) -> dict:
     """Like test_swarm.ask, with room for the first client to sample its canaries and calibrate
     three spans (a one-time cost per client, ~1 min on a quiet 2-core machine). Without speculation,
-    whose bf16 tree steps may flip a near-tie against the one-token reference (DESIGN.md)."""
+    whose bf16 tree steps may flip a near-tie against the one-token reference (DESIGN.md). The full
+    trust plane (`--trust public`), whose evidence is published, in the private swarm Procs runs."""
     out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
-                    "--wait", "30", "--no-speculate", QUESTION, timeout=900)
+                    "--wait", "30", "--no-speculate", "--trust", "public", QUESTION, timeout=900)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

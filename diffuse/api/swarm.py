@@ -21,9 +21,11 @@ import trio
 from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.swarm import RECORDS_TTL_S, SwarmClient, SwarmOptions, remote_of
+from diffuse.control.allow import AllowList
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
+from diffuse.control.swarm_key import SwarmKey
 from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
@@ -169,17 +171,20 @@ def _torch_dtype_name(declared: str) -> str:
 
 @asynccontextmanager
 async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: list[str],
-                             options: SwarmOptions, wait: float = 10.0) -> AsyncIterator[SwarmBackend]:
+                             options: SwarmOptions, wait: float = 10.0, swarm_key: SwarmKey | None = None,
+                             allow: AllowList | None = None) -> AsyncIterator[SwarmBackend]:
     """Join the swarm as a client and load each model's client side; waits up to `wait` seconds
     for full coverage (an API that starts with its swarm need not fail its first requests), then
-    warms the trust plane's material in the background while the caller serves."""
+    warms the trust plane's material in the background while the caller serves. `swarm_key`,
+    `allow`: as `Node` takes them (a private swarm, who may serve it)."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.node import open_node
     from diffuse.model import store
 
-    async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap,
-                         server=False, codecs=reputation.swarm_codecs()) as node, trio.open_nursery() as background:
+    async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap, server=False,
+                         codecs=reputation.swarm_codecs(), swarm_key=swarm_key, allow=allow) as node, \
+            trio.open_nursery() as background:
         clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait
         for client in clients:

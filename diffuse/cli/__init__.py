@@ -11,7 +11,7 @@ from diffuse.errors import DiffuseError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffuse.cli import api, ask, demo, model, net
+    from diffuse.cli import api, ask, demo, model, net, swarm
 
     parser = argparse.ArgumentParser(prog="diffuse", description=__doc__)
     parser.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     net.register(sub)
     api.register(sub)
+    swarm.register(sub)
     return parser
 
 

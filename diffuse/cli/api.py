@@ -67,10 +67,11 @@ async def local_backend(args) -> AsyncIterator:
 def swarm_backend(args):
     from diffuse.api.swarm import open_swarm_backend
     from diffuse.cli.net import _bootstrap_addrs
+    from diffuse.cli.swarm import swarm_access
 
-    options = swarm_options(args)
+    access = swarm_access(args)
     return open_swarm_backend(data_home(args.home), args.model or [None], _bootstrap_addrs(args, required=True),
-                              options, args.wait)
+                              swarm_options(args, access), args.wait, swarm_key=access.key, allow=access.allow)
 
 
 def open_backend(args):

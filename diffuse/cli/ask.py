@@ -8,6 +8,8 @@ from pathlib import Path
 
 import trio
 
+from diffuse.cli.swarm import add_swarm_options
+from diffuse.control.modes import SwarmAccess
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -52,24 +54,30 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for the swarm to cover every block")
     p.add_argument("--step-timeout", type=float, default=30.0, help="seconds before a silent peer is replaced")
-    p.add_argument("--trust", default="public", choices=list(TRUST_MODES),
-                   help="public (default): canaries, 10%% spot checks, evidence published; private: fewer "
-                        "checks, nothing published; off: no checks (only for peers you run yourself)")
+    p.add_argument("--trust", choices=list(TRUST_MODES),
+                   help="public: canaries, 10%% spot checks, evidence published; private: fewer checks, nothing "
+                        "published; off: no checks (only for peers you run yourself). Default: the --mode's")
     p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
+    add_swarm_options(p)
 
 
 # Trust-plane settings per mode (see DESIGN.md, "Trust plane"); None turns the checks off.
 TRUST_MODES = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
 
 
-def swarm_options(args: argparse.Namespace, exact: bool = False):
-    """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device);
-    exact: batch-invariant kernels on every hop."""
+def trust_mode(args: argparse.Namespace, access: SwarmAccess) -> str:
+    """--trust, or the swarm mode's own form of the trust plane."""
+    return args.trust or access.trust
+
+
+def swarm_options(args: argparse.Namespace, access: SwarmAccess, exact: bool = False):
+    """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device)
+    for a swarm joined with `access`; exact: batch-invariant kernels on every hop."""
     from diffuse.client.swarm import SwarmOptions
     from diffuse.model.load import parse_dtype
     from diffuse.trust.guard import TrustOptions
 
-    mode = TRUST_MODES[args.trust]
+    mode = TRUST_MODES[trust_mode(args, access)]
     return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
                         args.step_timeout, args.device, exact,
                         None if mode is None else TrustOptions(**mode))
@@ -155,6 +163,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.cli.net import _bootstrap_addrs, _trio_run
+    from diffuse.cli.swarm import swarm_access
     from diffuse.client.generate import complete, session_length
     from diffuse.client.swarm import SwarmClient, remote_of
     from diffuse.control.node import open_node
@@ -163,15 +172,16 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
     from diffuse.trust import reputation
 
     boot = _bootstrap_addrs(args, required=True)
+    access = swarm_access(args)
     model_dir = store.resolve(data_home(args.home), args.model)
     tokenizer = Tokenizer.load(model_dir)
     prompt = tokenizer.encode_chat(messages)
-    opts = swarm_options(args, exact)
+    opts = swarm_options(args, access, exact)
 
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot,
-                             server=False, codecs=reputation.swarm_codecs()) as node:
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
+                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow) as node:
             client = SwarmClient(node, model_dir, opts)
             deadline = trio.current_time() + args.wait
             while not await client.covered():
@@ -186,7 +196,8 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
                 return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
                 info.update(mode="swarm", route=remote.route_taken, failovers=remote.stats.failovers,
-                            local_blocks=list(opts.local_blocks), trust=args.trust,
+                            local_blocks=list(opts.local_blocks), swarm_mode=access.mode,
+                            trust=trust_mode(args, access),
                             checks=client.guard.status() if client.guard else None)
                 await pipeline.close()
                 info["bytes_sent"] = remote.stats.bytes_sent

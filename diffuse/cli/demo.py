@@ -2,7 +2,8 @@
 
 Starts a sentinel and four peers as separate processes (every remote block served twice), asks
 the question as a client that keeps the first block local, prints the answer and the route,
-and stops every process, even on Ctrl-C or error.
+and stops every process, even on Ctrl-C or error. The swarm is private by default, with a swarm
+key made for it in its temporary directory (gone with the demo, so no key is left in the home).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from diffuse.control.modes import MODES, PRIVATE
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model import store
@@ -76,6 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for the swarm to start")
+    p.add_argument("--mode", default=PRIVATE, choices=MODES,
+                   help="private (default: a swarm key made for this demo) or public (no key, the full trust plane)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -94,10 +98,11 @@ def cmd_demo(args) -> int:
     with tempfile.TemporaryDirectory(prefix="diffuse-demo-") as tmp:
         logs = Path(tmp)
         base = ["--home", str(home)]
+        swarm = _swarm_args(args.mode, logs)
         try:
-            print("starting a sentinel...", file=sys.stderr, flush=True)
+            print(f"starting a sentinel of a {args.mode} swarm...", file=sys.stderr, flush=True)
             sentinel = Child("sentinel", base + ["sentinel", "--identity", str(logs / "sentinel.key"),
-                                                 "--listen", "/ip4/127.0.0.1/tcp/0"], logs / "sentinel.log")
+                                                 "--listen", "/ip4/127.0.0.1/tcp/0", *swarm], logs / "sentinel.log")
             children.append(sentinel)
             boot = sentinel.wait_for("/ip4/", args.timeout)
             for i, (a, b) in enumerate(spans(n, args.peers)):
@@ -105,13 +110,13 @@ def cmd_demo(args) -> int:
                 children.append(Child(f"peer {i}", base + [
                     "join", "--bootstrap", boot, "--blocks", f"{a}:{b}", "--dtype", args.dtype,
                     "--identity", str(logs / f"peer{i}.key"), "--listen", "/ip4/127.0.0.1/tcp/0",
-                    "--heartbeat", "5"], logs / f"peer{i}.log"))
+                    "--heartbeat", "5", *swarm], logs / f"peer{i}.log"))
             for c in children[1:]:
                 c.wait_for("serving ", args.timeout)
             print("swarm ready; asking through it...", file=sys.stderr, flush=True)
             ask = subprocess.run(CLI + base + ["--client-only", "ask", "--bootstrap", boot, "--json",
                                                "--max-tokens", str(args.max_tokens), "--dtype", args.dtype,
-                                               args.question],
+                                               *swarm, args.question],
                                  capture_output=True, text=True, timeout=args.timeout)
             if ask.returncode != 0:
                 raise DiffuseError(f"the client failed: {ask.stderr.strip()}")
@@ -123,5 +128,15 @@ def cmd_demo(args) -> int:
     print(f"\nroute: client blocks 0:{result['local_blocks'][0]} (local), then " + ", ".join(
         f"peer …{hop['peer'][-8:]} blocks {hop['blocks'][0]}:{hop['blocks'][1]}" for hop in result["route"]))
     print(f"{result['completion_tokens']} tokens at {result['tokens_per_s']:.1f} tokens/s, "
-          f"{len(result['failovers'])} failovers")
+          f"{len(result['failovers'])} failovers; a {result['swarm_mode']} swarm, trust plane {result['trust']}")
     return 0
+
+
+def _swarm_args(mode: str, tmp: Path) -> list[str]:
+    """What every process of the demo swarm is given: a key made now in `tmp`, or --mode public."""
+    if mode != PRIVATE:
+        return ["--mode", mode]
+    from diffuse.control.swarm_key import SwarmKey, write_key
+
+    write_key(tmp / "swarm.key", SwarmKey.generate())
+    return ["--swarm-key", str(tmp / "swarm.key")]

@@ -1,5 +1,8 @@
 """`diffuse id | sentinel | join | status`: the control plane on the command line.
 
+Each joins a swarm in the mode --mode says (private by default: the swarm key is required;
+cli/swarm.py, control/modes.py).
+
 Errors that are the user's fault (bad multiaddr, unreachable bootstrap, bad --blocks) are
 DiffuseErrors: the top-level `main` prints `error: ...` and exits 2, without a traceback.
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 import trio
 
+from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.data.serve import LEVELS, Contribution
 from diffuse.errors import DiffuseError
 from diffuse.trust import reputation, tamper
@@ -41,11 +45,13 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                               help="run a DHT bootstrap node that serves no blocks")
     _identity_arg(p)
     _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN)
+    add_swarm_options(p)
     p.set_defaults(func=cmd_sentinel)
 
     p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
     _identity_arg(p)
     _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
+    add_swarm_options(p)
     p.add_argument("--model", help="model in the store (default: the embedded default model)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
@@ -86,6 +92,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll until every model is servable or SECONDS pass")
+    add_swarm_options(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -125,20 +132,34 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
     key_pair = _key_pair(args, hold=True)
     boot = _bootstrap_addrs(args, required=False)
     listen = _listen(args)
+    access = swarm_access(args, create=True)
+    if access.created:
+        print(f"no swarm key given: made one for a new private swarm at {access.key_path}; every node that joins "
+              "needs a copy (`diffuse swarm new --help` says how to share it), or run --mode public",
+              file=sys.stderr, flush=True)
 
     def ready(addrs: list[str]) -> None:
         for a in addrs:
             print(a, flush=True)
-        print("sentinel ready; stop with Ctrl-C", file=sys.stderr, flush=True)
+        print(f"sentinel ready ({_describe(access)}); stop with Ctrl-C", file=sys.stderr, flush=True)
 
     _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce,
-                                                  reputation.swarm_codecs()))
+                                                  reputation.swarm_codecs(), access.key, access.allow))
     return 0
+
+
+def _describe(access) -> str:
+    """One line on how a node joined: "private swarm, key FILE (fingerprint F)" or "public swarm"."""
+    if access.key is None:
+        return "public swarm"
+    allow = f", serving allowed to the peers in {access.allow.path}" if access.allow else ""
+    return f"private swarm, key {access.key_path} (fingerprint {access.key.fingerprint}){allow}"
 
 
 def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.control.announce import Serving
     from diffuse.control.coverage import coverage
+    from diffuse.control.identity import peer_id as peer_id_of
     from diffuse.control.node import Node
     from diffuse.control.placement import choose_span, requested_blocks
     from diffuse.data.serve import contribution
@@ -154,6 +175,11 @@ def cmd_join(args: argparse.Namespace) -> int:
     n = manifest.num_layers
     span, length = requested_blocks(args.blocks, args.num_blocks, args.max_memory, ModelConfig.load(model_dir),
                                     manifest.dtype)
+    access = swarm_access(args)
+    me = peer_id_of(key_pair).to_base58()
+    if access.allow is not None and me not in access.allow:
+        log.warning("this peer (%s) is not on the allow-list %s: the swarm will not store its record or route "
+                    "through it until it is", me, access.allow.path)
     lend = None if args.client_only else contribution(args.contribution, args.cache_tokens, os.cpu_count() or 1)
     if args.metrics:
         from diffuse.http import parse_listen
@@ -184,7 +210,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         nonlocal node
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
                     status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
-                    announce_addrs=args.announce, codecs=reputation.swarm_codecs())
+                    announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
+                    allow=access.allow)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             if args.metrics:
@@ -228,13 +255,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from diffuse.model.weights import load_manifest
 
     boot = _bootstrap_addrs(args, required=True)
+    access = swarm_access(args)
     manifests = [load_manifest(store.resolve(data_home(args.home), name)) for name in args.model or [None]]
     result: list = []
 
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"],
-                             bootstrap=boot, server=False, codecs=reputation.swarm_codecs()) as node:
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
+                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow) as node:
             deadline = trio.current_time() + max(0.0, args.wait)
             while True:
                 covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in manifests]
@@ -245,9 +273,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     _trio_run(main)
     if args.json:
-        print(json.dumps({"time": time.time(), "models": [c.to_dict() for c in result]}, indent=1))
+        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in result]},
+                         indent=1))
     else:
-        print("\n\n".join(format_text(c) for c in result))
+        print("\n\n".join([_describe(access), *(format_text(c) for c in result)]))
     return 0
 
 

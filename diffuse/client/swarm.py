@@ -98,11 +98,11 @@ class SwarmClient:
         self.suspects: dict[str, tuple[int, float]] = {}  # peer -> (others' reports, looked up at)
 
     async def records(self, max_age: float = 0.0) -> list[PeerRecord]:
-        """Fresh online records that serve exactly the weights our manifest names; fetched at
-        most `max_age` seconds ago (0: from the DHT now)."""
+        """Fresh online records that serve exactly the weights our manifest names, of peers the
+        node's allow-list lets serve; fetched at most `max_age` seconds ago (0: from the DHT now)."""
         at, cached = self._records
         if time.monotonic() - at <= max_age:
-            return [r for r in cached if r.fresh()]
+            return [r for r in cached if r.fresh() and self.node.may_serve(r.peer_id)]
         good = []
         for r in await self.node.records(self.model_id):
             if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != self.manifest.block_hashes[r.start:r.end]:

@@ -87,11 +87,14 @@ class Announcer:
         ttl: float | None = None,
         status_fn: StatusFn | None = None,
         clock: Callable[[], float] = time.time,
+        mode: str | None = None,
     ) -> None:
+        """`mode`: the swarm mode the record states (`ext["mode"]`: private or public)."""
         if heartbeat <= 0:
             raise ValueError("heartbeat must be positive")
         self.dht, self.key_pair, self.serving = dht, key_pair, serving
         self.addrs_fn, self.status_fn, self.clock = addrs_fn, status_fn, clock
+        self.mode = mode
         self.heartbeat = heartbeat
         self.ttl = ttl if ttl is not None else default_ttl(heartbeat)
         if not (heartbeat < self.ttl <= MAX_TTL_S):
@@ -116,6 +119,8 @@ class Announcer:
         cache = status.pop("cache_tokens", None)
         cache = max(0, int(cache if cache is not None else s.cache_tokens))
         extra = {k: v for k, v in status.items() if isinstance(k, str) and is_scalar(v)}
+        if self.mode is not None:
+            extra["mode"] = self.mode
         last = self.current.record.timestamp if self.current else 0.0
         ts = max(now, last + 0.001)  # strictly increasing, even if the clock steps back
         return PeerRecord(

@@ -104,6 +104,7 @@ def _peer_dict(r: PeerRecord, now: float) -> dict[str, Any]:
         "end": r.end,
         "addrs": list(r.addrs),
         "dtype": r.dtype,
+        "mode": r.extra.get("mode"),  # the swarm mode the peer announces: private or public
         "throughput": r.throughput,
         "cache_tokens": r.cache_tokens,
         "age_s": round(max(0.0, now - r.started), 1),
@@ -132,13 +133,13 @@ def format_text(cov: Coverage) -> str:
         lines.append(f"  {span:<11} {reps[i]:>8}  {who}")
         i = j + 1
     if cov.peers:
-        lines.append("  peer          blocks     age  heartbeat  tokens/s  cache  addrs")
+        lines.append("  peer          blocks     age  heartbeat  mode     tokens/s  cache  addrs")
     for r in sorted(cov.peers.values(), key=lambda r: (r.start, r.peer_id)):
         d = _peer_dict(r, cov.now)
         span = f"[{r.start},{r.end})"
         lines.append(
             f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
-            f"  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {' '.join(r.addrs)}"
+            f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {' '.join(r.addrs)}"
         )
     for pid, why in cov.excluded.items():
         lines.append(f"  excluded {_short(pid)}: {why}")

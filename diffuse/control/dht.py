@@ -33,6 +33,7 @@ from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from diffuse.control.pnet import NO_HANDSHAKE, dial_failure
 from diffuse.control.records import NAMESPACE, RecordValidator, SetCodec, SetCodecs
 from diffuse.errors import DiffuseError
 
@@ -241,7 +242,8 @@ async def _gather(fn, items: Iterable) -> None:
 
 async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout: float = 5.0) -> list[PeerInfo]:
     """Connect to every bootstrap peer at once; those that answer seed the routing table.
-    Raises BootstrapError only if none answers: one reachable sentinel is enough."""
+    Raises BootstrapError only if none answers: one reachable sentinel is enough. A peer of a
+    private swarm that we cannot join (no key, another key, the other mode) is named as such."""
     reached: list[PeerInfo] = []
     errors: list[str] = []
 
@@ -252,7 +254,10 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
             try:
                 await host.connect(info)
             except Exception as e:  # noqa: BLE001 - py-libp2p raises many unrelated types on dial failure
-                errors.append(f"{info.addrs[0]}/p2p/{info.peer_id}: {e or type(e).__name__}")
+                addr, why = f"{info.addrs[0]}/p2p/{info.peer_id}", dial_failure(e)
+                errors.append(f"{addr}: {why or e or type(e).__name__}" if why != NO_HANDSHAKE else
+                              f"{NO_HANDSHAKE} with {addr}: if this swarm is private, give its key with "
+                              "--swarm-key FILE")
                 return
             for _ in range(10):  # add_peer can refuse until the connection is fully up
                 if await dht.routing_table.add_peer(info):

@@ -8,6 +8,9 @@ a run; and a refused dial is retried for 0.7 s, which every DHT lookup pays for 
 peer still in a routing table. `make_host` fixes all five, and turns off yamux's window update
 after every read (`PY_YAMUX_RELEASE_ON_READ=0`, ~45 us of CPU per round trip per side; updates
 still flow at half a window), which inference sessions pay on every token.
+
+With a swarm key, every connection is first wrapped in the private-network layer
+(control/pnet.py: libp2p's pnet spec, not py-libp2p's own variant), below Noise.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from diffuse.control import quick_io
+from diffuse.control import pnet, quick_io
+from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import DiffuseError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
@@ -91,15 +95,18 @@ def parse_peer_addr(text: str) -> PeerInfo:
 
 
 def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiaddr] = (DEFAULT_LISTEN,),
-              announce: Sequence[str] = ()) -> IHost:
+              announce: Sequence[str] = (), swarm_key: SwarmKey | None = None) -> IHost:
     """A host that speaks only Noise + yamux over TCP; call `host.run(listen_addrs)` to listen.
     `announce` replaces the listen addresses in identify too, so the DHT hands out only those.
+    `swarm_key`: a node of that private swarm, which only nodes with the same key can reach.
 
     Handlers of other planes must be set with `host.set_stream_handler` before `run`, so no
     peer ever reaches a half-configured node.
     """
     tame_libp2p_logging()
     quick_io.apply()
+    if swarm_key is not None:
+        pnet.install()
     os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # yamux reads it at every read
     addrs = [a if isinstance(a, multiaddr.Multiaddr) else parse_multiaddr(a) for a in listen_addrs]
     for a in addrs:
@@ -114,6 +121,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiadd
         # One connection per peer: py-libp2p skips its 250 ms happy-eyeballs wait at the limit.
         connection_config=ConnectionConfig(max_connections_per_peer=1),
         announce_addrs=[parse_multiaddr(a) for a in announce] or None,
+        psk=swarm_key.psk if swarm_key is not None else None,
     )
     _disable_auto_connector(host)
     # A refused dial is retried 3 times with 0.1-0.4 s back-off by default: 0.7 s per dead peer

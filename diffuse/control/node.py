@@ -9,6 +9,10 @@ throughput) through `status_fn`, called at every heartbeat. The route builder re
     async with open_node(key_pair, bootstrap=[addr], handlers={PROTO: handle}) as node:
         await node.serve(Serving(...))
         await trio.sleep_forever()   # cancelling withdraws the announcement first
+
+With `swarm_key` the node belongs to that private swarm (control/modes.py) and only nodes with
+the key can connect; with `allow` it stores, reads and returns records only of the peers on
+that allow-list.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
+from diffuse.control.allow import AllowList
 from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
 from diffuse.control.coverage import Coverage, coverage
 from diffuse.control.dht import bootstrap, fetch_set, make_dht, put_set
@@ -37,12 +42,13 @@ from diffuse.control.host import (
     parse_peer_addr,
 )
 from diffuse.control.identity import peer_id as peer_id_of
+from diffuse.control.modes import PRIVATE, PUBLIC
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key
+from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
-
 
 
 class ListenError(DiffuseError):
@@ -69,17 +75,24 @@ class Node:
         announce_addrs: Sequence[str] = (),
         bootstrap_timeout: float = 5.0,
         codecs: SetCodecs | None = None,
+        swarm_key: SwarmKey | None = None,
+        allow: AllowList | None = None,
     ) -> None:
         """server=False: a DHT client (status, pure clients) that stores nothing for others.
-        `codecs`: what the DHT accepts under /diffuse/ (default: peer records only)."""
+        `codecs`: what the DHT accepts under /diffuse/ (default: peer records only).
+        `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve."""
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
         self._listen = [parse_multiaddr(a) for a in listen]
-        self.host = make_host(key_pair, self._listen, announce_addrs)
+        self.mode = PRIVATE if swarm_key is not None else PUBLIC
+        self.allow = allow
+        self.host = make_host(key_pair, self._listen, announce_addrs, swarm_key)
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), handler)
         self.codecs = codecs or SetCodecs()
+        if allow is not None:
+            self.codecs = self.codecs.allowing(allow.ids)
         self.dht = make_dht(self.host, self.codecs, server=server)
         self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
         self._reads = SharedReads(self._read_records)
@@ -157,7 +170,7 @@ class Node:
             raise RuntimeError("this node already serves; start another node for another span")
         self.announcer = Announcer(
             self.dht, self.key_pair, serving, self.addrs,
-            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self.status_fn,
+            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self.status_fn, mode=self.mode,
         )
         await self._nursery.start(lambda task_status: self.announcer.run(
             on_lonely=self._rebootstrap, task_status=task_status))
@@ -184,10 +197,19 @@ class Node:
         cur = self.announcer.current if self.announcer else None
         return cur.record if cur else None
 
+    def may_serve(self, peer_id: str) -> bool:
+        """Whether this node's allow-list (as the file is now) lets `peer_id` serve."""
+        return self.allow is None or peer_id in self.allow
+
     async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
         """Fresh records of every peer serving blocks of `model`: concurrent callers share one
-        DHT read, and a peer a read misses keeps its record until it expires (control/reads.py)."""
-        return await self._reads.records(model, include_offline=include_offline)
+        DHT read, and a peer a read misses keeps its record until it expires (control/reads.py),
+        unless it has left the allow-list."""
+        found = await self._reads.records(model, include_offline=include_offline)
+        if self.allow is None:
+            return found
+        allowed = self.allow.ids()
+        return [r for r in found if r.peer_id in allowed]
 
     async def _read_records(self, model: str) -> list[PeerRecord]:
         found, support = await fetch_set(self.dht, blocks_key(model))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -271,6 +271,25 @@ RECORD_SETS: SetCodec[SignedRecord] = SetCodec(decode_set, merge, encode_set, co
                                                lambda r: r.peer_id, MAX_SET_RECORDS)
 
 
+def allowed_only(codec: SetCodec[SignedRecord], allowed: Callable[[], Set[str]]) -> SetCodec[SignedRecord]:
+    """`codec` for a swarm where only the peers in `allowed()` (an allow-list as it is now) may
+    serve: a stored value naming another peer is refused, and reads and merges drop such records,
+    so a peer removed from the list vanishes from values already held."""
+
+    def decode(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedRecord]:
+        records, ok = codec.decode(value, key, now=now, strict=strict), allowed()
+        barred = [r.peer_id for r in records if r.peer_id not in ok]
+        if barred and strict:
+            raise InvalidRecord(f"{barred[0]} is not on this swarm's allow-list")
+        return [r for r in records if r.peer_id in ok]
+
+    def merge(items: list[SignedRecord], now: float | None) -> list[SignedRecord]:
+        ok = allowed()
+        return [r for r in codec.merge(items, now) if r.peer_id in ok]
+
+    return replace(codec, decode=decode, merge=merge)
+
+
 class SetCodecs:
     """The value formats a node accepts under /diffuse/, by key prefix. Whoever builds the node
     fills it in: peer and blocks keys always, and what upper planes store (trust's evidence)."""
@@ -278,6 +297,13 @@ class SetCodecs:
     def __init__(self, extra: Mapping[str, SetCodec] | None = None) -> None:
         self.by_prefix: dict[str, SetCodec] = {PEER_PREFIX: RECORD_SETS, BLOCKS_PREFIX: RECORD_SETS, **(extra or {})}
         self.invalid: tuple[type[Exception], ...] = tuple({c.invalid for c in self.by_prefix.values()})
+
+    def allowing(self, allowed: Callable[[], Set[str]]) -> "SetCodecs":
+        """These formats, with peer records only of the peers in `allowed()` (`allowed_only`)."""
+        codecs = SetCodecs()
+        codecs.by_prefix = {p: allowed_only(c, allowed) if c is RECORD_SETS else c for p, c in self.by_prefix.items()}
+        codecs.invalid = self.invalid
+        return codecs
 
     def for_key(self, key: str) -> SetCodec:
         for prefix, codec in self.by_prefix.items():

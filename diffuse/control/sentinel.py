@@ -7,13 +7,20 @@ from the others (--bootstrap) so they form one DHT. See bootstrap/README.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import trio
 from libp2p.crypto.keys import KeyPair
 
+from diffuse.control.allow import AllowList
+from diffuse.control.dht import bootstrap as dial
+from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import Node
 from diffuse.control.records import SetCodecs
+from diffuse.control.swarm_key import SwarmKey
+
+log = logging.getLogger(__name__)
 
 
 async def run_sentinel(
@@ -23,28 +30,24 @@ async def run_sentinel(
     ready: Callable[[list[str]], None] | None = None,
     announce: Sequence[str] = (),
     codecs: SetCodecs | None = None,
+    swarm_key: SwarmKey | None = None,
+    allow: AllowList | None = None,
 ) -> None:
     """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening;
-    `codecs`: what its DHT stores (default: peer records only).
+    `codecs`: what its DHT stores (default: peer records only); `swarm_key`: a sentinel of that
+    private swarm; `allow`: it stores records only of the peers on that allow-list.
 
     Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
     """
-    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce, codecs=codecs)
+    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce, codecs=codecs,
+                swarm_key=swarm_key, allow=allow)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         if ready is not None:
             ready(node.full_addrs())
         if bootstrap:
-            from diffuse.control.dht import bootstrap as dial
-
             try:
-                await dial(node.host, node.dht, _infos(bootstrap), 5.0)
-            except Exception:  # noqa: BLE001 - fellow sentinels may be down; they dial us when they start
-                pass  # the other sentinels will reach us when they start
+                await dial(node.host, node.dht, [parse_peer_addr(a) for a in bootstrap], 5.0)
+            except Exception as e:  # noqa: BLE001 - fellow sentinels may be down; they dial us when they start
+                log.warning("no fellow sentinel reached yet (they will dial us when they start): %s", e)
         await trio.sleep_forever()
-
-
-def _infos(addrs: Sequence[str]):
-    from diffuse.control.host import parse_peer_addr
-
-    return [parse_peer_addr(a) for a in addrs]
