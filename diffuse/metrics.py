@@ -34,8 +34,9 @@ PROMPT_TOKENS = Counter("diffuse_prompt_tokens", "Prompt tokens prefilled for th
 STEP_SECONDS = Histogram("diffuse_step_seconds", "Latency of one decoding step (role=client: through "
                          "the whole model; role=server: through this peer's span)", ["role"],
                          buckets=_LATENCY_BUCKETS, registry=REGISTRY)
-FIRST_TOKEN_SECONDS = Histogram("diffuse_first_token_seconds", "Prefill: from starting an answer to "
-                                "its first token", buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+FIRST_TOKEN_SECONDS = Histogram("diffuse_first_token_seconds", "Time to first token: from a request's "
+                                "arrival (its wait for a session and its prefill included) to the first token "
+                                "of each answer", buckets=_LATENCY_BUCKETS, registry=REGISTRY)
 SESSIONS_OPEN = Gauge("diffuse_sessions_open", "Inference sessions open now", ["role"], registry=REGISTRY)
 FAILOVERS = Counter("diffuse_failovers", "Peers a client session replaced after they failed",
                     ["model"], registry=REGISTRY)
@@ -88,7 +89,8 @@ class MeteredStream:
 
 
 class _ServedCollector(Collector):
-    """Tokens and steps a peer served, read from its block server's own counters at scrape time."""
+    """Tokens, steps and batches a peer served, read from its block server's own counters at
+    scrape time."""
 
     def __init__(self, model: str, status: Callable[[], Mapping[str, Any]]):
         self.model, self.status = model, status
@@ -98,7 +100,13 @@ class _ServedCollector(Collector):
         for name, doc, key in (("diffuse_tokens_served", "Token positions this peer computed through its blocks",
                                 "tokens_served"),
                                ("diffuse_steps_served", "Steps (requests through its span) this peer answered",
-                                "steps_served")):
+                                "steps_served"),
+                               ("diffuse_batches", "Forward passes through the span, each one batch of steps",
+                                "batches"),
+                               ("diffuse_batch_steps", "Steps computed in those passes (a long prefill once per "
+                                "chunk): over diffuse_batches, the mean batch size", "batch_steps"),
+                               ("diffuse_batched_steps", "Steps that shared their forward pass with another "
+                                "session's", "batched_steps")):
             family = CounterMetricFamily(name, doc, labels=["model"])
             family.add_metric([self.model], float(s.get(key, 0)))
             yield family

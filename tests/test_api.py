@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 import trio
+import trio.testing
 
 from api_helpers import DIFFUSE, FULL, PARTIAL, fake_server_cmd, start, stop
 from diffuse.api.answers import Penalized, Sessions
@@ -170,6 +171,52 @@ def test_session_cap_is_429_before_any_session_opens():
         return held
 
     assert trio.run(main) == [None, None] and Counting.opened == 2
+
+
+def test_past_the_cap_requests_wait_in_a_bounded_queue_first_come_first_served():
+    class Opened:
+        async def session(self, model_id, max_len):
+            return _Closing()
+
+        async def close(self):
+            pass
+
+    order: list[str] = []
+
+    async def main():
+        sessions = Sessions(Opened(), limit=2, queue=2)
+        held = await sessions.acquire("m", 8, 2)  # every slot in use
+        done = trio.Event()
+
+        async def wait(name: str) -> None:
+            got = await sessions.acquire("m", 8, 1)
+            order.append(name)
+            await done.wait()
+            await sessions.release(got)
+
+        async with trio.open_nursery() as nursery:
+            for name in ("first", "second"):
+                nursery.start_soon(wait, name)
+                await trio.testing.wait_all_tasks_blocked()
+            assert sessions.waiting == 2
+            with pytest.raises(Overloaded) as full:  # the queue is full too
+                await sessions.acquire("m", 8, 1)
+            assert full.value.retry_after >= 1 and "2 wait" in str(full.value)
+            await sessions.release([_Closing()], 1)  # a slot frees: the longest waiting goes
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == ["first"]
+            await sessions.release([_Closing()], 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == ["first", "second"] and sessions.open == 2 and sessions.waiting == 0
+            done.set()
+        assert sessions.open == 0 and held
+
+    trio.run(main)
+
+
+class _Closing:
+    async def close(self):
+        pass
 
 
 def test_concurrent_streams_have_own_sessions_and_hanging_up_closes_them(api):

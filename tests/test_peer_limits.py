@@ -177,7 +177,7 @@ def test_a_long_prefill_does_not_hold_other_sessions_steps_or_pings(span):
                 order.append("A prefill")
 
             async def short() -> None:
-                while server.compute.slices < 3:  # A's prefill is being computed, chunk by chunk
+                while server.batcher.stats.batches < 3:  # A's prefill is being computed, chunk by chunk
                     await trio.sleep(0.001)
                 await p.send(Ping(7))
                 await b.send(Step(b.sid, 1, 8, [8], torch.randn(1, 1, H, dtype=torch.bfloat16)))

@@ -181,7 +181,15 @@ def test_acceptance_learns_from_what_followed():
     assert after[2] < after[1]
 
 
-def test_step_cost_fit_and_best_size():
+@pytest.fixture
+def avx2(monkeypatch):
+    """The planner's tests price rows as an AVX2 CPU pads them (multiples of 8 from 7 rows)."""
+    from diffuse.model import kernels
+
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX2)
+
+
+def test_step_cost_fit_and_best_size(avx2):
     cost = StepCost()
     cost.observe(1, 0.03)
     cost.observe(300, 0.64)  # the prefill
@@ -198,7 +206,7 @@ def test_step_cost_fit_and_best_size():
     assert best_size([0.6] * 8 + [0.05] * 7, Cost(0.1, 0.1, 0.002)) == 15
 
 
-def test_plan_fills_the_rows_the_kernels_pad():
+def test_plan_fills_the_rows_the_kernels_pad(avx2):
     cfg = SpecConfig(lookahead_gain=10.0)  # always add the window
     spec = Speculator(cfg, SpecState(cost=Fixed(Cost(0.1, 0.1, 0.002))), [1, 2, 3])
     spec.acceptance = Acceptance({"sure": 0.9, "long shot": 0.001})
@@ -214,7 +222,7 @@ def test_plan_fills_the_rows_the_kernels_pad():
     assert step.tokens[:9] == [3] + list(range(10, 18)) and step.tokens[9:14] == list(range(20, 25))
 
 
-def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows():
+def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows(avx2):
     # There one position costs what sixteen do: plain decoding never pays, and every step is
     # filled to sixteen positions with the best guesses, however unlikely.
     dear_jump = Cost(0.03, 0.045, 0.001)

@@ -7,6 +7,7 @@ at once, even though the close itself has to wait on the network.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -28,16 +29,39 @@ Emit = Callable[[int, str, Completion | None], Awaitable[None]]
 
 
 class Sessions:
-    """Opens backend sessions under a process-wide cap: past it a request gets a 429 at once,
-    rather than every answer slowing down (and the KV caches exhausting memory)."""
+    """Opens backend sessions under a process-wide cap. Past it a request waits its turn in a
+    bounded queue (first come, first served); past the queue it gets a 429 at once, with a
+    Retry-After from how long sessions have lasted, rather than every answer slowing down (and
+    the KV caches exhausting memory)."""
 
-    def __init__(self, backend: Backend, limit: int):
-        self.backend, self.limit, self.open = backend, limit, 0
+    def __init__(self, backend: Backend, limit: int, queue: int = 0):
+        self.backend, self.limit, self.queue_limit = backend, limit, queue
+        self.open = 0  # sessions reserved
+        self.waiting = 0  # sessions asked for by requests in the queue
+        self.turns = trio.Semaphore(limit)  # FIFO: whoever waits longest goes first
+        self.lasted = 10.0  # seconds a session lasts (moving average), for Retry-After
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free for a request that comes now."""
+        return max(1, math.ceil(self.lasted * (1 + self.waiting) / max(1, self.limit)))
 
     async def acquire(self, model: str, max_len: int, count: int) -> list[Pipeline]:
-        if self.open + count > self.limit:
-            raise Overloaded(f"{self.open} of {self.limit} sessions are in use; retry shortly")
-        self.open += count  # reserved before the first await, so concurrent requests see it
+        if count > self.limit or (self.open + count > self.limit and self.waiting + count > self.queue_limit):
+            raise Overloaded(f"{self.open} of {self.limit} sessions are in use and {self.waiting} wait "
+                             f"(at most {self.queue_limit}); retry shortly", self.retry_after())
+        self.waiting += count
+        taken = 0
+        try:
+            for _ in range(count):
+                await self.turns.acquire()
+                taken += 1
+        except BaseException:
+            for _ in range(taken):
+                self.turns.release()
+            raise
+        finally:
+            self.waiting -= count
+        self.open += count
         SESSIONS_OPEN.labels("client").inc(count)
         opened: list[Pipeline] = []
         try:
@@ -48,14 +72,18 @@ class Sessions:
             raise
         return opened
 
-    async def release(self, pipelines: list[Pipeline], count: int | None = None) -> None:
+    async def release(self, pipelines: list[Pipeline], count: int | None = None, since: float | None = None) -> None:
         """Close `pipelines` (shielded: this runs while a hung-up client's request is cancelled)
-        and give back `count` reservations (default: one per pipeline)."""
+        and give back `count` reservations (default: one per pipeline), opened at `since`."""
         count = len(pipelines) if count is None else count
+        if since is not None:
+            self.lasted = 0.8 * self.lasted + 0.2 * (time.perf_counter() - since)
         with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
             for pipeline in pipelines:
                 await pipeline.close()
         self.open -= count
+        for _ in range(count):
+            self.turns.release()
         SESSIONS_OPEN.labels("client").dec(count)
 
 
@@ -76,15 +104,16 @@ class Penalized:
         return self.sampler.sample(logits, context)
 
 
-def token_source(model: str, presence: float, frequency: float) -> TokenSource:
-    """The generation loop with the penalties applied, every step timed for /metrics, and a
-    checkpoint after each token so that concurrent answers take turns."""
+def token_source(model: str, presence: float, frequency: float, arrived: float) -> TokenSource:
+    """The generation loop with the penalties applied, every step timed for /metrics (the first
+    from the request's arrival: its wait in the queue and its prefill), and a checkpoint after
+    each token so that concurrent answers take turns."""
 
     async def tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler, eos_ids: set[int]
                      ) -> AsyncIterator[int]:
         if presence or frequency:
             sampler = Penalized(sampler, len(prompt), presence, frequency)
-        first, t0 = True, time.perf_counter()
+        first, t0 = True, arrived
         async for token in stream_tokens(pipeline, prompt, sampler, eos_ids):
             (FIRST_TOKEN_SECONDS if first else STEP_SECONDS.labels("client")).observe(time.perf_counter() - t0)
             TOKENS_GENERATED.labels(model).inc()
@@ -104,12 +133,15 @@ class Answers:
     def __init__(self, sessions: Sessions, model: str, tokenizer: Tokenizer,
                  choices: list[tuple[list[int], SamplingParams]], presence: float, frequency: float):
         self.sessions, self.model, self.tokenizer, self.choices = sessions, model, tokenizer, choices
-        self.source = token_source(model, presence, frequency)
+        self.arrived = time.perf_counter()
+        self.source = token_source(model, presence, frequency, self.arrived)
         self.pipelines: list[Pipeline] = []
+        self.opened = 0.0
 
     async def open(self) -> None:
         max_len = max(len(prompt) + params.max_tokens for prompt, params in self.choices)
         self.pipelines = await self.sessions.acquire(self.model, max_len, len(self.choices))
+        self.opened = time.perf_counter()
 
     async def run(self, emit: Emit) -> list[Completion]:
         """Generate every choice, calling `emit` with each piece of text; the sessions are
@@ -142,4 +174,4 @@ class Answers:
     async def close(self) -> None:
         pipelines, self.pipelines = self.pipelines, []
         if pipelines:
-            await self.sessions.release(pipelines)
+            await self.sessions.release(pipelines, since=self.opened)

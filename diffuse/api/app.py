@@ -41,7 +41,8 @@ ENDPOINTS = {"/", "/status.json", "/metrics", "/v1/models", "/v1/chat/completion
 @dataclass(frozen=True)
 class Settings:
     api_keys: frozenset[str] = frozenset()  # empty: no key needed
-    max_sessions: int = 16  # concurrent inference sessions; past it requests get a 429
+    max_sessions: int = 16  # concurrent inference sessions; past them requests wait in a queue
+    max_queue: int = 64  # sessions requests may wait for; past them a 429
     default_max_tokens: int = 256  # when a request gives none (every token reserves KV cache)
     max_n: int = 8  # choices per request
 
@@ -73,7 +74,7 @@ def as_api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), "service_unavailable", "model", "model_not_servable",
                         {"Retry-After": "10"}, missing_blocks=e.missing)
     if isinstance(e, Overloaded):
-        return ApiError(429, str(e), "rate_limit_error", None, "overloaded", {"Retry-After": "1"})
+        return ApiError(429, str(e), "rate_limit_error", None, "overloaded", {"Retry-After": str(e.retry_after)})
     if isinstance(e, DiffuseError):  # the swarm failed under this answer (peers lost, no route)
         return ApiError(503, str(e), "service_unavailable", None, "swarm_error")
     return ApiError(500, "internal server error", "server_error")
@@ -178,7 +179,7 @@ class Api:
 
     def __init__(self, backend: Backend, settings: Settings):
         self.backend, self.settings = backend, settings
-        self.sessions = Sessions(backend, settings.max_sessions)
+        self.sessions = Sessions(backend, settings.max_sessions, settings.max_queue)
 
     def _authorize(self, request: Request) -> None:
         if not self.settings.api_keys:

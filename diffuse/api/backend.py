@@ -10,18 +10,14 @@ status page and `/v1/models` read one format whatever the backend.
 from __future__ import annotations
 
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import trio
-from torch import Tensor
 
-from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
+from diffuse.client.pipeline import LocalModel, Pipeline
 from diffuse.errors import DiffuseError
-from diffuse.model.engine import Head
 from diffuse.model.tokenizer import Tokenizer
 
 LOCAL_PEER = "local"  # the peer id the status page shows for blocks computed in this process
@@ -44,7 +40,11 @@ class Unservable(DiffuseError):
 
 
 class Overloaded(DiffuseError):
-    """Capacity is exhausted for now; the client should retry later (HTTP 429)."""
+    """Capacity is exhausted for now; the client should retry in `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Backend(Protocol):
@@ -66,30 +66,6 @@ class Backend(Protocol):
         ...
 
 
-class _ThreadedPipeline(Pipeline):
-    """A local session whose steps (blocks and LM head) run in a worker thread (torch releases
-    the GIL), so the event loop keeps admitting requests, serving the status page and noticing
-    hang-ups while the model computes. One step at a time per model (the limiter): the cores
-    already work in parallel inside each matmul, and more threads would only fight over them."""
-
-    def __init__(self, head: Head, stages: list[LocalStage], limiter: trio.CapacityLimiter):
-        super().__init__(head, stages)
-        self.limiter = limiter
-
-    async def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        return await trio.to_thread.run_sync(_run_to_end, super().forward(*args, **kwargs), limiter=self.limiter)
-
-
-def _run_to_end(coroutine: Coroutine[Any, Any, Tensor]) -> Tensor:
-    """Run an async function that never suspends (local stages only compute) in one go."""
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return done.value
-    coroutine.close()
-    raise RuntimeError("a local pipeline stage suspended; it cannot run in a worker thread")
-
-
 @dataclass
 class _Loaded:
     model: LocalModel
@@ -99,15 +75,16 @@ class _Loaded:
     dtype: str
     started: float
     throughput: float = 0.0
-    limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
 
     def session(self, max_len: int) -> Pipeline:
-        return _ThreadedPipeline(self.model.head, [LocalStage(s, max_len) for s in self.model.spans], self.limiter)
+        """The model's batchers compute on a worker thread (the loop keeps admitting requests,
+        serving the status page and noticing hang-ups) and batch concurrent sessions' rows."""
+        return self.model.session(max_len)
 
 
 class LocalBackend:
     """Whole models in this process: every block is local, so coverage is always complete.
-    Steps run in a worker thread (see _ThreadedPipeline)."""
+    Concurrent answers are batched (client/pipeline.LocalModel)."""
 
     def __init__(self) -> None:
         self._models: dict[str, _Loaded] = {}

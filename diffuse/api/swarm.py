@@ -45,7 +45,7 @@ class _Session(Pipeline):
     """A swarm session that reports its failovers to /metrics when it closes."""
 
     def __init__(self, pipeline: Pipeline, model: str):
-        super().__init__(pipeline.head, pipeline.stages)
+        super().__init__(pipeline.head, pipeline.stages, pipeline.exact, pipeline.logits)
         self.model = model
 
     async def close(self) -> None:

@@ -36,7 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "other users). Without keys the API is open.")
     p.add_argument("--api-key-file", type=Path, help="file with one accepted key per line (# comments)")
     p.add_argument("--max-sessions", type=int, default=16,
-                   help="concurrent inference sessions; requests beyond them get HTTP 429 (default 16)")
+                   help="concurrent inference sessions; requests beyond them wait in a queue (default 16)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="sessions requests may wait for when all are in use; beyond, HTTP 429 with Retry-After "
+                        "(default 64)")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="answer length when a request gives no max_tokens (default 256)")
     p.set_defaults(func=cmd_api)
@@ -91,9 +94,10 @@ def cmd_api(args) -> int:
     from diffuse.cli.net import _trio_run
 
     parse_listen(args.listen)
-    if args.max_sessions < 1 or args.max_tokens < 1:
-        raise DiffuseError("--max-sessions and --max-tokens must be at least 1")
-    settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, default_max_tokens=args.max_tokens)
+    if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
+        raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
+    settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, max_queue=args.max_queue,
+                        default_max_tokens=args.max_tokens)
 
     backend_cm = open_backend(args)
 

@@ -4,7 +4,9 @@ The client always holds the head (embeddings, final norm, LM head), so token ids
 Between embedding and head run stages: block spans computed locally, or (data plane) remote
 peers. Every stage speaks the same three verbs, so the generation loop and speculative decoding
 do not care where a block runs: forward (with commit=False for candidates), commit, rollback.
-The verbs are async because remote stages wait on the network (trio); local ones just compute.
+The verbs are async because remote stages wait on the network (trio). Local blocks and the LM
+head compute through batchers shared by every session of a model (data/scheduler.py), so an API
+serving many users runs their rows together, on a worker thread, while the loop serves HTTP.
 """
 
 from __future__ import annotations
@@ -12,10 +14,26 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import torch
+import trio
 from torch import Tensor
 
+from diffuse.data import scheduler
+from diffuse.data.scheduler import Batcher, SpanWork
 from diffuse.errors import Rewind
 from diffuse.model.engine import BlockSpan, Head, KVCache
+
+Logits = Batcher[tuple[Tensor, bool], Tensor]  # (final hidden states, exact) -> logits
+
+
+def head_batcher(head: Head, lane: trio.CapacityLimiter | None = None, max_rows: int = 256) -> Logits:
+    """Batches the LM head's rows across sessions (items of a batch share `exact`: the key)."""
+
+    def logits(items: list[tuple[Tensor, bool]]) -> list[Tensor]:
+        rows = [h.reshape(-1, h.shape[-1]) for h, _ in items]
+        out = head.logits(torch.cat(rows) if len(rows) > 1 else rows[0], items[0][1])
+        return [o.view(*h.shape[:-1], -1) for o, (h, _) in zip(out.split([r.shape[0] for r in rows]), items)]
+
+    return Batcher(logits, max_rows, lane)
 
 
 class Stage(Protocol):
@@ -39,12 +57,17 @@ class Stage(Protocol):
 class LocalStage:
     """A block span computed in this process, with its own KV cache for one session."""
 
-    def __init__(self, span: BlockSpan, max_len: int, batch: int = 1, exact: bool = False):
+    def __init__(self, span: BlockSpan, max_len: int, batch: int = 1, exact: bool = False,
+                 batcher: Batcher[SpanWork, Tensor] | None = None):
         self.span, self.start, self.end = span, span.start, span.end
         self.cache: KVCache = span.new_cache(max_len, batch, exact)
+        self.batcher = batcher  # shared with the model's other sessions; None: compute here, now
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
-        return self.span(h.to(self.cache.k.dtype), positions, self.cache, tree_mask, commit)
+        h = h.to(self.cache.k.dtype)
+        if self.batcher is None:
+            return self.span(h, positions, self.cache, tree_mask, commit)
+        return (await scheduler.forward(self.batcher, self.span, h, positions, self.cache, tree_mask, commit))[0]
 
     async def commit(self, keep: Sequence[int] | None) -> None:
         self.cache.commit(keep)
@@ -68,9 +91,10 @@ class LocalStage:
 class Pipeline:
     """One session: embed -> stages -> logits, tracking how many tokens are committed."""
 
-    def __init__(self, head: Head, stages: list[Stage], exact: bool = False):
+    def __init__(self, head: Head, stages: list[Stage], exact: bool = False, logits: Logits | None = None):
         self.head, self.stages = head, stages
         self.exact = exact  # batch-invariant LM head (the stages were opened exact too)
+        self.logits = logits  # the head's batcher, shared with the model's other sessions
         self.length = 0  # committed tokens, identical in every stage's cache
         self.pending = 0  # candidate tokens of the last forward(commit=False)
         self.hidden: Tensor | None = None  # final hidden states of the rows the last forward returned
@@ -94,7 +118,10 @@ class Pipeline:
             self.pending = ids.shape[1]
         h = h.to(self.head.norm.weight.dtype)
         self.hidden = h if rows is None else h[:, rows]  # the rows' final hidden states (draft heads read them)
-        return self.head.logits(self.hidden, self.exact)
+        if self.logits is None:
+            return self.head.logits(self.hidden, self.exact)
+        rows_n = self.hidden.shape[0] * self.hidden.shape[1]
+        return (await self.logits.run(self.exact, rows_n, (self.hidden, self.exact)))[0]
 
     async def commit(self, keep: Sequence[int] | None = None) -> None:
         for stage in self.stages:
@@ -134,12 +161,17 @@ class Pipeline:
 
 
 class LocalModel:
-    """The whole model in one process: the reference every distributed answer must equal."""
+    """The whole model in one process: the reference every distributed answer must equal. Its
+    sessions share batchers, so concurrent ones (the API's users) compute their rows together."""
 
     def __init__(self, head: Head, spans: list[BlockSpan]):
         self.head, self.spans = head, spans
+        lane = trio.CapacityLimiter(1)  # one batch at a time on the cores, whichever part of the model
+        self.batchers = [scheduler.span_batcher(lane=lane) for _ in spans]
+        self.logits = head_batcher(head, lane)
 
     def session(self, max_len: int, batch: int = 1, exact: bool = False) -> Pipeline:
         """exact: batch-invariant kernels, so that speculative and plain greedy decoding (and a
-        replay) compute every position to the same bits (kernels.exact_linear)."""
-        return Pipeline(self.head, [LocalStage(s, max_len, batch, exact) for s in self.spans], exact)
+        replay, and any batch) compute every position to the same bits (kernels.exact_linear)."""
+        stages: list[Stage] = [LocalStage(s, max_len, batch, exact, b) for s, b in zip(self.spans, self.batchers)]
+        return Pipeline(self.head, stages, exact, self.logits)

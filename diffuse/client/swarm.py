@@ -21,11 +21,12 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
 from diffuse.control.host import parse_multiaddr
 from diffuse.control.node import Node
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute, plan_route
+from diffuse.data import scheduler
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 from diffuse.errors import DiffuseError
@@ -81,6 +82,10 @@ class SwarmClient:
         self.front: BlockSpan | None = load_span(self.model_dir, 0, front, dtype, device) if front else None
         self.back: BlockSpan | None = load_span(self.model_dir, n - back, n, dtype, device) if back else None
         self.remote_range = (front, n - back)
+        # Shared by this client's sessions (an API's users): their local rows compute together.
+        lane = trio.CapacityLimiter(1)
+        self.front_batcher, self.back_batcher = scheduler.span_batcher(lane=lane), scheduler.span_batcher(lane=lane)
+        self.logits = head_batcher(self.head, lane)
         self.bans = Bans()
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
         self.rejected: dict[str, str] = {}  # peer -> why its record was refused
@@ -248,9 +253,9 @@ class SwarmClient:
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
                             self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact)
         await remote.open()
-        stages = ([LocalStage(self.front, max_len, batch, exact)] if self.front else []) + [remote] + (
-            [LocalStage(self.back, max_len, batch, exact)] if self.back else [])
-        return Pipeline(self.head, stages, exact)
+        stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
+            remote] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
+        return Pipeline(self.head, stages, exact, self.logits)
 
 
 def remote_of(pipeline: Pipeline) -> RemoteSpan:

@@ -8,8 +8,8 @@ What a session may take is bounded per session, per remote peer and in total, in
 tokens (batch rows counted) and in bytes of unfinished frames; a stream that does not OPEN, or
 an OPEN that does not STEP, within `first_step_timeout` is closed, so an idle reservation
 expires fast (and costs nothing meanwhile: cache pages are touched only as tokens arrive).
-Compute is scheduled in slices (scheduler.py): a long prefill is split into chunks, and a step
-of another session waits behind one slice at most.
+Compute is batched (scheduler.py): the steps of sessions that are ready together run as one
+forward through the span, a long prefill in chunks, so a step waits behind one batch at most.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from diffuse.data.codec import (
     StepOk, WireError,
 )
 from diffuse.data.commitments import input_commitment, output_commitment
-from diffuse.data.scheduler import Compute
+from diffuse.data import scheduler
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
-from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache
+from diffuse.model.engine import BlockSpan, KVCache
 
 log = logging.getLogger(__name__)
 OPEN_FRAME = 4096  # bytes a frame may have before OPEN_OK: an OPEN is under 300, a PING 32
@@ -61,7 +61,7 @@ class BlockServer:
     def __init__(self, model_id: str, span: BlockSpan, limits: ServerLimits | None = None):
         self.model_id, self.span = model_id, span
         self.limits = limits or ServerLimits()
-        self.compute = Compute()
+        self.batcher = scheduler.span_batcher()
         self.tokens_reserved = 0
         self.sessions = 0
         self.by_peer: dict[str, list[int]] = {}  # remote peer -> [sessions, KV entries] it holds
@@ -78,8 +78,10 @@ class BlockServer:
         return self.limits.max_total_tokens - self.tokens_reserved
 
     def status(self) -> dict:
+        b = self.batcher.stats
         return {"sessions": self.sessions, "free_cache_tokens": self.free_tokens,
-                "steps_served": self.steps_served, "tokens_served": self.tokens_served}
+                "steps_served": self.steps_served, "tokens_served": self.tokens_served,
+                "batches": b.batches, "batch_steps": b.steps, "batched_steps": b.shared, "largest_batch": b.largest}
 
     async def drain(self, timeout: float) -> int:
         """Stop taking sessions, let open ones finish for up to `timeout` s, then hand off the rest:
@@ -285,23 +287,12 @@ class _Conn:
         return False
 
     async def _compute(self, m: Step) -> tuple[torch.Tensor, float]:
-        """The step's output and its compute seconds: a committed prefill in the engine's chunks
-        of PREFILL_CHUNK rows, one slice each, anything else in one slice; T = 0 computes nothing."""
-        span, cache, dtype = self.span, self.cache, self.server.dtype
-        hidden = m.hidden.to(dtype)
-        positions = torch.tensor(m.positions, dtype=torch.long)
-        t = hidden.shape[1]
-        if t == 0:
+        """The step's output and the seconds its batches computed; T = 0 computes nothing."""
+        hidden = m.hidden.to(self.server.dtype)
+        if hidden.shape[1] == 0:
             return hidden, 0.0
-        if not m.commit or m.mask is not None or t <= PREFILL_CHUNK:
-            return await self.server.compute.run(lambda: span(hidden, positions, cache, m.mask, m.commit))
-        outs, seconds = [], 0.0
-        for a in range(0, t, PREFILL_CHUNK):
-            b = min(t, a + PREFILL_CHUNK)
-            out, s = await self.server.compute.run(lambda a=a, b=b: span(hidden[:, a:b], positions[a:b], cache))
-            outs.append(out)
-            seconds += s
-        return torch.cat(outs, 1), seconds
+        positions = torch.tensor(m.positions, dtype=torch.long)
+        return await scheduler.forward(self.server.batcher, self.span, hidden, positions, self.cache, m.mask, m.commit)
 
     async def error(self, code: ErrorCode, message: str) -> bool:
         """Answer with ERROR (once: a closed session says nothing more) and end the session."""

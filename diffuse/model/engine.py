@@ -9,6 +9,7 @@ phi3.py, qwen3_moe.py), chosen here from the config when the span is built.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from diffuse.errors import ModelError
 from diffuse.model import gemma, llama, phi3, qwen3_moe, rope
 from diffuse.model.config import ModelConfig
 from diffuse.model.kernels import Linear
-from diffuse.model.layers import DecoderBlock, Family, visible
+from diffuse.model.layers import DecoderBlock, Family, Segment, visible
 
 FAMILIES: dict[str, Family] = {
     "llama": llama.FAMILY,
@@ -147,28 +148,87 @@ class BlockSpan(nn.Module):
         if commit and tree_mask is None and t > PREFILL_CHUNK:
             return torch.cat([self(h[:, a:a + PREFILL_CHUNK], positions[a:a + PREFILL_CHUNK], cache)
                               for a in range(0, t, PREFILL_CHUNK)], 1)
-        if cache.pending:
-            raise ValueError("commit or roll back the pending candidate tokens before the next step")
-        t, start = h.shape[1], cache.length
-        if start + t > cache.max_len:
-            raise ValueError(f"session is full: {start} + {t} tokens exceed its {cache.max_len}-token cache")
-        limit = self.cfg.context_limit
-        if limit is not None and t and int(positions.max()) >= limit:
-            raise ModelError(f"position {int(positions.max())} is past the {limit} tokens this model's "
-                             f"{self.cfg.rope_scaling.type} RoPE runs with a KV cache (see rope.py)")
+        return self.forward_batch([SpanStep(h, positions, cache, tree_mask, commit)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, steps: Sequence["SpanStep"]) -> list[Tensor]:
+        """Several sessions' steps in one pass through the span: the norms, projections and MLPs
+        over all their rows at once, each session's attention against its own cache. Outputs in
+        the order of `steps`. All must share the kernels (`cache.exact`); in exact sessions every
+        row's bits are those it gets alone (kernels.exact_linear is batch-invariant), in others
+        they may differ in the last bits. A committed causal step must be one prefill chunk at
+        most (`forward` splits longer ones)."""
+        exact = steps[0].cache.exact
+        segments, rows = [], 0
+        for st in steps:
+            t, start = st.h.shape[1], st.cache.length
+            if st.cache.exact != exact:
+                raise ValueError("exact and fast sessions cannot share a batch: their kernels differ")
+            if st.commit and st.tree_mask is None and t > PREFILL_CHUNK:
+                raise ValueError(f"a committed step of {t} tokens: batch it in chunks of {PREFILL_CHUNK}")
+            if st.cache.pending:
+                raise ValueError("commit or roll back the pending candidate tokens before the next step")
+            if start + t > st.cache.max_len:
+                raise ValueError(f"session is full: {start} + {t} tokens exceed its {st.cache.max_len}-token cache")
+            limit = self.cfg.context_limit
+            if limit is not None and t and int(st.positions.max()) >= limit:
+                raise ModelError(f"position {int(st.positions.max())} is past the {limit} tokens this model's "
+                                 f"{self.cfg.rope_scaling.type} RoPE runs with a KV cache (see rope.py)")
+            segments.append(self._segment(st, rows))
+            rows += st.h.shape[0] * t
+        x = torch.cat([st.h.reshape(1, -1, st.h.shape[-1]) for st in steps], 1) if len(steps) > 1 \
+            else steps[0].h.reshape(1, -1, steps[0].h.shape[-1])
+        for i, block in enumerate(self.blocks):
+            x = block(x, [seg.at(block, i) for seg in segments], exact)
+        outs = []
+        for st, seg in zip(steps, segments):
+            outs.append(x[0, seg.rows].view_as(st.h))
+            t, start = st.h.shape[1], st.cache.length
+            st.cache.pending, st.cache.touched = t, max(st.cache.touched, start + t)
+            if st.commit:
+                st.cache.commit()
+        return outs
+
+    def _segment(self, st: "SpanStep", first_row: int) -> "_Rows":
+        """What every block needs of one step: its rows, rotary tables and visible keys."""
+        h, device, start = st.h, st.h.device, st.cache.length
         tables = {}
         for key, (inv, scale) in self.freqs.items():
-            if inv.device != h.device:
-                self.freqs[key] = (inv := inv.to(h.device), scale)
-            tables[key] = rope.tables(positions.to(h.device), inv, scale, h.dtype)
-        seen = {w: visible(start, positions, tree_mask, w, cache.exact, h.device)
+            if inv.device != device:
+                self.freqs[key] = (inv := inv.to(device), scale)
+            tables[key] = rope.tables(st.positions.to(device), inv, scale, h.dtype)
+        seen = {w: visible(start, st.positions, st.tree_mask, w, st.cache.exact, device)
                 for w in {b.window for b in self.blocks}}
-        for i, block in enumerate(self.blocks):
-            h = block(h, tables[block.rope_key], cache.k[i], cache.v[i], start, seen[block.window], cache.exact)
-        cache.pending, cache.touched = t, max(cache.touched, start + t)
-        if commit:
-            cache.commit()
-        return h
+        b, t = h.shape[0], h.shape[1]
+        return _Rows(slice(first_row, first_row + b * t), b, t, start, st.cache, tables, seen)
+
+
+@dataclass(frozen=True)
+class SpanStep:
+    """One session's step for `BlockSpan.forward_batch`: as the arguments of `forward`."""
+
+    h: Tensor
+    positions: Tensor
+    cache: KVCache
+    tree_mask: Tensor | None = None
+    commit: bool = True
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A step's place in a batch, and what each of its blocks' Segments is made of."""
+
+    rows: slice
+    batch: int
+    tokens: int
+    start: int
+    cache: KVCache
+    tables: dict
+    seen: dict
+
+    def at(self, block: DecoderBlock, i: int) -> Segment:
+        return Segment(self.rows, self.batch, self.tokens, self.tables[block.rope_key], self.cache.k[i],
+                       self.cache.v[i], self.start, self.seen[block.window])
 
 
 def _freqs(cfg: ModelConfig, blocks: Sequence[DecoderBlock]) -> dict:

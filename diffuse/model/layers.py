@@ -3,9 +3,10 @@
 A block keeps its weights as flat attributes with the same names in every family (`attn_norm`,
 `wqkv`, `wo`, `mlp_norm`, `w_gate_up`, `w_down`): the data and trust planes read them. q/k/v and
 gate/up are fused into one matmul each (on a CPU decoding one token, the number of kernel
-launches, not FLOPs, sets the speed). A block's forward is three calls, so that rows of several
-sessions could share the projections and the MLP while each attends to its own cache:
-`project` (norm, q/k/v, RoPE), `attend` (one session's cache) and the output and MLP.
+launches, not FLOPs, sets the speed). A block takes the rows of one or several sessions at once
+(`Segment`s of one flat input): the norms, projections and the MLP run over all rows together,
+while each session's rows are rotated, cached and attend to its own keys (selective batching,
+as Orca does).
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's rows of a block's flat input [1, N, H]: `rows` of them, `batch` x `tokens`,
+    the rotary tables of its positions, its layer's cache, the slot its tokens go to, and which
+    cached keys they see."""
+
+    rows: slice
+    batch: int
+    tokens: int
+    rot: tuple[Tensor, Tensor]
+    k_cache: Tensor
+    v_cache: Tensor
+    start: int
+    seen: "Visible"
 
 
 @dataclass(frozen=True)
@@ -126,34 +143,32 @@ class DecoderBlock(nn.Module):
             self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
             self.w_down = Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, start: int,
-                seen: Visible, exact: bool = False) -> Tensor:
-        h = x + self.attend(x, rot, k_cache, v_cache, start, seen, exact)
+    def forward(self, x: Tensor, segments: list[Segment], exact: bool = False) -> Tensor:
+        h = x + self.attend(x, segments, exact)
         return h + self.mlp(self.mlp_norm(h), exact)
 
-    def project(self, x: Tensor, rot: tuple[Tensor, Tensor], exact: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys, values [B, heads, T, D] of x [B, T, H]: normed, projected, rotated."""
-        b, t, _ = x.shape
-        q, k, v = self.wqkv(self.attn_norm(x), exact).split(
-            [self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+    def attend(self, x: Tensor, segments: list[Segment], exact: bool) -> Tensor:
+        """The attention sub-block's output for x [1, N, H]: q/k/v and the output projection over
+        all rows, each segment's keys and values into its own cache slots [start, start+T)."""
+        qkv = self.wqkv(self.attn_norm(x), exact)
+        ys = [self._attend_one(qkv[0, s.rows], s, exact) for s in segments]
+        return self.wo((ys[0] if len(ys) == 1 else torch.cat(ys))[None], exact)
+
+    def _attend_one(self, qkv: Tensor, s: Segment, exact: bool) -> Tensor:
+        """One session's attention output [B*T, heads*D] from its projected rows [B*T, q+2kv]."""
+        b, t = s.batch, s.tokens
+        q, k, v = qkv.view(b, t, -1).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
         q, k = q.view(b, t, self.n_heads, self.hd), k.view(b, t, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rot
+        cos, sin = s.rot
         q, k = rope.apply(q.transpose(1, 2), cos, sin), rope.apply(k.transpose(1, 2), cos, sin)
-        return q, k, v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
-
-    def attend(self, x: Tensor, rot: tuple[Tensor, Tensor], k_cache: Tensor, v_cache: Tensor, start: int,
-               seen: Visible, exact: bool) -> Tensor:
-        """The attention sub-block's output for x: keys and values go into cache slots [start, start+T)."""
-        b, t, _ = x.shape
-        q, k, v = self.project(x, rot, exact)
-        end = start + t
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v
-        y = attention(q, k_cache[:, :, seen.lo:end], v_cache[:, :, seen.lo:end], seen, self.scale,
+        end = s.start + t
+        s.k_cache[:, :, s.start:end] = k
+        s.v_cache[:, :, s.start:end] = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        y = attention(q, s.k_cache[:, :, s.seen.lo:end], s.v_cache[:, :, s.seen.lo:end], s.seen, self.scale,
                       self.softcap, exact)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1), exact)
+        return y.transpose(1, 2).reshape(b * t, -1)
 
     def mlp(self, x: Tensor, exact: bool) -> Tensor:
         gate, up = self.w_gate_up(x, exact).chunk(2, dim=-1)

@@ -30,12 +30,13 @@ from __future__ import annotations
 import copy
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from diffuse.model.engine import BlockSpan, KVCache
+from diffuse.model.engine import BlockSpan, KVCache, SpanStep
 
 ACTIVATION_KINDS = ("noise", "scale", "signflip", "zero", "replay")
 WEIGHT_KINDS = ("skip", "quant", "minifloat", "lowrank")
@@ -190,6 +191,10 @@ class TamperedSpan:
 
     def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:
         return self.honest.new_cache(max_len, batch, exact)
+
+    def forward_batch(self, steps: Sequence[SpanStep]) -> list[Tensor]:
+        """Each session's step on its own: a cheat need not batch."""
+        return [self(st.h, st.positions, st.cache, st.tree_mask, st.commit) for st in steps]
 
     def __call__(self, h: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  commit: bool = True) -> Tensor:

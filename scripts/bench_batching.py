@@ -1,0 +1,255 @@
+#!/usr/bin/env python
+"""Continuous batching: N concurrent greedy sessions through one peer, and N requests through the API.
+
+    .venv/bin/python scripts/bench_batching.py [--dtypes fp32,bf16] [--sessions 1,4,8,16] [--tokens 48]
+                                               [--exact] [--no-api] [--threads N]
+
+Per dtype, a sentinel and one `diffuse join --blocks 1:30` process; this process is the load
+generator: a SwarmClient that runs block 0 and the LM head itself, batched across its sessions as
+`diffuse api` does, and no trust plane (its canaries would add sessions of their own). Each
+session has its own chat prompt (mixed lengths) and generates --tokens greedy tokens, no end of
+turn. Baseline, measured in the same run: one session alone.
+
+    aggregate   tokens of all sessions / wall time from their common start to the last token
+    session     a session's tokens / its own wall time (prefill included), mean over sessions
+
+Through the API (`diffuse api --bootstrap`, same peer): the same table for N streaming requests
+of ~23-token prompts, and time to first token: p50 and max of 16 concurrent requests against
+one lone request's, and against prefilling all 16 prompts back to back (16 requests of one token
+in a row). --exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to
+fast ones. The peer's batch counters (/metrics) say how many steps shared a forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+if "--threads" in sys.argv:
+    os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import torch  # noqa: E402
+import trio  # noqa: E402
+from bench_api import DIFFUSE, start_server  # noqa: E402
+from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
+
+from diffuse.client.generate import stream_tokens  # noqa: E402
+from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
+from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
+from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.swarm_key import read_key  # noqa: E402
+from diffuse.home import data_home  # noqa: E402
+from diffuse.model import store  # noqa: E402
+from diffuse.model.load import parse_dtype  # noqa: E402
+from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from diffuse.model.weights import load_manifest  # noqa: E402
+from diffuse.trust import reputation  # noqa: E402
+
+LISTEN = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+TOPICS = ["the ocean", "volcanoes", "the moon", "bread", "rivers", "trains", "bees", "glass", "chess", "rain",
+          "deserts", "owls", "copper", "tea", "clocks", "maps"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def questions(n: int) -> list[str]:
+    """n chat questions of mixed lengths (a short one, a longer one, in turn)."""
+    return [f"Tell me about {TOPICS[i % len(TOPICS)]}." if i % 2 == 0 else
+            f"Write a long and careful explanation, for a curious child, of {TOPICS[i % len(TOPICS)]} and why "
+            f"it matters to people." for i in range(n)]
+
+
+def completion_prompts(n: int) -> list[str]:
+    """n raw prompts of ~23 tokens each, all different."""
+    return [f"Here is a short story about {TOPICS[i % len(TOPICS)]}, written for children who are learning to "
+            f"read. Once upon a time" for i in range(n)]
+
+
+async def peer_round(client: SwarmClient, tok: Tokenizer, n: int, tokens: int, exact: bool) -> list[tuple]:
+    """n sessions at once; per session (start, end, tokens)."""
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions(n)]
+    out: list[tuple] = []
+    start = time.perf_counter()
+
+    async def one(prompt: list[int]) -> None:
+        pipe = await client.session(len(prompt) + tokens, exact=exact)
+        count = 0
+        try:
+            async for _ in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=tokens)), set()):
+                count += 1
+        finally:
+            await pipe.close()
+        out.append((start, time.perf_counter(), count))
+
+    async with trio.open_nursery() as nursery:
+        for p in prompts:
+            nursery.start_soon(one, p)
+    return out
+
+
+def rates(sessions: list[tuple]) -> tuple[float, float]:
+    """(aggregate tokens/s, mean per-session tokens/s)."""
+    wall = max(e for _, e, _ in sessions) - min(s for s, _, _ in sessions)
+    return sum(c for *_, c in sessions) / wall, statistics.mean(c / (e - s) for s, e, c in sessions)
+
+
+def batch_counters(url: str) -> dict[str, float]:
+    got = {}
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        for name in ("diffuse_batches_total", "diffuse_batch_steps_total"):
+            if line.startswith(name):
+                got[name] = got.get(name, 0.0) + float(line.split()[-1])
+    return got
+
+
+def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, sizes: list[int], tokens: int,
+               kinds: list[bool], metrics: str) -> dict[tuple[bool, int], dict]:
+    async def run() -> dict[tuple[bool, int], dict]:
+        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot], server=False,
+                             codecs=reputation.swarm_codecs(), swarm_key=read_key(Path(key_path))) as node:
+            model_dir = store.resolve(home, model)
+            client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
+            tok = Tokenizer.load(model_dir)
+            while not await client.covered():
+                await trio.sleep(0.25)
+            await peer_round(client, tok, 1, 4, False)  # warm-up: route, RTTs, first forwards
+            out = {}
+            for exact in kinds:
+                for n in sizes:
+                    before = batch_counters(metrics)
+                    agg, per = rates(await peer_round(client, tok, n, tokens, exact))
+                    after = batch_counters(metrics)
+                    batches = after["diffuse_batches_total"] - before["diffuse_batches_total"]
+                    steps = after["diffuse_batch_steps_total"] - before["diffuse_batch_steps_total"]
+                    out[exact, n] = {"agg": agg, "per": per, "steps_per_batch": steps / max(1, batches)}
+                    print(f"  {dtype} {'exact' if exact else 'fast'} x{n}: {agg:.1f} tok/s aggregate", flush=True)
+            return out
+
+    return trio.run(run)
+
+
+async def api_round(url: str, model_id: str, prompts: list[str], tokens: int) -> list[tuple]:
+    """The prompts as concurrent streaming requests; per request (start, first token, end, tokens)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    start = time.perf_counter()
+
+    async def one(prompt: str) -> tuple:
+        first, count = None, 0
+        stream = await client.completions.create(model=model_id, prompt=prompt, max_tokens=tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.perf_counter()
+            if chunk.usage:
+                count = chunk.usage.completion_tokens
+        return start, first or time.perf_counter(), time.perf_counter(), count
+
+    async with client:
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def api_bench(url: str, model_id: str, sizes: list[int], tokens: int) -> tuple[dict, dict]:
+    asyncio.run(api_round(url, model_id, completion_prompts(1), 4))  # warm-up
+    table = {}
+    for n in sizes:
+        got = asyncio.run(api_round(url, model_id, completion_prompts(n), tokens))
+        table[n] = rates([(s, e, c) for s, _, e, c in got])
+    lone = statistics.median(f - s for s, f, _, _ in (asyncio.run(api_round(url, model_id, completion_prompts(1), 2))[0]
+                                                       for _ in range(3)))
+    t0 = time.perf_counter()
+    for p in completion_prompts(16):
+        asyncio.run(api_round(url, model_id, [p], 1))
+    back_to_back = time.perf_counter() - t0
+    ttft = sorted(f - s for s, f, _, _ in asyncio.run(api_round(url, model_id, completion_prompts(16), tokens)))
+    return table, {"lone": lone, "back_to_back": back_to_back, "p50": statistics.median(ttft), "max": ttft[-1]}
+
+
+def print_rates(title: str, table: dict[int, tuple[float, float]], extra: dict[int, str] | None = None) -> None:
+    print(f"\n{title}")
+    print("| sessions | aggregate tok/s | aggregate / 1 session | per-session tok/s | per-session / alone |"
+          + (" steps per batch (peer) |" if extra else ""))
+    print("|---|---|---|---|---|" + ("---|" if extra else ""))
+    base_agg, base_per = table[min(table)]
+    for n, (agg, per) in table.items():
+        print(f"| {n} | {agg:.1f} | {agg / base_agg:.2f}x | {per:.1f} | {per / base_per:.2f}x |"
+              + (f" {extra[n]} |" if extra else ""), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--model")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--sessions", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per session")
+    ap.add_argument("--exact", action="store_true", help="also exact sessions, as a ratio to fast ones")
+    ap.add_argument("--no-api", action="store_true", help="the peer only")
+    ap.add_argument("--threads", type=int, help="OpenMP threads per process")
+    args = ap.parse_args()
+    sizes = [int(n) for n in args.sessions.split(",")]
+    if sizes[0] != 1:
+        sys.exit("--sessions must start with 1 (the baseline)")
+    home = data_home(args.home)
+    model_arg = ["--model", args.model] if args.model else []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    model_id = load_manifest(store.resolve(home, args.model)).model_id
+    print(f"{model_id}: one peer (blocks 1:30), {args.tokens} greedy tokens per session, "
+          f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs", flush=True)
+    for dtype in args.dtypes.split(","):
+        servers: list[tuple[subprocess.Popen, str]] = []
+        ident, port = tempfile.mkdtemp(prefix="bench_batching_"), free_port()
+        key = ["--swarm-key", f"{ident}/swarm.key"]
+        base = [*DIFFUSE, "--home", str(home)]
+        try:
+            subprocess.run([*base, "swarm", "new", "--out", f"{ident}/swarm.key"], check=True,
+                           stdout=subprocess.DEVNULL)
+            servers.append(start_server([*base, "sentinel", "--identity", f"{ident}/s.key", *LISTEN, *key], ready=""))
+            boot = servers[-1][1]
+            servers.append(start_server([*base, "join", "--identity", f"{ident}/p.key", "--bootstrap", boot, *LISTEN,
+                                         *key, "--blocks", "1:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                                         "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving "))
+            metrics = f"http://127.0.0.1:{port}/metrics"
+            kinds = [False, True] if args.exact else [False]
+            got = peer_bench(home, args.model, dtype, boot, f"{ident}/swarm.key", sizes, args.tokens, kinds, metrics)
+            for exact in kinds:
+                print_rates(f"peer, {dtype}, {'exact' if exact else 'fast'} sessions",
+                            {n: (got[exact, n]["agg"], got[exact, n]["per"]) for n in sizes},
+                            {n: f"{got[exact, n]['steps_per_batch']:.1f}" for n in sizes})
+            if args.exact:
+                print(f"\nexact / fast aggregate, {dtype}: "
+                      + ", ".join(f"{n} sessions {got[True, n]['agg'] / got[False, n]['agg']:.2f}x" for n in sizes))
+            if not args.no_api:
+                servers.append(start_server([*base, "api", "--bootstrap", boot, *key, "--listen", "127.0.0.1:0",
+                                             "--dtype", dtype, "--no-trust", "--wait", "60", "--max-sessions",
+                                             str(max(16, max(sizes))), *model_arg]))
+                table, ttft = api_bench(servers[-1][1], model_id, sizes, args.tokens)
+                print_rates(f"API, {dtype}, streaming requests of ~23-token prompts", table)
+                print(f"\nTTFT, {dtype}, 16 concurrent requests: p50 {ttft['p50']:.2f} s = "
+                      f"{ttft['p50'] / ttft['lone']:.2f}x a lone request's ({ttft['lone']:.2f} s); "
+                      f"max {ttft['max']:.2f} s "
+                      f"= {ttft['max'] / ttft['back_to_back']:.2f}x 16 prefills back to back "
+                      f"({ttft['back_to_back']:.2f} s)", flush=True)
+        finally:
+            for proc, _ in reversed(servers):
+                proc.terminate()
+                proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Many sessions at once through real peers (`diffuse join` processes, blocks 1:30 of SmolLM2 in
+fp32): their steps share forward passes, and no guarantee changes.
+
+- Exact sessions give bit-identical logits batched and alone (the peers' batch counters show
+  they were batched with each other).
+- Fast sessions (1, 4, 16 at once; mixed prompt lengths; plain, speculative and exact mixed)
+  give the greedy answer they give alone, or differ only after a near-tie: each difference is
+  shown with its top-2 logit gap.
+- A SIGKILL of the batching peer with 8 sessions in flight fails all 8 over to the replica,
+  their answers unchanged.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from control_helpers import Procs, swarm_key
+from diffuse.client.generate import session_length, stream_tokens
+from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.speculative import SpecConfig, SpecState
+from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+from diffuse.control.host import parse_peer_addr
+from diffuse.control.node import open_node
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model.tokenizer import Tokenizer
+from diffuse.trust import reputation
+from test_api_swarm import _metrics_url
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+TOKENS = 12
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three rivers.",
+             "List the planets of the solar system in order, from the Sun outwards.", "Why is the sky blue?",
+             "Explain in two sentences what a compiler does.", "2 + 2 =", "Say hello in French, Spanish and German."]
+
+
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batching")
+    with Procs(home) as procs:
+        boot = procs.start("sentinel", "--identity", str(tmp / "s.key"), "--listen", LOCAL).readline(timeout=120)
+        peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
+                                   "--listen", LOCAL, "--blocks", "1:30", "--dtype", "fp32", "--heartbeat", "2",
+                                   "--ttl", "30", "--metrics", "127.0.0.1:0")
+                 for name in ("P", "R")}
+        ids = {n: parse_peer_addr(p.read_until("serving", timeout=300)[0]).peer_id.to_base58()
+               for n, p in peers.items()}
+        yield boot, peers, ids, {n: _metrics_url(p) for n, p in peers.items()}
+
+
+def batched_steps(metrics: dict[str, str]) -> float:
+    total = 0.0
+    for url in metrics.values():
+        for line in httpx.get(url, timeout=10).text.splitlines():
+            if line.startswith("diffuse_batched_steps_total"):
+                total += float(line.split()[-1])
+    return total
+
+
+async def generate(client: SwarmClient, tok: Tokenizer, question: str, kind: str, logits: list | None = None,
+                   on_token=None) -> list[int]:
+    """One greedy answer: kind is plain, exact or spec (speculation, fast kernels). With `logits`,
+    the logits of every step are appended (plain and exact: one row per token)."""
+    prompt = tok.encode_chat([{"role": "user", "content": question}])
+    cfg = SpecConfig() if kind == "spec" else None
+    pipe = await client.session(session_length(len(prompt), TOKENS, cfg), exact=kind == "exact")
+    try:
+        if cfg is not None:
+            return [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=TOKENS)), set(),
+                                                   cfg, SpecState())]
+        out, ids = [], torch.tensor([prompt])
+        for _ in range(TOKENS):
+            row = (await pipe.forward(ids, rows=slice(-1, None)))[0, -1]
+            if logits is not None:
+                logits.append(row)
+            out.append(int(row.argmax()))
+            ids = torch.tensor([[out[-1]]])
+            if on_token is not None:
+                on_token(pipe, len(out))
+        return out
+    finally:
+        await pipe.close()
+
+
+async def with_client(boot: str, home, body):
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+                         codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
+        client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, wire_dtype=torch.float32, trust=None))
+        with trio.fail_after(60):
+            while not await client.covered():
+                await trio.sleep(0.25)
+        return await body(client, Tokenizer.load(model_dir))
+
+
+async def concurrently(fns) -> list:
+    out: list = [None] * len(fns)
+
+    async def one(i, fn):
+        out[i] = await fn()
+
+    async with trio.open_nursery() as nursery:
+        for i, fn in enumerate(fns):
+            nursery.start_soon(one, i, fn)
+    return out
+
+
+def test_exact_sessions_give_the_same_bits_batched_and_alone(swarm, home):
+    boot, _, _, metrics = swarm
+    questions = QUESTIONS[:4]
+
+    async def body(client, tok):
+        alone = []
+        for q in questions:
+            alone.append([])
+            await generate(client, tok, q, "exact", alone[-1])
+        before = batched_steps(metrics)
+        together = [[] for _ in questions]
+        await concurrently([lambda q=q, lg=lg: generate(client, tok, q, "exact", lg)
+                            for q, lg in zip(questions, together)])
+        return alone, together, batched_steps(metrics) - before
+
+    alone, together, shared = trio.run(with_client, boot, home, body)
+    assert shared > 0  # the peers computed steps of these sessions in shared forward passes
+    for a, b in zip(alone, together):
+        assert len(a) == len(b) == TOKENS and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_concurrent_sessions_give_their_answers_alone_up_to_near_ties(swarm, home, n):
+    boot = swarm[0]
+    kinds = ["plain", "spec", "exact"]
+    jobs = [(QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)), kinds[i % 3]) for i in range(n)]
+
+    async def body(client, tok):
+        alone, gaps = [], []
+        for q, kind in jobs:
+            lg: list = []
+            alone.append(await generate(client, tok, q, "plain" if kind == "spec" else kind, lg))
+            gaps.append([float(r.topk(2).values[0] - r.topk(2).values[1]) for r in lg])
+        together = await concurrently([lambda q=q, k=k: generate(client, tok, q, k) for q, k in jobs])
+        return alone, gaps, together
+
+    alone, gaps, together = trio.run(with_client, boot, home, body)
+    for (q, kind), a, g, b in zip(jobs, alone, gaps, together):
+        if a != b:
+            i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            print(f"{kind} {q!r}: differs at token {i}, where the top-2 gap alone is {g[i]:.2e}")
+            assert kind != "exact" and g[i] < 1e-2, (kind, q, i, g[i])
+
+
+def test_a_batching_peer_sigkilled_with_8_sessions_in_flight_fails_all_over(swarm, home):
+    boot, peers, ids, _ = swarm
+    questions = QUESTIONS[:8]
+
+    async def body(client, tok):
+        expected = [await generate(client, tok, q, "exact") for q in questions]
+        client.bans.ban(ids["R"])  # every session opens on P
+        killed: list[bool] = []
+        remotes = []
+
+        def on_token(pipe, produced):
+            remotes.append(remote_of(pipe)) if produced == 1 else None
+            if produced == 4 and len(remotes) == len(questions) and not killed:
+                client.bans.until.pop(ids["R"], None)  # the replica is usable again
+                peers["P"].signal(signal.SIGKILL)
+                killed.append(True)
+
+        answers = await concurrently([lambda q=q: generate(client, tok, q, "exact", on_token=on_token)
+                                      for q in questions])
+        return expected, answers, remotes
+
+    expected, answers, remotes = trio.run(with_client, boot, home, body)
+    assert answers == expected
+    assert len(remotes) == 8
+    for r in remotes:
+        assert [f["peer"] for f in r.stats.failovers] == [ids["P"]], r.stats.failovers
+        assert r.route_taken[0]["peer"] == ids["R"]
+
+
+# ---- in one process: the engine's batched pass and the batcher ----
+
+@pytest.fixture(scope="module")
+def span(smollm2):
+    from diffuse.model.load import load_span
+
+    return load_span(smollm2, 1, 5, torch.float32)
+
+
+def _steps(span, exact: bool, seed: int = 0):
+    """Four sessions' next steps, of several kinds: a prefill chunk, a decode step after a
+    prompt, a candidate tree, a 2-row batch session."""
+    from diffuse.model.engine import SpanStep
+
+    g = torch.Generator().manual_seed(seed)
+    H = span.cfg.hidden_size
+    caches = [span.new_cache(64, b, exact) for b in (1, 1, 1, 2)]
+    for c, n in zip(caches, (0, 7, 5, 3)):  # committed history first
+        if n:
+            span(torch.randn(c.k.shape[1], n, H, generator=g), torch.arange(n), c)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    return [SpanStep(torch.randn(1, 20, H, generator=g), torch.arange(20), caches[0]),
+            SpanStep(torch.randn(1, 1, H, generator=g), torch.tensor([7]), caches[1]),
+            SpanStep(torch.randn(1, 3, H, generator=g), torch.tensor([5, 6, 6]), caches[2], tree, False),
+            SpanStep(torch.randn(2, 1, H, generator=g), torch.tensor([3]), caches[3])]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_batched_pass_computes_each_session_as_alone(span, exact):
+    alone = [span(s.h, s.positions, s.cache, s.tree_mask, s.commit) for s in _steps(span, exact)]
+    steps = _steps(span, exact)
+    together = span.forward_batch(steps)
+    for a, b in zip(alone, together):
+        if exact:
+            assert torch.equal(a, b)  # batch-invariant kernels: the same bits
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert [s.cache.length for s in steps] == [20, 8, 5, 4] and steps[2].cache.pending == 3
+
+
+def test_the_batcher_batches_what_queued_and_lets_a_lone_step_run_at_once():
+    from diffuse.data.scheduler import Batcher
+
+    calls: list[list[int]] = []
+
+    def compute(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        if -1 in items:
+            raise ValueError("a bad step")
+        return [x * 10 for x in items]
+
+    batcher = Batcher(compute, max_rows=3)
+
+    async def main():
+        lone = await batcher.run("k", 1, 1)
+        results: dict[int, object] = {}
+
+        async def one(x: int, key: str = "k") -> None:
+            try:
+                results[x] = (await batcher.run(key, 1, x))[0]
+            except ValueError as e:
+                results[x] = str(e)
+
+        async with trio.open_nursery() as nursery:  # queued together, before anyone's turn
+            for x in (2, 3, 4, 5):
+                nursery.start_soon(one, x)
+            nursery.start_soon(one, 9, "other")
+            nursery.start_soon(one, -1)
+        return lone, results
+
+    lone, results = trio.run(main)
+    assert lone == (10, lone[1]) and calls[0] == [1]
+    assert results == {2: 20, 3: 30, 4: 40, 5: 50, 9: 90, -1: "a bad step"}
+    assert len(calls[1]) == 3 and all(len(c) <= 3 for c in calls)  # queued steps share batches, up to max_rows
+    assert [9] in calls and not any(9 in c and len(c) > 1 for c in calls)  # another key never joins them
+    assert any(-1 in c and len(c) > 1 for c in calls) and [-1] in calls  # a failing batch is retried one by one
