@@ -143,7 +143,8 @@ class CanaryBank:
         if key in self.spans:
             return self.spans[key]
         tokens, boundaries = self._base()
-        path = self.dir / f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}.safetensors"
+        path = self.dir / (f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}"
+                           f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
         if path.exists():
             saved = load_file(path)

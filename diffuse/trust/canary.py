@@ -6,20 +6,22 @@ blocks [0, a) by the client, sent in the wire dtype; its reference output is blo
 fp32 on exactly those wire-dtype inputs. A peer that cannot tell canaries from real requests
 corrupts them as often as it corrupts anything.
 
-Honest peers do not return the reference either: bf16 and fp16 round, and other hardware sums
-in another order. So the drift of a peer is judged against the drift honest peers would show
-on the same canary. The client measures that itself (`benign_outputs`): it recomputes every
-canary in each dtype the swarm uses, several times, each time with the hidden and MLP
-dimensions permuted, which is the same arithmetic summed in another order - how one GPU's
-kernels differ from another's. Per canary this gives the benign mean drift, and from the
-spread between realizations the noise, in two parts fitted separately: per canary, and per
-peer (a shift shared by all of one peer's canaries, e.g. its hardware). A peer's residuals
-against the per-canary means are paired: canary-to-canary variation (sd ~0.03 in log10 drift
-on SmolLM2) cancels, leaving realization noise (~0.011), so the test is ~3x tighter than
-against the pooled benign distribution. They are combined two ways - their mean, for weak
-tampering on every request, and their maximum, for strong tampering on a few - each at half
-the false-positive budget. No threshold on drift itself is fixed: only the budget `alpha`, and
-floors on the noise (MIN_SIGMA, MIN_TAU) for differences one machine cannot measure.
+Honest peers do not return the reference either: bf16 and fp16 round, and other hardware sums in
+another order. So the drift of a peer is judged against the drift honest peers would show on the
+same canary. The client measures that itself (`benign_outputs`): it recomputes every canary in
+each dtype the swarm uses, several times, each time with the hidden and MLP dimensions permuted,
+which is the same arithmetic summed in another order - how one GPU's kernels differ from
+another's - and stepped as canaries are sent (a prefill, then single-token steps; one
+realization each canary alone, the other all batched, as peers serve). Per canary this gives the
+benign mean drift, and from the spread between realizations the noise, in two parts fitted
+separately: per canary, and per peer (a shift shared by all of one peer's canaries, e.g. its
+hardware). A peer's residuals against the per-canary means are paired: canary-to-canary
+variation (sd ~0.03 in log10 drift on SmolLM2) cancels, leaving realization noise (~0.011), so
+the test is ~3x tighter than against the pooled benign distribution. They are combined two ways
+- their mean, for weak tampering on every request, and their maximum, for strong tampering on a
+few - each at half the false-positive budget. No threshold on drift itself is fixed: only the
+budget `alpha`, and floors on the noise (MIN_SIGMA, MIN_TAU) for differences one machine cannot
+measure.
 
 Limits: the permutation model of hardware noise is checked here only against another
 implementation (scripts/eval_integrity.py), not against GPUs; a peer whose kernels are
@@ -40,6 +42,7 @@ from torch import Tensor
 from diffuse.model.engine import BlockSpan, Head
 
 ALPHA = 1e-4  # false-positive budget per peer, over all of its canaries
+DECODE_TAIL = 4  # a canary's last tokens, sent (and calibrated) as single-token steps after its prefill
 # Floors on the measured noise, in log10 units of drift. Between realizations the per-canary
 # noise of bf16 on SmolLM2 is ~0.011 and the shared (per-peer) shift <= 0.004; transformers'
 # own layers sat within 0.003 of the engine's. fp32 peers measure ~0 (wire rounding dominates).
@@ -67,6 +70,22 @@ def forward(span: BlockSpan, hidden: Tensor) -> Tensor:
     """Run a batch of whole sequences [B, T, H] from position 0 through `span` (fresh cache)."""
     b, t, _ = hidden.shape
     return span(hidden.to(_dtype(span)), torch.arange(t), span.new_cache(t, b))
+
+
+@torch.inference_mode()
+def forward_as_sent(span: BlockSpan, hidden: Tensor, alone: bool) -> Tensor:
+    """`hidden` [B, T, H] through `span` the way a client sends a canary: a prefill, then the
+    last DECODE_TAIL tokens one step each. A peer's kernels depend on how many rows a product
+    has, so single-token steps drift otherwise than a prefill does (on SmolLM2 in bf16, ~5% more
+    relative error). `alone`: each sequence's steps computed by themselves (a peer serving one
+    session); otherwise all B sequences' steps together (a peer batching sessions)."""
+    if alone:
+        return torch.cat([forward_as_sent(span, hidden[i:i + 1], False) for i in range(hidden.shape[0])])
+    b, t, _ = hidden.shape
+    first, x, cache = max(1, t - DECODE_TAIL), hidden.to(_dtype(span)), span.new_cache(t, b)
+    outs = [span(x[:, :first], torch.arange(first), cache)]
+    outs += [span(x[:, j:j + 1], torch.tensor([j]), cache) for j in range(first, t)]
+    return torch.cat(outs, 1)
 
 
 @torch.inference_mode()
@@ -120,16 +139,18 @@ def _permute(span: BlockSpan, seed: int) -> Tensor:
 
 def honest_output(span: BlockSpan, hidden: Tensor, dtype: torch.dtype, seed: int | None,
                   wire_dtype: torch.dtype) -> Tensor:
-    """What an honest peer computing in `dtype` sends back for `hidden` [B, T, H] (as fp32).
+    """What an honest peer computing in `dtype` sends back for canaries `hidden` [B, T, H] (as
+    fp32), stepped as a client sends them (forward_as_sent).
 
-    seed None: this machine's kernels; an int: the same arithmetic with the hidden and MLP
-    dimensions permuted, so every matmul and norm sums in another order.
+    seed None: this machine's kernels, each canary computed alone; an int: the same arithmetic
+    with the hidden and MLP dimensions permuted, so every matmul and norm sums in another order,
+    and the canaries' steps batched together. The two realizations span both ways a peer serves.
     """
     peer = copy.deepcopy(span).to(dtype)
     if seed is None:
-        return forward(peer, hidden).to(wire_dtype).float()
+        return forward_as_sent(peer, hidden, alone=True).to(wire_dtype).float()
     p = _permute(peer, seed)
-    return forward(peer, hidden[..., p])[..., torch.argsort(p)].to(wire_dtype).float()
+    return forward_as_sent(peer, hidden[..., p], alone=False)[..., torch.argsort(p)].to(wire_dtype).float()
 
 
 def benign_outputs(span: BlockSpan, canaries: Sequence[Canary], dtypes: Sequence[torch.dtype],

@@ -42,7 +42,7 @@ from diffuse.data.checks import ChecksUnavailable, OpenSession, Rejected
 from diffuse.data.hop import HopSession, Sent
 from diffuse.data.commitments import bind
 from diffuse.trust.bank import CanaryBank, SpanMaterial
-from diffuse.trust.canary import CanaryMonitor
+from diffuse.trust.canary import DECODE_TAIL, CanaryMonitor
 from diffuse.trust.referee import Check, Referee
 from diffuse.trust.reputation import BanList, Evidence, SignedEvidence, canary_evidence, sign, spot_evidence
 from diffuse.trust.spotcheck import DEFAULT_RATE, SpotChecker, compare
@@ -56,7 +56,6 @@ class TrustOptions:
     spot_rate: float = DEFAULT_RATE
     vet_canaries: int = 1  # canaries a peer must pass before it carries traffic for a span
     canary_rate: float = 0.25  # chance per session and hop of one more canary once vetted
-    decode_tail: int = 4  # canary tokens sent as single-token steps after the prefill
     canaries: int = 16  # pool size per span
     canary_tokens: int = 16
     publish: bool = True  # public mode: evidence goes to the DHT
@@ -160,7 +159,7 @@ class Guard:
             index = self.rng.randrange(len(material.canaries))
             c = material.canaries[index]
             h, t = c.hidden[None], c.hidden.shape[0]
-            first = max(1, t - self.opts.decode_tail)
+            first = max(1, t - DECODE_TAIL)  # as calibrated
             outs, receipts = [await session.step(h[:, :first], torch.arange(first), None, True)], [session.receipt]
             for j in range(first, t):
                 await trio.sleep(self.pace)
