@@ -24,7 +24,9 @@ record. The killed peer restarts (same identity) before the next kill.
 Modes: each --mode (default: both) gets a swarm of its own, up at the same time: private (a swarm
 key made for the run: every connection also runs the private-network layer, XSalsa20 below
 Noise) and public (no key). Repeats alternate the modes too, path by path, so the difference per
-hop between them is the private-network layer's cost; kills alternate the same way.
+hop between them is the private-network layer's cost; kills alternate the same way. Decode
+times move by more than that cost between repeats, so the layer is also timed alone: PING/PONG
+round trips to the 1-hop peer on one stream, in batches alternating the modes.
 
 Before/after the transport tuning: `GOMP_SPINCOUNT=300000 PY_YAMUX_RELEASE_ON_READ=1
 DIFFUSE_QUICK_IO=0` (the libraries' defaults, and py-libp2p unpatched) in the environment undoes
@@ -57,8 +59,10 @@ from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.host import parse_peer_addr  # noqa: E402
 from diffuse.control.modes import MODES, PRIVATE  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.routing import Hop  # noqa: E402
 from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.data.client import RemoteSpan  # noqa: E402
+from diffuse.data.codec import FrameDecoder, Ping, Pong, encode  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
@@ -70,6 +74,7 @@ PATHS = {"1 hop": {"P": "0:30"}, "2 hops": {"Q0": "0:15", "Q1": "15:30"},
          "3 hops": {"T0": "0:10", "T1": "10:20", "T2": "20:30"}}
 REPLICA = {"R": "15:30"}  # with Q0 and Q1: the failover group
 TARGETS = {"1 hop": 0.9, "3 hops": 0.75}
+PING_BATCHES, PINGS_PER_BATCH = 10, 100
 RECOVERY_TARGET_S = 1.5
 
 
@@ -170,6 +175,22 @@ class Side:
         return RemoteSpan(c.model_id, 0, c.cfg.num_layers, self.dial, route, c.bans, max_len,
                           dtype=c.opts.wire_dtype, timeout=c.opts.step_timeout)
 
+    async def round_trips(self, name: str, n: int) -> list[float]:
+        """Seconds of `n` PING/PONG round trips to peer `name` on one inference stream."""
+        rec = next(r for r in await self.client.records() if r.peer_id == self.peers.ids[name])
+        stream = await self.client.dial(Hop(rec.peer_id, tuple(rec.addrs), rec.start, rec.end))
+        dec, times = FrameDecoder(), []
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                await stream.write(encode(Ping(i)))
+                while not any(isinstance(m, Pong) for m in dec.feed(await stream.read(4096))):
+                    pass
+                times.append(time.perf_counter() - t0)
+        finally:
+            await stream.close()
+        return times
+
     async def session(self, path: str, max_len: int) -> Pipeline:
         span = self.remote(set(PATHS[path]), max_len)
         await self.client.records()  # as SwarmClient.session does: fresh records for the route
@@ -209,6 +230,11 @@ async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
                 f"{f'{path} {mode}'.strip()} {tps[path, mode][-1]:.1f}" for path, mode in cells if rep),
                 file=sys.stderr, flush=True)
 
+        pings: dict[str, list[float]] = {mode: [] for mode in sides}
+        for _ in range(PING_BATCHES):
+            for mode, side in sides.items():
+                pings[mode] += await side.round_trips(next(iter(PATHS["1 hop"])), PINGS_PER_BATCH)
+
         recoveries = []
         group = set(PATHS["2 hops"]) | set(REPLICA)
         for k in range(args.kills):
@@ -217,7 +243,7 @@ async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
                 recoveries[-1]["mode"] = mode
                 print(f"kill {k} ({mode}): {recoveries[-1]}", file=sys.stderr, flush=True)
 
-    report(args, tps, tokens, recoveries)
+    report(args, tps, tokens, pings, recoveries)
 
 
 async def recover(args, side: Side, group: set[str], k: int, prompt: list[int], max_len: int, reference) -> dict:
@@ -254,7 +280,7 @@ async def recover(args, side: Side, group: set[str], k: int, prompt: list[int], 
 
 
 def report(args, tps: dict[tuple[str, str], list[float]], tokens: dict[tuple[str, str], set],
-           recoveries: list[dict]) -> None:
+           pings: dict[str, list[float]], recoveries: list[dict]) -> None:
     base = statistics.median(tps["in-process", ""])
     load = os.getloadavg()
     print(f"\nSmolLM2-135M {args.dtype}, greedy decode of {args.tokens} tokens after a "
@@ -281,6 +307,10 @@ def report(args, tps: dict[tuple[str, str], list[float]], tokens: dict[tuple[str
         per_hop = {path: (ms[path, "private"] - ms[path, "public"]) / _hops(path) for path in PATHS}
         print("\nprivate-network layer (private - public), ms per token per hop: " + ", ".join(
             f"{path} {d:+.2f}" for path, d in per_hop.items()) + f"; median {statistics.median(per_hop.values()):+.2f}")
+    rtt = {mode: statistics.median(times) * 1e3 for mode, times in pings.items()}
+    print(f"\nround trip to the 1-hop peer (PING/PONG on one stream, median of {len(next(iter(pings.values())))} "
+          "per mode, alternated): " + ", ".join(f"{mode} {ms:.3f} ms" for mode, ms in rtt.items()) +
+          (f"; private-network layer {rtt['private'] - rtt['public']:+.3f} ms per hop" if len(rtt) == 2 else ""))
     same = all(v == tokens["in-process", ""] and len(v) == 1 for v in tokens.values())
     print(f"\ngreedy tokens identical on every path and mode: {'yes' if same else 'NO'}")
     if recoveries:

@@ -141,7 +141,7 @@ def _bump(path: Path, text: str) -> None:
     os.utime(path, ns=(before + 10**9, before + 10**9))
 
 
-def test_allow_list_reads_comments_refuses_garbage_and_follows_edits(tmp_path):
+def test_allow_list_reads_comments_refuses_garbage_and_follows_edits(tmp_path, caplog):
     a, b, c = _ids(3)
     path = tmp_path / "allow"
     path.write_text(f"# the team\n{a}  # alice\n\n{b}\n")
@@ -149,8 +149,9 @@ def test_allow_list_reads_comments_refuses_garbage_and_follows_edits(tmp_path):
     assert allow.ids() == {a, b} and a in allow and c not in allow
     _bump(path, f"{a}\n{c}\n")
     assert allow.ids() == {a, c}
-    _bump(path, f"{a}\nnot-a-peer\n")  # a half-done edit keeps the last good list
-    assert allow.ids() == {a, c}
+    _bump(path, f"{a}\nnot-a-peer\n")  # a half-done edit keeps the last good list, and says so once
+    assert allow.ids() == {a, c} and allow.ids() == {a, c}
+    assert [r.message.count("'not-a-peer' is not a peer id") for r in caplog.records] == [1]
     path.write_text("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N\n")  # not an Ed25519 id
     with pytest.raises(AllowListError, match="line 1: 'QmYy.*' is not a peer id"):
         AllowList(path)

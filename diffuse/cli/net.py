@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from diffuse.cli.swarm import add_swarm_options, swarm_access
+from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
 from diffuse.errors import DiffuseError
 from diffuse.trust import reputation, tamper
@@ -148,7 +149,7 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(access) -> str:
+def _describe(access: SwarmAccess) -> str:
     """One line on how a node joined: "private swarm, key FILE (fingerprint F)" or "public swarm"."""
     if access.key is None:
         return "public swarm"

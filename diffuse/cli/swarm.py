@@ -10,23 +10,22 @@ from diffuse.control.modes import KEY_ENV, KEY_FILE, MODES, PRIVATE, SwarmAccess
 from diffuse.home import data_home
 
 
-def add_swarm_options(p: argparse.ArgumentParser, allow: bool = True) -> None:
+def add_swarm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=PRIVATE, choices=MODES,
                    help="private (default): only nodes holding the swarm key can connect; the light trust plane, "
                         "nothing published. public: anyone may join; the full trust plane, evidence published")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help=f"the private swarm's key (default: ${KEY_ENV}, then <home>/{KEY_FILE})")
-    if allow:
-        p.add_argument("--allow-peers", type=Path, metavar="FILE",
-                       help="private swarms: only the peer ids in FILE (one per line, # comments) serve; "
-                            "re-read when it changes, so removing a line stops that peer's traffic")
+    p.add_argument("--allow-peers", type=Path, metavar="FILE",
+                   help="private swarms: only the peer ids in FILE (one per line, # comments) serve; "
+                        "re-read when it changes, so removing a line stops that peer's traffic")
 
 
 def swarm_access(args: argparse.Namespace, create: bool = False) -> SwarmAccess:
     """What --mode, --swarm-key and --allow-peers say; create: a private node without any key
     makes one under the home (a sentinel starting a new swarm)."""
     return resolve(args.mode, data_home(args.home), key_file=args.swarm_key,
-                   allow_file=getattr(args, "allow_peers", None), create=create)
+                   allow_file=args.allow_peers, create=create)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

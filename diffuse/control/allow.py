@@ -31,20 +31,23 @@ class AllowList:
     def __init__(self, path: Path) -> None:
         self.path = Path(path).expanduser()
         self._stamp, self._ids = self._read()
+        self._problem = ""  # what is wrong with the file now, once warned about
 
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self.ids()
 
     def ids(self) -> frozenset[str]:
         """The ids in the file as it is now. A file that cannot be read or parsed just now (an
-        editor replacing it, a typo) keeps the last good list, with a warning."""
+        editor replacing it, a typo) keeps the last good list, with one warning per problem."""
         try:
-            stamp = self._stat()
-            if stamp != self._stamp:
+            if self._stat() != self._stamp:
                 self._stamp, self._ids = self._read()
+                self._problem = ""
                 log.info("allow-list %s reloaded: %d peers", self.path, len(self._ids))
         except AllowListError as e:
-            log.warning("%s; keeping the %d peers read before", e, len(self._ids))
+            if str(e) != self._problem:
+                self._problem = str(e)
+                log.warning("%s; keeping the %d peers read before", e, len(self._ids))
         return self._ids
 
     def _stat(self) -> tuple[int, int, int]:

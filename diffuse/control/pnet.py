@@ -21,14 +21,17 @@ ordinary failed upgrade (and chains, so the dialer can say why).
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
 import struct
 
+import libp2p
 from Crypto.Cipher import Salsa20
 from libp2p.abc import ConnectionType, IRawConnection
 from libp2p.io.exceptions import IOException
+from libp2p.transport.exceptions import SecurityUpgradeFailure
 from multiaddr import Multiaddr
 
 from diffuse.errors import DiffuseError
@@ -40,6 +43,7 @@ NONCE_BYTES = 24
 MULTISTREAM_HEADER = b"\x13/multistream/1.0.0\n"  # what every libp2p node writes first
 READ_SIZE = 65536  # what one read asks the TCP connection for; the rest waits in a buffer
 SWARM_MODULE = "libp2p.network.swarm"
+NO_HANDSHAKE = "no libp2p handshake"
 
 
 class PrivateNetworkError(DiffuseError, IOException):
@@ -190,12 +194,9 @@ def dial_failure(error: BaseException) -> str | None:
         seen.add(id(e))
         if isinstance(e, PrivateNetworkError):
             return str(e)
-        upgrade_failed |= type(e).__name__ == "SecurityUpgradeFailure"
+        upgrade_failed |= isinstance(e, SecurityUpgradeFailure)
         todo += [e.__cause__, e.__context__, *getattr(e, "errors", ()), *getattr(e, "exceptions", ())]
     return NO_HANDSHAKE if upgrade_failed else None
-
-
-NO_HANDSHAKE = "no libp2p handshake"
 
 
 def protected_conn(conn: IRawConnection, psk: str) -> PrivateConn:
@@ -207,10 +208,6 @@ def install() -> None:
     """Make py-libp2p's swarm wrap connections in `PrivateConn` (idempotent). Refuses, before
     changing anything, a py-libp2p whose swarm no longer calls `new_protected_conn` or whose
     `new_host` takes no `psk`."""
-    import importlib
-
-    import libp2p
-
     swarm = importlib.import_module(SWARM_MODULE)
     current = getattr(swarm, "new_protected_conn", None)
     missing = [] if callable(current) else [f"{SWARM_MODULE}.new_protected_conn"]

@@ -300,10 +300,7 @@ class SetCodecs:
 
     def allowing(self, allowed: Callable[[], Set[str]]) -> "SetCodecs":
         """These formats, with peer records only of the peers in `allowed()` (`allowed_only`)."""
-        codecs = SetCodecs()
-        codecs.by_prefix = {p: allowed_only(c, allowed) if c is RECORD_SETS else c for p, c in self.by_prefix.items()}
-        codecs.invalid = self.invalid
-        return codecs
+        return SetCodecs({p: allowed_only(c, allowed) if c is RECORD_SETS else c for p, c in self.by_prefix.items()})
 
     def for_key(self, key: str) -> SetCodec:
         for prefix, codec in self.by_prefix.items():
