@@ -21,6 +21,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from diffuse.client import privacy
 from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
 from diffuse.control.host import parse_multiaddr
 from diffuse.control.node import Node
@@ -60,6 +61,7 @@ class SwarmOptions:
     device: str = "cpu"
     exact: bool = False  # batch-invariant kernels on every hop: speculation = plain greedy, bit for bit
     trust: TrustOptions | None = field(default_factory=TrustOptions)  # None: no checks (private swarms)
+    noise: float = 0.0  # secret Gaussian noise on what the swarm receives, x each row's RMS (client/privacy.py)
 
 
 class SwarmClient:
@@ -255,6 +257,7 @@ class SwarmClient:
         await remote.open()
         stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
             remote] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
+        stages = privacy.wrap_front(stages, self.front is not None, self.opts.noise)
         return Pipeline(self.head, stages, exact, self.logits)
 
 
