@@ -3,7 +3,7 @@
 
     nice -n 10 .venv/bin/python scripts/eval_privacy.py [--home DIR] [--tokens 24] [--per-kind 4]
         [--fronts 0,1,2,4,8] [--backs 0,1,2] [--train-tokens 30000] [--epochs 3] [--k 48] [--k1 16]
-        [--wide 256] [--out FILE.json]
+        [--wide 256] [--noise 0.05,0.2 --noise-split 1,0] [--out FILE.json]
 
 A private loopback swarm runs in this process: two peers over real libp2p streams (Noise, the
 swarm key's private-network layer), serving blocks [0, L/2) and [L/2, L) in bf16, and a client
@@ -554,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "none of the first candidates matched")
     ap.add_argument("--noise", default="", help="also sessions with these noise levels on what the client sends "
                     "(SwarmOptions.noise, client/privacy.py), e.g. 0.05,0.2")
+    ap.add_argument("--noise-split", default="", metavar="N,M", help="the split --noise is tried on (default: all)")
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -579,8 +580,11 @@ def evaluate(args) -> dict:
     head = load_head(model_dir, dtype)
     log = lambda *a: print(f"[{time.perf_counter() - t_start:6.0f}s]", *a, file=sys.stderr, flush=True)  # noqa: E731
 
-    noises = sorted({0.0} | {float(v) for v in str(args.noise).split(",") if v})
-    settings = [(n, m, z) for n in fronts for m in backs for z in noises]
+    noises = sorted({float(v) for v in str(args.noise).split(",") if v and float(v)})
+    noisy = [tuple(int(v) for v in args.noise_split.split(","))] if args.noise_split else [(n, m) for n in fronts
+                                                                                         for m in backs]
+    settings = [(n, m, 0.0) for n in fronts for m in backs] + [(n, m, z) for n, m in noisy for z in noises
+                                                              if n in fronts and m in backs]
 
     # 1. Real sessions, tapped at the peers.
     captures: dict[tuple[int, int, float], list[Capture]] = {}
@@ -619,7 +623,7 @@ def evaluate(args) -> dict:
         a3_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         for m in backs:
             back = load_span(model_dir, cfg.num_layers - m, cfg.num_layers, dtype) if m else None
-            for z in noises:
+            for z in [z for n2, m2, z in settings if (n2, m2) == (n, m)]:
                 split = label(n, m, z)
                 for case, cap in zip(cases, captures[n, m, z]):
                     attack(case, cap, tally, split, common, front, back, head, probes, singles.get(n), mu, sd, unit,
