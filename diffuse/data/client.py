@@ -88,16 +88,16 @@ class RemoteSpan:
             new: list[HopSession] = []
             hop = None
             try:
-                for hop in await self._route(start, end):
+                route = await self._route(start, end)
+                for hop in route:  # canaries first: a peer's open session must not sit idle meanwhile
                     await self.checks.vet(hop, self._canary_session)
+                feed = rechunked(inputs) if self.exact else inputs
+                for hop in route:  # each hop opens when its inputs are ready: the last one's outputs
                     session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len, self.batch,
                                          self.dtype, self.timeout, self.checks.commitments, self.exact)
                     new.append(session)
                     await session.open()
                     self.checks.opened(session)
-                feed = rechunked(inputs) if self.exact else inputs
-                for session in new:  # each hop's outputs are the next one's inputs
-                    hop = session.hop
                     outs = await session.replay(feed, timeout=self.timeout * 4 + 0.5 * len(feed))
                     feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
                 return new
