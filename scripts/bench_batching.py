@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_batching.py [--dtypes fp32,bf16] [--sessions 1,4,8,16] [--tokens 48]
                                                [--exact] [--no-api] [--threads N]
+    .venv/bin/python scripts/bench_batching.py --pipeline [--dtypes fp32] [--sessions 1,8,16]
 
 Per dtype, a sentinel and one `diffuse join --blocks 1:30` process; this process is the load
 generator: a SwarmClient that runs block 0 and the LM head itself, batched across its sessions as
@@ -18,6 +19,8 @@ of ~23-token prompts, and time to first token: p50 and max of 16 concurrent requ
 one lone request's, and against prefilling all 16 prompts back to back (16 requests of one token
 in a row). --exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to
 fast ones. The peer's batch counters (/metrics) say how many steps shared a forward pass.
+--pipeline compares two peers of half the blocks each, on a core each, with one peer of all the
+blocks on one core: while one group of sessions computes at one peer, another can at the other.
 """
 
 from __future__ import annotations
@@ -191,6 +194,41 @@ def print_rates(title: str, table: dict[int, tuple[float, float]], extra: dict[i
               + (f" {extra[n]} |" if extra else ""), flush=True)
 
 
+def pipeline_bench(home, model: str | None, dtype: str, sizes: list[int], tokens: int) -> None:
+    """Pipeline parallelism through the star topology: while one group of sessions computes at the
+    first peer, another computes at the second. Each peer is pinned to a core of its own (taskset),
+    as a machine of its own would be; the baseline is one peer of all 29 blocks on one core."""
+    base, model_arg = [*DIFFUSE, "--home", str(home)], (["--model", model] if model else [])
+    results = {}
+    for layout, peers in (("one", [("1:30", 1)]), ("split", [("1:15", 0), ("15:30", 1)])):
+        ident, servers = tempfile.mkdtemp(prefix="bench_batching_"), []
+        key = ["--swarm-key", f"{ident}/swarm.key"]
+        try:
+            subprocess.run([*base, "swarm", "new", "--out", f"{ident}/swarm.key"], check=True,
+                           stdout=subprocess.DEVNULL)
+            servers.append(start_server([*base, "sentinel", "--identity", f"{ident}/s.key", *LISTEN, *key], ready=""))
+            boot, ports = servers[-1][1], []
+            for i, (blocks, core) in enumerate(peers):
+                ports.append(free_port())
+                servers.append(start_server(["taskset", "-c", str(core), *base, "join", "--identity",
+                                             f"{ident}/p{i}.key", "--bootstrap", boot, *LISTEN, *key, "--blocks",
+                                             blocks, "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                                             "--metrics", f"127.0.0.1:{ports[-1]}", *model_arg], ready="serving "))
+            got = peer_bench(home, model, dtype, boot, f"{ident}/swarm.key", sizes, tokens, [False],
+                             f"http://127.0.0.1:{ports[0]}/metrics")
+            results[layout] = {n: got[False, n]["agg"] for n in sizes}
+        finally:
+            for proc, _ in reversed(servers):
+                proc.terminate()
+                proc.wait(30)
+    print(f"\npipeline, {dtype}: two peers (1:15 on core 0, 15:30 on core 1) against one (1:30 on core 1)")
+    print("| sessions | one peer tok/s | two peers tok/s | two / one |")
+    print("|---|---|---|---|")
+    for n in sizes:
+        print(f"| {n} | {results['one'][n]:.1f} | {results['split'][n]:.1f} | "
+              f"{results['split'][n] / results['one'][n]:.2f}x |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")
@@ -201,6 +239,8 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="also exact sessions, as a ratio to fast ones")
     ap.add_argument("--no-api", action="store_true", help="the peer only")
     ap.add_argument("--threads", type=int, help="OpenMP threads per process")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="instead: two peers 1:15 and 15:30 on a core each against one peer 1:30 on one core")
     args = ap.parse_args()
     sizes = [int(n) for n in args.sessions.split(",")]
     if sizes[0] != 1:
@@ -211,6 +251,8 @@ def main() -> None:
     model_id = load_manifest(store.resolve(home, args.model)).model_id
     print(f"{model_id}: one peer (blocks 1:30), {args.tokens} greedy tokens per session, "
           f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs", flush=True)
+    if args.pipeline:
+        return pipeline_bench(home, args.model, args.dtypes.split(",")[0], sizes, args.tokens)
     for dtype in args.dtypes.split(","):
         servers: list[tuple[subprocess.Popen, str]] = []
         ident, port = tempfile.mkdtemp(prefix="bench_batching_"), free_port()

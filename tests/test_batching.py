@@ -13,6 +13,7 @@ fp32): their steps share forward passes, and no guarantee changes.
 from __future__ import annotations
 
 import signal
+import time
 
 import httpx
 import pytest
@@ -255,8 +256,43 @@ def test_the_batcher_batches_what_queued_and_lets_a_lone_step_run_at_once():
         return lone, results
 
     lone, results = trio.run(main)
+    with pytest.raises(ValueError, match="a bad step"):  # alone, a failing step fails its session only
+        trio.run(batcher.run, "k", 1, -1)
+    assert trio.run(batcher.run, "k", 1, 6)[0] == 60
     assert lone == (10, lone[1]) and calls[0] == [1]
     assert results == {2: 20, 3: 30, 4: 40, 5: 50, 9: 90, -1: "a bad step"}
     assert len(calls[1]) == 3 and all(len(c) <= 3 for c in calls)  # queued steps share batches, up to max_rows
     assert [9] in calls and not any(9 in c and len(c) > 1 for c in calls)  # another key never joins them
     assert any(-1 in c and len(c) > 1 for c in calls) and [-1] in calls  # a failing batch is retried one by one
+
+
+def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
+    """Two sessions with the same pace, B queueing just after A's batch began: without waiting
+    they alternate forever (each computes while the other is elsewhere); a step waits up to one
+    batch's compute time for a session due by then, so they fall into step."""
+    from diffuse.data.scheduler import Batcher
+
+    sizes: list[int] = []
+
+    def compute(items: list[str]) -> list[str]:
+        sizes.append(len(items))
+        time.sleep(0.1)
+        return items
+
+    batcher = Batcher(compute)
+
+    async def session(name: str, offset: float) -> None:
+        await trio.sleep(offset)
+        for _ in range(12):
+            await batcher.run("k", 1, name, name)
+            await trio.sleep(0.2)  # elsewhere: the next peer, the client's head
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session, "A", 0.0)
+            nursery.start_soon(session, "B", 0.05)
+
+    trio.run(main)
+    late = sizes[len(sizes) // 2:]
+    assert late.count(2) >= len(late) - 1, sizes  # in step once their rhythm is known
+    assert sum(sizes) == 24

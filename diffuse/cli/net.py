@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from diffuse.cli.reach import add_discovery_options, add_relay_options, use_mdns
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
@@ -33,6 +34,7 @@ log = logging.getLogger("diffuse.net")
 
 DEFAULT_SENTINEL_LISTEN = "/ip4/0.0.0.0/tcp/31330"
 DEFAULT_PEER_LISTEN = "/ip4/0.0.0.0/tcp/0"
+MDNS_WAIT_S = 5.0  # status with no bootstrap: how long the LAN gets to answer
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser | None = None) -> None:
@@ -47,12 +49,14 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     _identity_arg(p)
     _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN)
     add_swarm_options(p)
+    add_relay_options(p, default=True)
     p.set_defaults(func=cmd_sentinel)
 
     p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
     _identity_arg(p)
     _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
     add_swarm_options(p)
+    add_relay_options(p, default=False)
     p.add_argument("--model", help="model in the store (default: the embedded default model)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
@@ -94,6 +98,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll until every model is servable or SECONDS pass")
     add_swarm_options(p)
+    add_discovery_options(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -116,6 +121,7 @@ def _net_args(p: argparse.ArgumentParser, listen_default: str) -> None:
                    help="re-announce period (default 15)")
     p.add_argument("--ttl", type=float, metavar="SECONDS",
                    help="record lifetime (default 3 heartbeats)")
+    add_discovery_options(p)
 
 
 # ---- commands ----
@@ -145,7 +151,8 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
         print(f"sentinel ready ({_describe(access)}); stop with Ctrl-C", file=sys.stderr, flush=True)
 
     _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce,
-                                                  reputation.swarm_codecs(), access.key, access.allow))
+                                                  reputation.swarm_codecs(), access.key, access.allow,
+                                                  args.relay))
     return 0
 
 
@@ -170,7 +177,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.model.weights import load_manifest
 
     key_pair = _key_pair(args, hold=True)
-    boot = _bootstrap_addrs(args, required=True)
+    boot = _bootstrap_addrs(args, required=False)
+    mdns = use_mdns(args, boot)
     model_dir = store.resolve(data_home(args.home), args.model)
     manifest = load_manifest(model_dir)
     n = manifest.num_layers
@@ -181,7 +189,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     if access.allow is not None and me not in access.allow:
         log.warning("this peer (%s) is not on the allow-list %s: the swarm will not store its record or route "
                     "through it until it is", me, access.allow.path)
-    lend = None if args.client_only else contribution(args.contribution, args.cache_tokens, os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (taskset, a container's share)
+    lend = None if args.client_only else contribution(args.contribution, args.cache_tokens, cores)
     if args.metrics:
         from diffuse.http import parse_listen
 
@@ -212,9 +221,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
                     status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
                     announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
-                    allow=access.allow)
+                    allow=access.allow, mdns=mdns, relay=args.relay)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
+            print(f"reachability: {node.reach.describe()}", file=sys.stderr, flush=True)
             if args.metrics:
                 from diffuse.metrics import serve_metrics
 
@@ -255,15 +265,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     from diffuse.model import store
     from diffuse.model.weights import load_manifest
 
-    boot = _bootstrap_addrs(args, required=True)
+    boot = _bootstrap_addrs(args, required=False)
+    mdns = use_mdns(args, boot)
     access = swarm_access(args)
     manifests = [load_manifest(store.resolve(data_home(args.home), name)) for name in args.model or [None]]
     result: list = []
+    lan: list[str] = []
 
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow) as node:
+                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
+                             mdns=mdns) as node:
+            if mdns and not boot:  # the swarm is whoever answers on the LAN: give them a moment
+                with trio.move_on_after(max(args.wait, MDNS_WAIT_S)):
+                    while not node.lan_peers:
+                        await trio.sleep(0.1)
             deadline = trio.current_time() + max(0.0, args.wait)
             while True:
                 covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in manifests]
@@ -271,13 +288,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                     break
                 await trio.sleep(0.5)
             result.extend([replace(c, evidence=await _evidence(node, c.peers)) for c in covs])
+            lan.extend(node.lan_peers)
 
     _trio_run(main)
     if args.json:
-        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in result]},
-                         indent=1))
+        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in result]}
+                         | ({"lan_peers": lan} if mdns else {}), indent=1))
     else:
-        print("\n\n".join([_describe(access), *(format_text(c) for c in result)]))
+        found = [f"found on the LAN by mDNS: {len(lan)} node(s) of this swarm"] if mdns else []
+        print("\n\n".join([_describe(access), *found, *(format_text(c) for c in result)]))
     return 0
 
 

@@ -121,7 +121,7 @@ class Pipeline:
         if self.logits is None:
             return self.head.logits(self.hidden, self.exact)
         rows_n = self.hidden.shape[0] * self.hidden.shape[1]
-        return (await self.logits.run(self.exact, rows_n, (self.hidden, self.exact)))[0]
+        return (await self.logits.run(self.exact, rows_n, (self.hidden, self.exact), id(self)))[0]
 
     async def commit(self, keep: Sequence[int] | None = None) -> None:
         for stage in self.stages:
