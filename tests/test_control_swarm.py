@@ -189,7 +189,7 @@ def _len(span: str) -> int:
      "cannot hold one block"),
     (["join", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/{pid}", "--blocks", "0:10",
       "--listen", "/ip4/127.0.0.1/tcp/0"], "could not reach any bootstrap peer"),
-    (["status"], "no bootstrap peer"),
+    (["status", "--no-mdns"], "no bootstrap peer"),
     (["sentinel", "--listen", "/ip4/127.0.0.1/udp/5/quic"], "not TCP"),
 ])
 def test_user_errors_exit_2_without_traceback(tmp_path, capsys, monkeypatch, argv, message):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import trio
 
+from diffuse.cli.reach import add_discovery_options, use_mdns
 from diffuse.cli.swarm import add_swarm_options
 from diffuse.control.modes import SwarmAccess
 from diffuse.errors import DiffuseError
@@ -59,6 +60,7 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
                         "published; off: no checks (only for peers you run yourself). Default: the --mode's")
     p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
     add_swarm_options(p)
+    add_discovery_options(p)
 
 
 # Trust-plane settings per mode (see DESIGN.md, "Trust plane"); None turns the checks off.
@@ -119,8 +121,9 @@ def cmd_ask(args) -> int:
     params = sampling_params(args)
     if args.local and args.client_only:
         raise DiffuseError("--client-only and --local contradict each other")
-    if not args.local and not (args.bootstrap or args.bootstrap_file):
-        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm")
+    if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
+        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
+                           "on the LAN)")
     from diffuse.client.generate import complete, session_length
     default = not args.local and args.dtype == "fp32"
     speculate = _spec_config(args) if (args.speculate if args.speculate is not None else default) else None
@@ -171,7 +174,8 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
     from diffuse.model.tokenizer import Tokenizer
     from diffuse.trust import reputation
 
-    boot = _bootstrap_addrs(args, required=True)
+    boot = _bootstrap_addrs(args, required=False)
+    mdns = use_mdns(args, boot)
     access = swarm_access(args)
     model_dir = store.resolve(data_home(args.home), args.model)
     tokenizer = Tokenizer.load(model_dir)
@@ -181,7 +185,8 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow) as node:
+                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
+                             mdns=mdns) as node:
             client = SwarmClient(node, model_dir, opts)
             deadline = trio.current_time() + args.wait
             while not await client.covered():
@@ -195,7 +200,11 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
             try:
                 return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
             finally:
-                info.update(mode="swarm", route=remote.route_taken, failovers=remote.stats.failovers,
+                from diffuse.control.nat import how_reached
+
+                route = [dict(h) | {"reached": how_reached(node.host, h["peer"])} if isinstance(h, dict) else h
+                         for h in remote.route_taken]
+                info.update(mode="swarm", route=route, failovers=remote.stats.failovers,
                             local_blocks=list(opts.local_blocks), swarm_mode=access.mode,
                             trust=trust_mode(args, access),
                             checks=client.guard.status() if client.guard else None)

@@ -152,7 +152,7 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
 
     _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce,
                                                   reputation.swarm_codecs(), access.key, access.allow,
-                                                  args.relay))
+                                                  args.relay, bool(args.mdns)))
     return 0
 
 

@@ -113,7 +113,16 @@ def _peer_dict(r: PeerRecord, now: float) -> dict[str, Any]:
         "protocols": list(r.protocols),
         "software": r.software,
         "extra": dict(r.extra),
+        "reach": reach_of(r),
     }
+
+
+def reach_of(r: PeerRecord) -> dict[str, Any]:
+    """How a peer is reached, from its record: `direct` (it announces routable addresses) or
+    `relayed` via the relays named in its /p2p-circuit addresses (control/nat.py)."""
+    via = list(dict.fromkeys(a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
+                             for a in r.addrs if "/p2p-circuit" in a))
+    return {"state": "relayed", "via": via} if via and len(via) == len(r.addrs) else {"state": "direct", "via": via}
 
 
 def format_text(cov: Coverage) -> str:
@@ -133,13 +142,14 @@ def format_text(cov: Coverage) -> str:
         lines.append(f"  {span:<11} {reps[i]:>8}  {who}")
         i = j + 1
     if cov.peers:
-        lines.append("  peer          blocks     age  heartbeat  mode     tokens/s  cache  addrs")
+        lines.append("  peer          blocks     age  heartbeat  mode     tokens/s  cache  reached  addrs")
     for r in sorted(cov.peers.values(), key=lambda r: (r.start, r.peer_id)):
         d = _peer_dict(r, cov.now)
         span = f"[{r.start},{r.end})"
         lines.append(
             f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
-            f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {' '.join(r.addrs)}"
+            f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {_reached(d['reach'])}"
+            f"  {' '.join(r.addrs)}"
         )
     for pid, why in cov.excluded.items():
         lines.append(f"  excluded {_short(pid)}: {why}")
@@ -161,6 +171,12 @@ def _ranges(blocks: list[int]) -> str:
         else:
             runs.append([b, b])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _reached(reach: dict[str, Any]) -> str:
+    if reach["state"] == "relayed":
+        return "relayed via " + ", ".join(_short(p) for p in reach["via"])
+    return "direct "
 
 
 def _short(pid: str) -> str:

@@ -27,6 +27,8 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import PROTOCOL_ID as KAD_PROTOCOL_ID
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -42,7 +44,9 @@ from diffuse.control.host import (
     parse_peer_addr,
 )
 from diffuse.control.identity import peer_id as peer_id_of
-from diffuse.control.modes import PRIVATE, PUBLIC
+from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
+from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
+from diffuse.control.nat import PRIVATE, RELAYED, Reach, Relaying
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key
 from diffuse.control.swarm_key import SwarmKey
@@ -77,17 +81,29 @@ class Node:
         codecs: SetCodecs | None = None,
         swarm_key: SwarmKey | None = None,
         allow: AllowList | None = None,
+        mdns: bool = False,
+        relay: bool = False,
+        reach_check: bool | None = None,
     ) -> None:
         """server=False: a DHT client (status, pure clients) that stores nothing for others.
         `codecs`: what the DHT accepts under /diffuse/ (default: peer records only).
-        `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve."""
+        `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve.
+        `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each
+        one found that shares our swarm joins the routing table as a bootstrap peer would.
+        `relay`: serve circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check`
+        (default: a DHT server with bootstrap peers and no --announce): ask the bootstrap peers
+        to dial us back; unreachable, the node becomes a DHT client, reserves relay slots on them
+        and announces its /p2p-circuit addresses only."""
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
         self._listen = [parse_multiaddr(a) for a in listen]
-        self.mode = PRIVATE if swarm_key is not None else PUBLIC
+        self.mode = PRIVATE_SWARM if swarm_key is not None else PUBLIC_SWARM
         self.allow = allow
         self.host = make_host(key_pair, self._listen, announce_addrs, swarm_key)
+        self.relaying = Relaying(self.host, hop=relay)
+        self.relaying.install()
+        self.reach_check = (server and not announce_addrs) if reach_check is None else reach_check
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), handler)
         self.codecs = codecs or SetCodecs()
@@ -95,10 +111,13 @@ class Node:
             self.codecs = self.codecs.allowing(allow.ids)
         self.dht = make_dht(self.host, self.codecs, server=server)
         self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
+
         self._reads = SharedReads(self._read_records)
         self.support: dict[str, Counter[str]] = {}  # model -> peer -> DHT answers of the last read holding it
         self.announce_addrs = list(announce_addrs)
         self.bootstrap_timeout = bootstrap_timeout
+        self.mdns, self.server = mdns, server
+        self.lan_peers: list[str] = []  # peers found by mDNS that share our swarm
         self.announcer: Announcer | None = None
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
@@ -107,8 +126,16 @@ class Node:
     # ---- addresses ----
 
     def addrs(self) -> list[str]:
-        """Dialable addresses, without /p2p (what records carry)."""
+        """Dialable addresses, without /p2p (what records carry): behind NAT, only the
+        /p2p-circuit addresses at our relays."""
+        if self.reach.state in (RELAYED, PRIVATE):
+            return list(self.relaying.circuit_addrs.values())
         return advertised_addrs(self.host, self.announce_addrs)
+
+    @property
+    def reach(self) -> Reach:
+        """How others reach this node: public, relayed (via which relays), private, unknown."""
+        return self.relaying.reach
 
     def full_addrs(self) -> list[str]:
         """Dialable addresses with /p2p/PEERID (what operators pass as --bootstrap)."""
@@ -149,8 +176,16 @@ class Node:
                 async with background_trio_service(self.dht):
                     async with trio.open_nursery() as tasks:
                         self._nursery = tasks
+                        await tasks.start(self.relaying.run)
+                        if self.bootstrap_peers and self.reach_check:
+                            await self._check_reach(tasks)
                         if self.bootstrap_peers:
                             await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
+                        if self.mdns:
+                            from diffuse.control.mdns import LanDiscovery
+
+                            lan = LanDiscovery(self.host, self.addrs(), advertise=self.server)
+                            await tasks.start(lan.run, self._lan_peer)
                         task_status.started()
                         await self._stop.wait()
                         tasks.cancel_scope.cancel()  # heartbeat and other node tasks end here
@@ -170,16 +205,75 @@ class Node:
             raise RuntimeError("this node already serves; start another node for another span")
         self.announcer = Announcer(
             self.dht, self.key_pair, serving, self.addrs,
-            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self.status_fn, mode=self.mode,
+            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self._status, mode=self.mode,
         )
         await self._nursery.start(lambda task_status: self.announcer.run(
             on_lonely=self._rebootstrap, task_status=task_status))
         return self.announcer.current.record
 
+    def _status(self) -> dict[str, Any]:
+        """The data plane's live numbers, and how we are reached (ext "reach" in the record)."""
+        return {**(self.status_fn() if self.status_fn else {}), "reach": self.reach.state}
+
     async def withdraw(self) -> None:
         """Publish a tombstone for our record (idempotent); readers drop us at once."""
         if self.announcer is not None:
             await self.announcer.withdraw()
+
+    async def _check_reach(self, tasks: trio.Nursery) -> None:
+        """Before joining the DHT: connect to the bootstrap peers and ask them (AutoNAT) to
+        dial us back. Unreachable, become a DHT client (no one could dial us for queries) and
+        hold relay slots on them; our records then carry /p2p-circuit addresses only."""
+        reached: list[PeerInfo] = []
+
+        async def one(info: PeerInfo) -> None:
+            with trio.move_on_after(self.bootstrap_timeout):
+                try:
+                    await self.host.connect(info)
+                    reached.append(info)
+                except Exception as e:  # noqa: BLE001 - bootstrap() says why, below
+                    log.debug("bootstrap peer %s: %s", info.peer_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for info in self.bootstrap_peers:
+                nursery.start_soon(one, info)
+        if not reached:
+            return
+        state = await self.relaying.check(reached, advertised_addrs(self.host, ()))
+        self.reach.state = state
+        if state == PRIVATE:
+            self.dht.mode = DHTMode.CLIENT  # as switch_mode, without emptying the routing table
+            self.host.remove_stream_handler(KAD_PROTOCOL_ID)
+            await tasks.start(self._hold_relays, reached)
+        log.info("reachability: %s", self.reach.describe())
+
+    async def _hold_relays(self, relays: list[PeerInfo], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        first = trio.Event()
+
+        async def changed() -> None:
+            first.set()
+            if self.announcer is not None:
+                try:
+                    await self.announcer.publish()
+                except Exception as e:  # noqa: BLE001 - the next heartbeat tries again
+                    log.warning("re-announcement failed: %s", e)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.relaying.keep_reservations, relays, changed)
+            with trio.move_on_after(self.bootstrap_timeout * 2):
+                await first.wait()  # the first slot, so our first record is already routable
+            task_status.started()
+
+    async def _lan_peer(self, info: PeerInfo) -> None:
+        """A node mDNS found: dial it as a bootstrap peer; one of another swarm (or another
+        mode) fails its handshake at once and is left alone."""
+        try:
+            if await bootstrap(self.host, self.dht, [info], self.bootstrap_timeout):
+                self.lan_peers.append(info.peer_id.to_base58())
+                self.bootstrap_peers.append(info)  # re-dialled, like a sentinel, if we lose the swarm
+                log.info("joined LAN peer %s", info.peer_id)
+        except Exception as e:  # noqa: BLE001 - not one of ours, or gone: nothing to join
+            log.info("LAN peer %s not joined: %s", info.peer_id, str(e).splitlines()[-1] if str(e) else e)
 
     async def _rebootstrap(self) -> None:
         """Nobody took our records: we lost the swarm (a sentinel restarted?). Dial again."""

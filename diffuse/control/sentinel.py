@@ -32,15 +32,19 @@ async def run_sentinel(
     codecs: SetCodecs | None = None,
     swarm_key: SwarmKey | None = None,
     allow: AllowList | None = None,
+    relay: bool = True,
+    mdns: bool = False,
 ) -> None:
     """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening;
     `codecs`: what its DHT stores (default: peer records only); `swarm_key`: a sentinel of that
-    private swarm; `allow`: it stores records only of the peers on that allow-list.
+    private swarm; `allow`: it stores records only of the peers on that allow-list; `relay`: it
+    serves circuit relay v2 hops, with bounded reservations, to peers behind NAT (control/nat.py);
+    `mdns`: it answers and browses mDNS, so nodes on its LAN find it with no bootstrap address.
 
     Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
     """
     node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce, codecs=codecs,
-                swarm_key=swarm_key, allow=allow)
+                swarm_key=swarm_key, allow=allow, relay=relay, mdns=mdns)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         if ready is not None:

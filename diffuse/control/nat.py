@@ -1,0 +1,261 @@
+"""Peers behind NATs: reachability (AutoNAT), circuit relay v2, and dialing through relays.
+
+All of it is py-libp2p 0.8.1's own protocols (`libp2p.host.autonat`, `libp2p.relay.circuit_v2`),
+with three defects of that version worked around here:
+
+1. AutoNAT's server dials the requester back with `host.connect`, which returns at once when a
+   connection to that peer exists, and one always does: the request came over it. So every
+   verdict is "reachable". `DialBack` dials a fresh TCP connection to each candidate address
+   instead (only addresses at the requester's observed IP, as the spec demands).
+2. The swarm's `dial_peer` drops every /p2p-circuit address ("this node has no relay
+   transport", even when one is configured), so `host.connect` can never reach a relayed peer.
+   `Relaying.install` wraps the host's `connect`: direct addresses first, then each circuit
+   address through `CircuitV2Transport`.
+3. A relayed connection is wrapped in the private-network layer on the listening side (the
+   swarm's inbound upgrade applies the psk) but not on the dialing side (the outbound upgrade
+   does not), so in a private swarm no relayed handshake can succeed. Our dial wraps the raw
+   circuit in the same layer (control/pnet.py) before Noise.
+
+Relays: every node answers STOP (it can be reached through a relay); a sentinel, or a peer with
+`--relay`, also serves HOP with reservations bounded in count, lifetime and bytes per circuit
+(RELAY_LIMITS). A peer that AutoNAT finds unreachable reserves a slot on its relays, refreshes it
+every RESERVE_EVERY_S (reconnecting and reserving again after a relay restarts), and announces
+/ip4/<relay>/tcp/<port>/p2p/<relay>/p2p-circuit addresses only: its own private addresses route
+nowhere outside its LAN, and dialing them would cost every client a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+from libp2p.abc import IHost
+from libp2p.host.autonat.autonat import AutoNATService
+from libp2p.network.exceptions import SwarmException
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, RelayLimits
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.tools.anyio_service import background_trio_service
+
+log = logging.getLogger(__name__)
+
+PUBLIC, RELAYED, UNKNOWN, PRIVATE = "public", "relayed", "unknown", "private"
+DIAL_BACK_TIMEOUT_S = 3.0
+AUTONAT_TIMEOUT_S = 10.0
+RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
+RELAY_LIMITS = RelayLimits(
+    duration=2 * 3600,  # seconds one circuit may live (an inference session rarely lasts minutes)
+    data=1 << 30,  # bytes one circuit may carry, both directions together
+    max_circuit_conns=16,  # circuits open at once to one reserved peer
+    max_reservations=32,  # peers holding a slot on this relay
+    reservation_ttl=120,  # seconds a slot lives unless refreshed
+)
+
+
+def is_circuit(addr: multiaddr.Multiaddr | str) -> bool:
+    return "/p2p-circuit" in str(addr)
+
+
+class DialBack(AutoNATService):
+    """AutoNAT's server with a dial-back that really dials (defect 1 above)."""
+
+    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        for raw in addrs:
+            try:
+                addr = multiaddr.Multiaddr(raw)
+                ip, port = addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp"))
+            except Exception:  # noqa: BLE001 - not /ip4/.../tcp/...: not ours to dial
+                continue
+            with trio.move_on_after(DIAL_BACK_TIMEOUT_S):
+                try:
+                    stream = await trio.open_tcp_stream(ip, port)
+                except OSError:
+                    continue
+                await stream.aclose()
+                return bytes(raw)
+        return None
+
+
+@dataclass
+class Reach:
+    """What a node knows of its own reachability, for its log, `status` and its record."""
+
+    state: str = UNKNOWN  # public | relayed | private (no relay slot yet) | unknown
+    relays: tuple[str, ...] = ()  # peer ids of the relays holding a slot for us
+    checked: float = 0.0
+
+    def describe(self) -> str:
+        if self.state == PUBLIC:
+            return "publicly reachable (AutoNAT dial-back succeeded): announcing direct addresses"
+        if self.state == RELAYED:
+            return f"behind NAT, reachable through relay {', '.join(self.relays)}: announcing /p2p-circuit addresses"
+        if self.state == PRIVATE:
+            return "behind NAT, no relay slot yet: announcing nothing routable"
+        return "reachability unknown (no AutoNAT server answered): announcing direct addresses"
+
+
+class Relaying:
+    """Circuit relay v2 and AutoNAT on one host. `run` it in the node's nursery."""
+
+    def __init__(self, host: IHost, *, hop: bool, limits: RelayLimits = RELAY_LIMITS) -> None:
+        self.host, self.hop = host, hop
+        self.protocol = CircuitV2Protocol(host, limits, allow_hop=hop)
+        # STOP only: this node never reserves behind our back (we reserve explicitly, on the
+        # relays we choose) and a client's dial spends no relay slot.
+        self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
+        self.autonat = DialBack(host, serve=True, confirmations=1)
+        self.reach = Reach()
+        self.circuit_addrs: dict[str, str] = {}  # relay peer id -> our /p2p-circuit address there
+        self._held: set[str] = set()  # relays that ever held a slot for us
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with background_trio_service(self.protocol):
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+
+    # ---- dialing ----
+
+    def install(self) -> None:
+        """Make `host.connect` reach peers through their /p2p-circuit addresses (defect 2)."""
+        direct_connect = self.host.connect
+
+        async def connect(info: PeerInfo) -> None:
+            circuits = [a for a in info.addrs if is_circuit(a)]
+            if not circuits or self._connected(info.peer_id):
+                return await direct_connect(PeerInfo(info.peer_id, [a for a in info.addrs if not is_circuit(a)])
+                                            if circuits else info)
+            direct = [a for a in info.addrs if not is_circuit(a)]
+            errors: list[str] = []
+            if direct:
+                try:
+                    return await direct_connect(PeerInfo(info.peer_id, direct))
+                except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures: try the relays
+                    errors.append(f"direct: {e}")
+            for addr in circuits:
+                try:
+                    return await self.dial(info.peer_id, addr)
+                except Exception as e:  # noqa: BLE001 - as above: the next relay
+                    errors.append(f"{addr}: {e}")
+            raise SwarmException(f"no address of {info.peer_id} worked: " + "; ".join(errors))
+
+        self.host.connect = connect  # type: ignore[method-assign]
+
+    def _connected(self, peer: ID) -> bool:
+        return any(not getattr(c, "is_closed", False) for c in self.host.get_network().get_connections(peer))
+
+    async def dial(self, peer: ID, addr: multiaddr.Multiaddr) -> None:
+        """One relayed connection to `peer` through the relay named in `addr`."""
+        relay_part = multiaddr.Multiaddr(str(addr).split("/p2p-circuit")[0])
+        relay_id = ID.from_base58(relay_part.value_for_protocol("p2p"))
+        relay_addr = relay_part.decapsulate(multiaddr.Multiaddr(f"/p2p/{relay_id}"))
+        relay = PeerInfo(relay_id, [relay_addr] if str(relay_addr) else [])
+        raw = await self.transport.dial_peer_info(PeerInfo(peer, [addr]), relay_info=relay)
+        psk = getattr(self.host.get_network(), "psk", None)
+        if psk is not None:  # defect 3: the listening side unwraps the private-network layer
+            from libp2p.network import swarm
+
+            raw = swarm.new_protected_conn(raw, psk)
+        await self.host.upgrade_outbound_connection(raw, peer)
+
+    # ---- reachability ----
+
+    async def check(self, servers: Sequence[PeerInfo], candidates: Sequence[str]) -> str:
+        """Ask `servers` (already connected) to dial us back at `candidates`: PUBLIC if one
+        did, PRIVATE if every one that answered could not, UNKNOWN if none answered."""
+        me = self.host.get_id()
+        raw = [multiaddr.Multiaddr(a).encapsulate(multiaddr.Multiaddr(f"/p2p/{me}")).to_bytes() for a in candidates
+               if not is_circuit(a)]
+        verdicts: list[bool] = []
+
+        async def one(server: PeerInfo) -> None:
+            try:
+                with trio.fail_after(AUTONAT_TIMEOUT_S):
+                    status, _ = await self.autonat.query_server(server.peer_id, raw)
+                verdicts.append(status == 0)  # Message.OK
+            except Exception as e:  # noqa: BLE001 - no AutoNAT there, or gone: no verdict
+                log.debug("AutoNAT query to %s failed: %s", server.peer_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for s in servers:
+                nursery.start_soon(one, s)
+        self.reach.checked = time.time()
+        if not verdicts:
+            return UNKNOWN
+        return PUBLIC if any(verdicts) else PRIVATE
+
+    # ---- reservations ----
+
+    async def keep_reservations(self, relays: Sequence[PeerInfo], on_change) -> None:
+        """Hold a slot on each relay that serves HOP: reserve, refresh every RESERVE_EVERY_S,
+        reconnect and reserve again when a relay is lost; `on_change()` after each change of
+        the set of circuit addresses (the node re-announces)."""
+        while True:
+            changed = False
+            for relay in relays:
+                key = relay.peer_id.to_base58()
+                was_connected = self._connected(relay.peer_id)
+                ok = await self._reserve(relay)
+                if ok and key not in self.circuit_addrs:
+                    direct = [a for a in relay.addrs if not is_circuit(a)]
+                    self.circuit_addrs[key] = f"{direct[0]}/p2p/{key}/p2p-circuit"
+                    changed = True
+                    (log.warning if key in self._held else log.info)(
+                        "relay %s holds a slot for us%s", key, " again" if key in self._held else "")
+                    self._held.add(key)
+                elif ok and not was_connected:  # the relay restarted (or the path broke): a new slot
+                    changed = True
+                    log.warning("reserved again on relay %s after reconnecting", key)
+                elif not ok and key in self.circuit_addrs:
+                    del self.circuit_addrs[key]
+                    changed = True
+                    log.warning("lost the slot on relay %s; retrying", key)
+            self.reach.relays = tuple(self.circuit_addrs)
+            self.reach.state = RELAYED if self.circuit_addrs else PRIVATE
+            if changed:
+                await on_change()
+            await trio.sleep(RESERVE_EVERY_S if len(self.circuit_addrs) == len(relays) else 2.0)
+
+    async def _reserve(self, relay: PeerInfo) -> bool:
+        try:
+            with trio.fail_after(AUTONAT_TIMEOUT_S):
+                if not self._connected(relay.peer_id):
+                    self.host.get_network().unblock_peer(relay.peer_id)
+                    await self.host.connect(relay)
+                stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
+                try:
+                    return await self.transport._make_reservation(stream, relay.peer_id)
+                finally:
+                    await stream.close()
+        except Exception as e:  # noqa: BLE001 - relay down or not a relay: no slot this round
+            log.debug("reservation on %s failed: %s", relay.peer_id, e)
+            return False
+
+
+def how_reached(host: IHost, peer_id: str) -> dict[str, object]:
+    """How this host is connected to `peer_id` now: {"state": "direct" | "relayed" | "none",
+    "via": relay peer id or None}, from the open connection's transport address."""
+    try:
+        conns = host.get_network().get_connections(ID.from_base58(peer_id))
+    except Exception:  # noqa: BLE001 - a malformed id: not connected
+        conns = []
+    for conn in conns:
+        if getattr(conn, "is_closed", False):
+            continue
+        try:
+            addrs = [str(a) for a in conn.get_transport_addresses()]
+        except Exception:  # noqa: BLE001 - connection without address info
+            addrs = []
+        circuit = next((a for a in addrs if is_circuit(a)), None)
+        if circuit is None:
+            return {"state": "direct", "via": None}
+        return {"state": "relayed", "via": circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]}
+    return {"state": "none", "via": None}

@@ -1,0 +1,275 @@
+"""Swarms across Linux network namespaces the way people's machines sit: on one LAN with no
+bootstrap address (mDNS), and behind home routers (NAT) that drop unsolicited inbound traffic,
+reached through a sentinel's circuit relay. Needs root and iproute2 (and iptables for NAT);
+skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from diffuse.cli.demo import CLI, Child
+from diffuse.control.host import parse_peer_addr
+from diffuse.control.modes import KEY_ENV
+from diffuse.control.swarm_key import SwarmKey, write_key
+from test_netns import Net, ip, missing
+from test_swarm import QUESTION, TOKENS, reference_answer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+class Lan(Net):
+    """Namespaces `names` on one bridge at 10.98.0.x, each with a default route onto it (a LAN
+    whose router is absent: what wildcard listeners expand to needs a route)."""
+
+    def __init__(self, tag: str, names: tuple[str, ...]):
+        super().__init__(tag)
+        self.ns = {name: f"df{tag}n{i}" for i, name in enumerate(names)}
+        self.addr = {name: f"10.98.0.{i + 1}" for i, name in enumerate(names)}
+
+    def build(self) -> None:
+        super().build()
+        for i, ns in enumerate(self.ns.values()):
+            self.run("-n", ns, "route", "add", "default", "dev", f"df{self.tag}i{i}")
+
+
+@pytest.fixture(scope="module")
+def reference(home) -> list[int]:
+    return reference_answer(home)
+
+
+@pytest.fixture
+def key_env(tmp_path, monkeypatch):
+    """A private swarm's key in $DIFFUSE_SWARM_KEY (children inherit the environment)."""
+    path = tmp_path / "swarm.key"
+    write_key(path, SwarmKey.generate())
+    monkeypatch.setenv(KEY_ENV, str(path))
+    return path
+
+
+def build(net: Net):
+    why = missing()
+    if why:
+        pytest.skip(why)
+    try:
+        net.build()
+    except Exception:
+        net.destroy()
+        raise
+    return net
+
+
+def test_lan_discovery_without_bootstrap(home, tmp_path, key_env, reference):
+    """A peer and a client on one LAN bridge, neither given --bootstrap: mDNS finds the peer
+    (listening on the wildcard address, join's default) and the answer is the in-process one."""
+    net = build(Lan(os.urandom(3).hex(), ("peer", "client")))
+    base = ["--home", str(home)]
+    children: list[Child] = []
+    try:
+        peer = Child("peer", base + ["join", "--blocks", "1:30", "--heartbeat", "5",
+                                     "--identity", str(tmp_path / "peer.key")],
+                     tmp_path / "peer.log", prefix=net.prefix("peer"))
+        children.append(peer)
+        addr = peer.wait_for("/ip4/", 180)
+        assert addr.startswith(f"/ip4/{net.addr['peer']}/"), addr  # the wildcard, expanded
+        peer.wait_for("serving ", 180)
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--json", "--max-tokens", str(TOKENS), "--wait", "60", "--no-speculate",
+            QUESTION], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["token_ids"] == reference
+        assert [(h["peer"], h["blocks"]) for h in got["route"]] == [
+            (parse_peer_addr(addr).peer_id.to_base58(), [1, 30])]
+        assert [h["reached"] for h in got["route"]] == [{"state": "direct", "via": None}]
+        out = subprocess.run(net.prefix("client") + CLI + base + ["status", "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        assert [p["peer_id"] for p in status["models"][0]["peers"]] == [got["route"][0]["peer"]]
+        assert status["lan_peers"] == [got["route"][0]["peer"]]
+        # A node of another swarm on the same LAN finds the peer too, and cannot connect.
+        other = tmp_path / "other.key"
+        write_key(other, SwarmKey.generate())
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "status", "--swarm-key", str(other), "--json"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["models"][0]["peers"] == []
+        assert json.loads(out.stdout)["lan_peers"] == []
+    finally:
+        for child in reversed(children):
+            child.stop()
+        net.destroy()
+        assert net.tag not in ip("netns", "list").stdout
+
+
+def iptables_missing() -> str | None:
+    return None if shutil.which("iptables") else "iptables is not installed (apt-get install iptables)"
+
+
+class Internet:
+    """An "internet": a bridge (10.97.0.0/24) in a switch namespace. `public` puts a host on it;
+    `home` puts a home router on it (WAN 10.97.0.x) with one host on its LAN (192.168.N.2) that
+    it masquerades, dropping inbound traffic unless it belongs to a connection opened from inside.
+    Names are short: an interface name holds at most 15 characters."""
+
+    def __init__(self, tag: str):
+        self.tag, self.made, self.links = tag, [], 0
+        self.ns: dict[str, str] = {}
+        self.addr: dict[str, str] = {}
+        self.switch = self._netns("sw")
+        self.run("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        self.run("-n", self.switch, "link", "set", "br0", "up")
+
+    def run(self, *args: str) -> None:
+        done = ip(*args)
+        if done.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+    def _netns(self, name: str) -> str:
+        ns = f"df{self.tag}{name}"
+        self.run("netns", "add", ns)
+        self.made.append(ns)
+        self.run("-n", ns, "link", "set", "lo", "up")
+        return ns
+
+    def _veth(self, a: str, b: str) -> tuple[str, str]:
+        self.links += 1
+        ia, ib = f"df{self.tag}v{self.links}a", f"df{self.tag}v{self.links}b"
+        self.run("link", "add", ia, "netns", a, "type", "veth", "peer", "name", ib, "netns", b)
+        self.run("-n", a, "link", "set", ia, "up")
+        self.run("-n", b, "link", "set", ib, "up")
+        return ia, ib
+
+    def _wan(self, ns: str, addr: str) -> str:
+        inner, outer = self._veth(ns, self.switch)
+        self.run("-n", self.switch, "link", "set", outer, "master", "br0")
+        self.run("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
+        return inner
+
+    def public(self, name: str, addr: str) -> None:
+        self.ns[name] = self._netns(name)
+        self.addr[name] = addr
+        self._wan(self.ns[name], addr)
+
+    def home(self, name: str, wan: str, lan: int, random_fully: bool = False) -> None:
+        router = self._netns(f"r{lan}")
+        host = self.ns[name] = self._netns(name)
+        self.addr[name] = f"192.168.{lan}.2"
+        wan_if = self._wan(router, wan)
+        lan_router, lan_host = self._veth(router, host)
+        self.run("-n", router, "addr", "add", f"192.168.{lan}.1/24", "dev", lan_router)
+        self.run("-n", host, "addr", "add", f"192.168.{lan}.2/24", "dev", lan_host)
+        self.run("-n", host, "route", "add", "default", "via", f"192.168.{lan}.1")
+        rules = [["-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE",
+                  *(["--random-fully"] if random_fully else [])]]
+        for chain in ("FORWARD", "INPUT"):
+            rules += [["-A", chain, "-i", wan_if, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                       "-j", "ACCEPT"], ["-A", chain, "-i", wan_if, "-j", "DROP"]]
+        for rule in [["sysctl", "-qw", "net.ipv4.ip_forward=1"], *(["iptables", *r] for r in rules)]:
+            done = subprocess.run(["ip", "netns", "exec", router, *rule], capture_output=True, text=True,
+                                  timeout=20)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(rule)} in {router}: {done.stderr.strip()}")
+
+    def prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[name]]
+
+    def destroy(self) -> None:
+        for ns in reversed(self.made):
+            ip("netns", "del", ns)
+
+
+@pytest.fixture
+def internet():
+    why = missing() or iptables_missing()
+    if why:
+        pytest.skip(why)
+    net = Internet(os.urandom(3).hex())
+    try:
+        yield net
+    finally:
+        net.destroy()
+    assert net.tag not in ip("netns", "list").stdout
+
+
+def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, key_env, internet, reference):
+    """A sentinel on the internet; a peer serving every remote block behind one home router, a
+    client behind another (MASQUERADE, unsolicited inbound dropped). The peer finds itself
+    unreachable, reserves a slot on the sentinel's relay and announces only its /p2p-circuit
+    address; the client's greedy answer through the relay is the in-process one."""
+    net = internet
+    net.public("sentinel", "10.97.0.1")
+    net.home("peer", "10.97.0.11", 1)
+    net.home("client", "10.97.0.12", 2)
+    # The NAT holds: a listener behind it cannot be reached from the internet.
+    probe = subprocess.run(net.prefix("sentinel") + ["python3", "-c", (
+        "import socket; s = socket.socket(); s.settimeout(2)\n"
+        "try: s.connect(('192.168.1.2', 9)); print('reached')\n"
+        "except OSError as e: print('unreachable', e)")], capture_output=True, text=True, timeout=30)
+    assert probe.stdout.startswith("unreachable"), probe.stdout + probe.stderr
+    base = ["--home", str(home)]
+    children: list[Child] = []
+    try:
+        sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
+                                             "--listen", "/ip4/10.97.0.1/tcp/0"],
+                         tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
+        children.append(sentinel)
+        boot = sentinel.wait_for("/ip4/", 120)
+        relay_id = parse_peer_addr(boot).peer_id.to_base58()
+        peer = Child("peer", base + ["join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5",
+                                     "--identity", str(tmp_path / "peer.key")],
+                     tmp_path / "peer.log", prefix=net.prefix("peer"))
+        children.append(peer)
+        addr = peer.wait_for("/ip4/", 180)
+        assert addr.startswith(f"{boot}/p2p-circuit/p2p/"), addr  # only the relayed address
+        peer_id = addr.rsplit("/", 1)[1]
+        peer.wait_for("serving ", 180)
+        assert "behind NAT, reachable through relay" in (tmp_path / "peer.log").read_text()
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["token_ids"] == reference
+        assert [(h["peer"], h["blocks"]) for h in got["route"]] == [(peer_id, [1, 30])]
+        assert [h["reached"] for h in got["route"]] == [{"state": "relayed", "via": relay_id}]
+        assert not got["failovers"]
+        out = subprocess.run(net.prefix("client") + CLI + base + ["status", "--bootstrap", boot, "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        [shown] = json.loads(out.stdout)["models"][0]["peers"]
+        assert shown["reach"] == {"state": "relayed", "via": [relay_id]}, shown
+        # The relay restarts (SIGKILL, then the same identity and address): the peer loses its
+        # slot, reserves again, re-announces, and answers through the relay as before.
+        sentinel.p.kill()
+        sentinel.p.wait()
+        sentinel.stop()
+        children.remove(sentinel)
+        port = boot.split("/tcp/")[1].split("/")[0]
+        sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
+                                             "--listen", f"/ip4/10.97.0.1/tcp/{port}"],
+                         tmp_path / "sentinel2.log", prefix=net.prefix("sentinel"))
+        children.append(sentinel)
+        assert sentinel.wait_for("/ip4/", 120) == boot
+        log = tmp_path / "peer.log"
+        deadline = time.monotonic() + 120
+        while not re.search(r"holds a slot for us again|reserved again on relay", log.read_text()):
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        again = json.loads(out.stdout)
+        assert again["token_ids"] == reference
+        assert [h["reached"] for h in again["route"]] == [{"state": "relayed", "via": relay_id}]
+    finally:
+        for child in reversed(children):
+            child.stop()

@@ -1,0 +1,78 @@
+"""Reachability and circuit relay v2 between in-process nodes on loopback (control/nat.py): the
+AutoNAT dial-back really dials, a peer held unreachable announces only /p2p-circuit addresses
+at its relay, and a client reaches it through them, in a private swarm."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from diffuse.control import nat
+from diffuse.control.host import parse_multiaddr
+from diffuse.control.node import open_node
+from diffuse.control.swarm_key import SwarmKey
+
+LOOP = ["/ip4/127.0.0.1/tcp/0"]
+ECHO = "/diffuse-test/echo/1"
+pytestmark = pytest.mark.timeout(60)
+
+
+async def echo(stream) -> None:
+    data = await stream.read(64)
+    await stream.write(b"echo:" + data)
+    await stream.close()
+
+
+def test_dial_back_tells_a_listening_address_from_a_closed_one():
+    key = SwarmKey.generate()
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as server:
+            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, server=False) as me:
+                info = PeerInfo(ID.from_base58(server.peer_id), [parse_multiaddr(server.addrs()[0])])
+                await me.host.connect(info)
+                assert await me.relaying.check([info], me.addrs()) == nat.PUBLIC
+                # py-libp2p's own AutoNAT server would say "reachable" here too: a connection exists.
+                closed = [me.addrs()[0].rsplit("/", 1)[0] + "/1"]
+                assert await me.relaying.check([info], closed) == nat.PRIVATE
+
+    trio.run(main)
+
+
+def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
+    key = SwarmKey.generate()
+
+    async def unreachable(self, servers, candidates):
+        return nat.PRIVATE
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+            boot = relay.full_addrs()[0]
+            with monkeypatch.context() as m:
+                m.setattr(nat.Relaying, "check", unreachable)
+                peer_cm = open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                    handlers={ECHO: echo}, reach_check=True)
+                peer = await peer_cm.__aenter__()
+            try:
+                assert peer.reach.state == nat.RELAYED and peer.reach.relays == (relay.peer_id,)
+                assert peer.dht.mode == DHTMode.CLIENT
+                assert peer.addrs() == [f"{relay.addrs()[0]}/p2p/{relay.peer_id}/p2p-circuit"]
+                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                     server=False) as client:
+                    pid = ID.from_base58(peer.peer_id)
+                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                    [conn] = client.host.get_network().get_connections(pid)
+                    stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+                    await stream.write(b"through the relay")
+                    assert await stream.read(64) == b"echo:through the relay"
+                    assert [str(a) for a in conn.get_transport_addresses()] == [
+                        f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{peer.peer_id}"]  # through the relay
+            finally:
+                await peer_cm.__aexit__(None, None, None)
+
+    trio.run(main)
