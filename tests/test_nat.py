@@ -201,13 +201,14 @@ def internet():
 
 def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, key_env, internet, reference):
     """A sentinel on the internet; a peer serving every remote block behind one home router, a
-    client behind another (MASQUERADE, unsolicited inbound dropped). The peer finds itself
+    client behind another (MASQUERADE, unsolicited inbound dropped; the client's router with
+    --random-fully, a new source port per flow, as symmetric NATs do). The peer finds itself
     unreachable, reserves a slot on the sentinel's relay and announces only its /p2p-circuit
     address; the client's greedy answer through the relay is the in-process one."""
     net = internet
     net.public("sentinel", "10.97.0.1")
     net.home("peer", "10.97.0.11", 1)
-    net.home("client", "10.97.0.12", 2)
+    net.home("client", "10.97.0.12", 2, random_fully=True)  # symmetric-like: a new port per flow
     # The NAT holds: a listener behind it cannot be reached from the internet.
     probe = subprocess.run(net.prefix("sentinel") + ["python3", "-c", (
         "import socket; s = socket.socket(); s.settimeout(2)\n"
@@ -272,4 +273,67 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
         assert [h["reached"] for h in again["route"]] == [{"state": "relayed", "via": relay_id}]
     finally:
         for child in reversed(children):
+            child.stop()
+
+
+def sessions_open(net: Internet, name: str) -> float:
+    """The peer's diffuse_sessions_open gauge, read from its own namespace (its --metrics port)."""
+    out = subprocess.run(net.prefix(name) + ["python3", "-c", (
+        "import urllib.request\n"
+        "text = urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=2).read().decode()\n"
+        "print(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith('diffuse_sessions_open')))")],
+        capture_output=True, text=True, timeout=30)
+    return float(out.stdout.strip() or 0)
+
+
+def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key_env, internet, reference):
+    """Two peers serving the same blocks, each behind its own home router, both reached through
+    the sentinel's relay; the one serving the client's session is SIGKILLed mid-generation: the
+    client replays into the other, through the relay too, and the answer is unchanged."""
+    net = internet
+    net.public("sentinel", "10.97.0.1")
+    net.home("peerA", "10.97.0.11", 1)
+    net.home("peerB", "10.97.0.13", 3)
+    net.home("client", "10.97.0.12", 2)
+    base = ["--home", str(home)]
+    children: dict[str, Child] = {}
+    try:
+        children["sentinel"] = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
+                                                         "--listen", "/ip4/10.97.0.1/tcp/0"],
+                                     tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
+        boot = children["sentinel"].wait_for("/ip4/", 120)
+        ids = {}
+        for name in ("peerA", "peerB"):
+            children[name] = Child(name, base + [
+                "join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5", "--metrics", "127.0.0.1:9464",
+                "--identity", str(tmp_path / f"{name}.key")], tmp_path / f"{name}.log", prefix=net.prefix(name))
+        for name in ("peerA", "peerB"):
+            addr = children[name].wait_for("/ip4/", 180)
+            assert "/p2p-circuit/" in addr, addr
+            ids[name] = addr.rsplit("/", 1)[1]
+            children[name].wait_for("serving ", 180)
+        client = subprocess.Popen(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+            "--no-speculate", "--trust", "off", "--step-timeout", "10", QUESTION],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            victim = None
+            deadline = time.monotonic() + 240
+            while victim is None and client.poll() is None and time.monotonic() < deadline:
+                victim = next((n for n in ("peerA", "peerB") if sessions_open(net, n) > 0), None)
+            assert victim is not None, "no peer ever held the client's session"
+            children[victim].p.kill()  # SIGKILL mid-generation
+            out, err = client.communicate(timeout=300)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+        assert client.returncode == 0, err
+        got = json.loads(out)
+        assert got["token_ids"] == reference
+        assert got["failovers"] and got["failovers"][0]["peer"] == ids[victim], got["failovers"]
+        survivor = "peerB" if victim == "peerA" else "peerA"
+        assert [(h["peer"], h["reached"]["state"]) for h in got["route"]] == [(ids[survivor], "relayed")]
+    finally:
+        for child in reversed(list(children.values())):
             child.stop()

@@ -72,9 +72,12 @@ def swarm_backend(args):
     from diffuse.cli.net import _bootstrap_addrs
     from diffuse.cli.swarm import swarm_access
 
+    from diffuse.cli.reach import use_mdns
+
     access = swarm_access(args)
-    return open_swarm_backend(data_home(args.home), args.model or [None], _bootstrap_addrs(args, required=True),
-                              swarm_options(args, access), args.wait, swarm_key=access.key, allow=access.allow)
+    boot = _bootstrap_addrs(args, required=False)
+    return open_swarm_backend(data_home(args.home), args.model or [None], boot, swarm_options(args, access),
+                              args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot))
 
 
 def open_backend(args):
@@ -83,8 +86,9 @@ def open_backend(args):
         if args.bootstrap or args.bootstrap_file or args.client_only:
             raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
         return local_backend(args)
-    if not (args.bootstrap or args.bootstrap_file):
-        raise DiffuseError("give --bootstrap ADDR (a sentinel of the swarm to serve), or --local")
+    if not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
+        raise DiffuseError("give --bootstrap ADDR (a sentinel of the swarm to serve), or --local, or drop "
+                           "--no-mdns to find the swarm on the LAN")
     return swarm_backend(args)
 
 

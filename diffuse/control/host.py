@@ -141,21 +141,24 @@ def _disable_auto_connector(host: IHost) -> None:
         connector.start = _never_start  # leaves _started False: no loop, no event-driven dials
 
 
-def local_ipv4() -> list[str]:
-    """Best-effort non-loopback IPv4 addresses of this machine (for wildcard listeners)."""
+def local_ipv4(towards: Iterable[str] = ()) -> list[str]:
+    """Best-effort non-loopback IPv4 addresses of this machine (for wildcard listeners): the
+    one the default route leaves from, and the one that routes to each address in `towards`
+    (our bootstrap peers: a machine may have no default route, only a LAN or a VPN)."""
     ips: list[str] = []
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routing lookup only, nothing is sent
-            ips.append(s.getsockname()[0])
-    except OSError:
-        pass
-    return [ip for ip in ips if not ip.startswith("127.")]
+    for target in ("192.0.2.1", *towards):  # TEST-NET-1: routing lookup only, nothing is sent
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))
+                ips.append(s.getsockname()[0])
+        except OSError:
+            pass
+    return list(dict.fromkeys(ip for ip in ips if not ip.startswith("127.")))
 
 
-def advertised_addrs(host: IHost, announce: Iterable[str] = ()) -> list[str]:
+def advertised_addrs(host: IHost, announce: Iterable[str] = (), towards: Iterable[str] = ()) -> list[str]:
     """Addresses others can dial, without /p2p: explicit --announce addresses win; a wildcard
-    listener (0.0.0.0) is expanded to this machine's address and loopback."""
+    listener (0.0.0.0) is expanded to this machine's addresses (local_ipv4) and loopback."""
     explicit = [str(parse_multiaddr(a)) for a in announce]
     if explicit:
         return explicit
@@ -164,7 +167,7 @@ def advertised_addrs(host: IHost, announce: Iterable[str] = ()) -> list[str]:
         text = str(a)
         if text.startswith("/ip4/0.0.0.0/"):
             rest = text[len("/ip4/0.0.0.0"):]
-            out += [f"/ip4/{ip}{rest}" for ip in local_ipv4()] + [f"/ip4/127.0.0.1{rest}"]
+            out += [f"/ip4/{ip}{rest}" for ip in local_ipv4(towards)] + [f"/ip4/127.0.0.1{rest}"]
         elif not text.startswith("/ip6/::/"):
             out.append(text)
     return list(dict.fromkeys(out))

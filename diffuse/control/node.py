@@ -130,7 +130,19 @@ class Node:
         /p2p-circuit addresses at our relays."""
         if self.reach.state in (RELAYED, PRIVATE):
             return list(self.relaying.circuit_addrs.values())
-        return advertised_addrs(self.host, self.announce_addrs)
+        return advertised_addrs(self.host, self.announce_addrs, self._towards())
+
+    def _towards(self) -> list[str]:
+        """IPv4 addresses of our bootstrap peers: a wildcard listener is announced at the
+        address that routes to them, even on a machine with no default route."""
+        ips = []
+        for info in self.bootstrap_peers:
+            for a in info.addrs:
+                try:
+                    ips.append(a.value_for_protocol("ip4"))
+                except Exception:  # noqa: BLE001 - not an /ip4 address
+                    continue
+        return [ip for ip in dict.fromkeys(ips) if ip and not ip.startswith("127.")]
 
     @property
     def reach(self) -> Reach:
@@ -239,7 +251,7 @@ class Node:
                 nursery.start_soon(one, info)
         if not reached:
             return
-        state = await self.relaying.check(reached, advertised_addrs(self.host, ()))
+        state = await self.relaying.check(reached, advertised_addrs(self.host, (), self._towards()))
         self.reach.state = state
         if state == PRIVATE:
             self.dht.mode = DHTMode.CLIENT  # as switch_mode, without emptying the routing table
