@@ -114,6 +114,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seen: Visible, scale: float, soft
     return (probs @ v).view(b, kv, g, t, -1).reshape(b, h, t, -1)
 
 
+def _row_tables(segments: list[Segment]) -> tuple[Tensor, Tensor]:
+    """cos, sin [N, 1, rot] for the flat rows of `segments` (a segment's batch rows share positions)."""
+    def rows(i: int) -> Tensor:
+        parts = [s.rot[i].repeat(s.batch, 1) if s.batch > 1 else s.rot[i] for s in segments]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[:, None]
+
+    return rows(0), rows(1)
+
+
 class DecoderBlock(nn.Module):
     """A pre-norm block, the Llama shape: h = x + attn(norm(x)); out = h + mlp(norm(h)).
 
@@ -148,24 +157,27 @@ class DecoderBlock(nn.Module):
         return h + self.mlp(self.mlp_norm(h), exact)
 
     def attend(self, x: Tensor, segments: list[Segment], exact: bool) -> Tensor:
-        """The attention sub-block's output for x [1, N, H]: q/k/v and the output projection over
-        all rows, each segment's keys and values into its own cache slots [start, start+T)."""
-        qkv = self.wqkv(self.attn_norm(x), exact)
-        ys = [self._attend_one(qkv[0, s.rows], s, exact) for s in segments]
-        return self.wo((ys[0] if len(ys) == 1 else torch.cat(ys))[None], exact)
-
-    def _attend_one(self, qkv: Tensor, s: Segment, exact: bool) -> Tensor:
-        """One session's attention output [B*T, heads*D] from its projected rows [B*T, q+2kv]."""
-        b, t = s.batch, s.tokens
-        q, k, v = qkv.view(b, t, -1).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
-        q, k = q.view(b, t, self.n_heads, self.hd), k.view(b, t, self.n_kv, self.hd)
+        """The attention sub-block's output for x [1, N, H]: q/k/v, their norms and rotations and
+        the output projection over all rows (elementwise or per row: each row's bits as alone),
+        then each segment's keys and values into its own cache slots [start, start+T)."""
+        n = x.shape[1]
+        qkv = self.wqkv(self.attn_norm(x), exact)[0]
+        q, k, v = qkv.split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], dim=-1)
+        q, k, v = q.view(n, self.n_heads, self.hd), k.view(n, self.n_kv, self.hd), v.view(n, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = s.rot
-        q, k = rope.apply(q.transpose(1, 2), cos, sin), rope.apply(k.transpose(1, 2), cos, sin)
+        cos, sin = _row_tables(segments)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        ys = [self._attend_one(q[s.rows], k[s.rows], v[s.rows], s, exact) for s in segments]
+        return self.wo((ys[0] if len(ys) == 1 else torch.cat(ys))[None], exact)
+
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, s: Segment, exact: bool) -> Tensor:
+        """One session's attention output [B*T, heads*D] from its rotated rows [B*T, heads, D]."""
+        b, t = s.batch, s.tokens
+        q, k, v = (y.view(b, t, -1, self.hd).transpose(1, 2) for y in (q, k, v))
         end = s.start + t
         s.k_cache[:, :, s.start:end] = k
-        s.v_cache[:, :, s.start:end] = v.view(b, t, self.n_kv, self.hd).transpose(1, 2)
+        s.v_cache[:, :, s.start:end] = v
         y = attention(q, s.k_cache[:, :, s.seen.lo:end], s.v_cache[:, :, s.seen.lo:end], s.seen, self.scale,
                       self.softcap, exact)
         return y.transpose(1, 2).reshape(b * t, -1)
