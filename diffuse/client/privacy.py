@@ -8,7 +8,11 @@ the noisy rows, and so does everything downstream of them.
 
 Exact search with the public weights (scripts/eval_privacy.py, A3) matches the observed state to
 the nearest candidate's, so noise defeats it only once it is comparable to the distance between
-the states of different tokens; the harness measures what that does to the answers.
+the states of different tokens. Measured (--local-blocks 1,0, SmolLM2-135M, 12 prompts): at sigma
+0.1 A3 still recovers 100% of prompt tokens while greedy answers keep only 48% of their tokens
+before diverging; at sigma 1, 100% and 0%; at sigma 3, 81% and 0%. It does nothing against the
+last peer's read-out of generated tokens (the client reads what that peer returns). So it is not a
+defence, is off by default (0) and has no command-line flag: it exists to be measured.
 """
 
 from __future__ import annotations
