@@ -1,21 +1,20 @@
 #!/usr/bin/env python
-"""Direct against relayed: greedy decoding to a public peer and to a peer behind NAT (reached
-through the sentinel's circuit relay), in Linux network namespaces, from one run. Needs root,
-iproute2 and iptables.
+"""Direct, relayed and hole-punched: greedy decoding to a public peer and to a peer behind NAT
+(through the sentinel's circuit relay, or over the direct connection DCUtR opens), in Linux
+network namespaces, from one run. Needs root, iproute2 and iptables.
 
-    sudo .venv/bin/python scripts/bench_nat.py [--tokens 32] [--repeats 3] [--dtype bf16] [--home DIR]
+    sudo .venv/bin/python scripts/bench_nat.py [--tokens 32] [--repeats 3] [--pings 200] [--dtype bf16] [--home DIR]
 
 An "internet" bridge holds a sentinel (10.97.0.1, the relay) and a public peer (10.97.0.2); a
 second peer sits behind a home router (MASQUERADE, unsolicited inbound dropped), and the client
 behind another. Both peers serve every remote block (1..29; the client keeps block 0 and the
-head), so each answer crosses one hop: direct to the public peer, or client -> relay -> peer
-behind NAT. Repeats alternate the two (the client's --allow-peers names the one peer to use),
-so machine noise hits both alike; each cell is the median over repeats. Reported: decode
-tokens/s, time per token (one round trip through the hop per token), first-token time, how the
-hop was reached (ask --json), and the relayed/direct ratios; then the hop alone: PING/PONG round
-trips on an inference stream from the client's namespace, alternating the paths. Greedy tokens must be the same on
-both paths; the script says so. Hole punching is not measured: DCUtR is not enabled (see
-DESIGN.md, "Peers behind NAT").
+head), so each answer crosses one hop: direct to the public peer; client -> relay -> peer behind
+NAT; or, with `ask --hole-punch`, directly to that peer through both routers. Repeats alternate
+the three (the client's --allow-peers names the one peer to use), so machine noise hits all
+alike; each cell is the median over repeats. Reported: decode tokens/s, time per token (one round
+trip through the hop per token), first-token time, PING/PONG round trips on an inference stream
+(the hop alone), how the hop was reached (ask --json), and the ratios to the direct path. Greedy
+tokens must be the same on every path; the script says so.
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ class Internet:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
-def ping_main(boot: str, peer: str, rounds: int) -> int:
+def ping_main(boot: str, peer: str, rounds: int, hole_punch: bool) -> int:
     """In the client's namespace: PING/PONG round trips to `peer` over one inference stream,
     on whatever connection its record's addresses give (direct, or through its relay)."""
     import trio
@@ -121,8 +120,9 @@ def ping_main(boot: str, peer: str, rounds: int) -> int:
 
     async def run() -> None:
         key = resolve("private", Path(tempfile.gettempdir())).key
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
-                             server=False, swarm_key=key) as node:
+        listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
+        async with open_node(create_new_key_pair(), listen=listen, bootstrap=[boot], server=False, swarm_key=key,
+                             hole_punch=hole_punch) as node:
             record = None
             for _ in range(100):
                 record = await node.peer_record(peer)
@@ -130,6 +130,8 @@ def ping_main(boot: str, peer: str, rounds: int) -> int:
                     break
                 await trio.sleep(0.2)
             pid = ID.from_base58(peer)
+            node.host.get_peerstore().clear_addrs(pid)  # as the swarm client dials: fresh addresses,
+            node.host.get_network().unblock_peer(pid)  # and no memory of a DHT query's failed dial
             await node.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in record.addrs]))
             stream = await node.host.new_stream(pid, [TProtocol(PROTOCOL_ID)])
             rtts, dec = [], FrameDecoder()
@@ -149,7 +151,7 @@ def ping_main(boot: str, peer: str, rounds: int) -> int:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--ping":
-        return ping_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return ping_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -179,31 +181,32 @@ def main() -> int:
         ids = {}
         for name in ("direct", "natted"):
             children.append(Child(name, [*home, "join", "--bootstrap", boot, "--blocks", "1:30", "--dtype",
-                                         args.dtype, "--identity", str(tmp / f"{name}.key")], tmp / f"{name}.log",
-                                  prefix=net.prefix(name)))
+                                         args.dtype, "--hole-punch", "--identity", str(tmp / f"{name}.key")],
+                                  tmp / f"{name}.log", prefix=net.prefix(name)))
         for child in children[1:]:
             ids[child.name] = child.wait_for("/ip4/", 180).rsplit("/p2p/", 1)[1]
             child.wait_for("serving ", 300)
         for name, pid in ids.items():
             (tmp / f"{name}.allow").write_text(pid + "\n")
-        runs: dict[str, list[dict]] = {"direct": [], "natted": []}
+        paths = {"direct": ("direct", []), "natted": ("natted", []), "punched": ("natted", ["--hole-punch"])}
+        runs: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(args.repeats):
-            for name in ("direct", "natted"):
+            for name, (target, extra) in paths.items():
                 out = subprocess.run(net.prefix("client") + CLI + [
-                    *home, "--client-only", "ask", "--bootstrap", boot, "--allow-peers", str(tmp / f"{name}.allow"),
+                    *home, "--client-only", "ask", "--bootstrap", boot, "--allow-peers", str(tmp / f"{target}.allow"),
                     "--json", "--max-tokens", str(args.tokens), "--wait", "60", "--no-speculate", "--dtype",
-                    args.dtype, QUESTION], capture_output=True, text=True, timeout=600)
+                    args.dtype, *extra, QUESTION], capture_output=True, text=True, timeout=600)
                 if out.returncode != 0:
                     raise RuntimeError(f"ask via {name} failed: {out.stderr[-2000:]}")
                 got = json.loads(out.stdout)
                 runs[name].append(got)
                 print(f"repeat {r + 1} {name}: {got['tokens_per_s']:.1f} tok/s, "
                       f"reached {got['route'][0].get('reached')}", file=sys.stderr, flush=True)
-        pings: dict[str, list[float]] = {"direct": [], "natted": []}
+        pings: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(args.repeats):
-            for name in ("direct", "natted"):
-                out = subprocess.run(net.prefix("client") + [sys.executable, __file__, "--ping", boot, ids[name],
-                                                             str(args.pings)],
+            for name, (target, extra) in paths.items():
+                out = subprocess.run(net.prefix("client") + [sys.executable, __file__, "--ping", boot, ids[target],
+                                                             str(args.pings), "1" if extra else "0"],
                                      capture_output=True, text=True, timeout=300)
                 if out.returncode != 0:
                     raise RuntimeError(f"ping via {name} failed: {out.stderr[-2000:]}")
@@ -216,18 +219,21 @@ def main() -> int:
             cells[name] = dict(tps=tps, ms=1000 / tps, first=first, reached=rs[-1]["route"][0].get("reached"))
         print(f"\nbench_nat: {args.tokens} tokens, {args.repeats} repeats, {args.dtype}, one hop (blocks 1-29), "
               f"{time.strftime('%Y-%m-%d')}")
-        print(f"{'path':<26} {'tokens/s':>9} {'ms/token':>9} {'first token s':>14}  reached")
-        for name, label in (("direct", "direct (public peer)"), ("natted", "relayed (peer behind NAT)")):
+        print(f"{'path':<30} {'tokens/s':>9} {'ms/token':>9} {'first token s':>14} {'PING ms':>8}  reached")
+        labels = {"direct": "direct (public peer)", "natted": "relayed (peer behind NAT)",
+                  "punched": "hole-punched (same peer)"}
+        for name, label in labels.items():
             c = cells[name]
-            print(f"{label:<26} {c['tps']:>9.2f} {c['ms']:>9.1f} {c['first']:>14.2f}  {c['reached']}")
-        print(f"{'hole-punched':<26} {'n/a':>9}  (DCUtR not enabled)")
-        d, n = cells["direct"], cells["natted"]
-        print(f"\nrelayed/direct: tokens/s x{n['tps'] / d['tps']:.2f}, time per token x{n['ms'] / d['ms']:.2f} "
-              f"(+{n['ms'] - d['ms']:.1f} ms per round trip through the relay)")
-        pd, pn = statistics.median(pings["direct"]), statistics.median(pings["natted"])
-        print(f"PING/PONG round trip on an inference stream (median of {len(pings['direct'])}): direct {pd:.2f} ms, "
-              f"relayed {pn:.2f} ms (x{pn / pd:.2f}, +{pn - pd:.2f} ms per hop)")
-        print("greedy tokens identical on both paths:", "yes" if same else "NO")
+            c["ping"] = statistics.median(pings[name])
+            print(f"{label:<30} {c['tps']:>9.2f} {c['ms']:>9.1f} {c['first']:>14.2f} {c['ping']:>8.2f}  "
+                  f"{(c['reached'] or {}).get('state')}")
+        d = cells["direct"]
+        for name in ("natted", "punched"):
+            c = cells[name]
+            print(f"{labels[name]} / direct: tokens/s x{c['tps'] / d['tps']:.2f}, time per token "
+                  f"x{c['ms'] / d['ms']:.2f} ({c['ms'] - d['ms']:+.1f} ms), PING x{c['ping'] / d['ping']:.2f} "
+                  f"({c['ping'] - d['ping']:+.2f} ms per round trip)")
+        print("greedy tokens identical on every path:", "yes" if same else "NO")
         return 0 if same else 1
     finally:
         for child in reversed(children):

@@ -337,3 +337,44 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
     finally:
         for child in reversed(list(children.values())):
             child.stop()
+
+
+def test_hole_punching_goes_direct_except_through_a_symmetric_nat(home, tmp_path, key_env, internet, reference):
+    """A peer behind one home router (join --hole-punch); a client behind a port-preserving router
+    and another behind `MASQUERADE --random-fully` (a new port per flow: symmetric-like), both
+    asking with --hole-punch. DCUtR opens a direct connection through the first router while the
+    client dials, and the session runs on it; through the second the prediction of the client's
+    port fails and the session stays on the relay. Both answers are the in-process one."""
+    net = internet
+    net.public("sentinel", "10.97.0.1")
+    net.home("peer", "10.97.0.11", 1)
+    net.home("cone", "10.97.0.12", 2)
+    net.home("symmetric", "10.97.0.13", 3, random_fully=True)
+    base = ["--home", str(home)]
+    children: list[Child] = []
+    try:
+        sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
+                                             "--listen", "/ip4/10.97.0.1/tcp/0"],
+                         tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
+        children.append(sentinel)
+        boot = sentinel.wait_for("/ip4/", 120)
+        relay_id = parse_peer_addr(boot).peer_id.to_base58()
+        peer = Child("peer", base + ["join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5",
+                                     "--hole-punch", "--identity", str(tmp_path / "peer.key")],
+                     tmp_path / "peer.log", prefix=net.prefix("peer"))
+        children.append(peer)
+        peer_id = peer.wait_for("/ip4/", 180).rsplit("/", 1)[1]
+        peer.wait_for("serving ", 180)
+        for client, expect in (("cone", {"state": "hole-punched", "via": relay_id}),
+                               ("symmetric", {"state": "relayed", "via": relay_id})):
+            out = subprocess.run(net.prefix(client) + CLI + base + [
+                "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+                "--no-speculate", "--hole-punch", QUESTION], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr
+            got = json.loads(out.stdout)
+            assert got["token_ids"] == reference, client
+            assert [(h["peer"], h["reached"]) for h in got["route"]] == [(peer_id, expect)], client
+            assert not got["failovers"], client
+    finally:
+        for child in reversed(children):
+            child.stop()

@@ -76,3 +76,38 @@ def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
                 await peer_cm.__aexit__(None, None, None)
 
     trio.run(main)
+
+
+def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
+    """DCUtR between two hole-punching nodes of a private swarm (on loopback every punch
+    succeeds): the dialer's connect returns once the direct connection is up, and streams use it."""
+    key = SwarmKey.generate()
+
+    async def unreachable(self, servers, candidates):
+        return nat.PRIVATE
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+            boot = relay.full_addrs()[0]
+            with monkeypatch.context() as m:
+                m.setattr(nat.Relaying, "check", unreachable)
+                peer_cm = open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                    handlers={ECHO: echo}, reach_check=True, hole_punch=True)
+                peer = await peer_cm.__aenter__()
+            try:
+                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                     server=False, hole_punch=True) as client:
+                    pid = ID.from_base58(peer.peer_id)
+                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                    assert nat.how_reached(client.host, peer.peer_id) == {"state": "hole-punched",
+                                                                          "via": relay.peer_id}
+                    stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+                    [carrier] = [c for c in client.host.get_network().get_connections(pid)
+                                 if c.muxed_conn is stream.muxed_conn]
+                    assert not any("/p2p-circuit" in str(a) for a in carrier.get_transport_addresses())
+                    await stream.write(b"punched")
+                    assert await stream.read(64) == b"echo:punched"
+            finally:
+                await peer_cm.__aexit__(None, None, None)
+
+    trio.run(main)

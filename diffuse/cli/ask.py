@@ -8,7 +8,7 @@ from pathlib import Path
 
 import trio
 
-from diffuse.cli.reach import add_discovery_options, use_mdns
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, client_listen, use_mdns
 from diffuse.cli.swarm import add_swarm_options
 from diffuse.control.modes import SwarmAccess
 from diffuse.errors import DiffuseError
@@ -114,6 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
+    add_hole_punch_option(p, default=False)
     p.set_defaults(func=cmd_ask)
 
 
@@ -184,9 +185,9 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
 
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
+        async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
                              codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
-                             mdns=mdns) as node:
+                             mdns=mdns, hole_punch=args.hole_punch) as node:
             client = SwarmClient(node, model_dir, opts)
             deadline = trio.current_time() + args.wait
             while not await client.covered():

@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-from diffuse.cli.reach import add_discovery_options, add_relay_options, use_mdns
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, use_mdns
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
@@ -57,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
     add_swarm_options(p)
     add_relay_options(p, default=False)
+    add_hole_punch_option(p, default=False)
     p.add_argument("--model", help="model in the store (default: the embedded default model)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
@@ -221,7 +222,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
                     status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
                     announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
-                    allow=access.allow, mdns=mdns, relay=args.relay)
+                    allow=access.allow, mdns=mdns, relay=args.relay, hole_punch=args.hole_punch)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             print(f"reachability: {node.reach.describe()}", file=sys.stderr, flush=True)

@@ -28,3 +28,16 @@ def add_relay_options(p: argparse.ArgumentParser, default: bool) -> None:
     p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=default,
                    help="serve circuit relay v2 hops for peers behind NAT, with bounded reservations "
                         f"(default: {'on' if default else 'off'})")
+
+
+def add_hole_punch_option(p: argparse.ArgumentParser, default: bool) -> None:
+    p.add_argument("--hole-punch", action=argparse.BooleanOptionalAction, default=default,
+                   help="over a relayed connection, try DCUtR hole punching to open a direct one (both ends "
+                        "must; a client then listens on every interface; new, so off by default: "
+                        f"{'on' if default else 'off'})")
+
+
+def client_listen(args: argparse.Namespace) -> list[str]:
+    """Where a client node listens: loopback, unless it punches holes (its dials must leave from
+    a port its router maps)."""
+    return ["/ip4/0.0.0.0/tcp/0"] if getattr(args, "hole_punch", False) else ["/ip4/127.0.0.1/tcp/0"]

@@ -1,7 +1,7 @@
-"""Peers behind NATs: reachability (AutoNAT), circuit relay v2, and dialing through relays.
+"""Peers behind NATs: reachability (AutoNAT), circuit relay v2, dialing through relays, DCUtR.
 
 All of it is py-libp2p 0.8.1's own protocols (`libp2p.host.autonat`, `libp2p.relay.circuit_v2`),
-with three defects of that version worked around here:
+with four defects of that version worked around here (a fifth is in control/pnet.py):
 
 1. AutoNAT's server dials the requester back with `host.connect`, which returns at once when a
    connection to that peer exists, and one always does: the request came over it. So every
@@ -15,6 +15,17 @@ with three defects of that version worked around here:
    swarm's inbound upgrade applies the psk) but not on the dialing side (the outbound upgrade
    does not), so in a private swarm no relayed handshake can succeed. Our dial wraps the raw
    circuit in the same layer (control/pnet.py) before Noise.
+4. The relay books circuits by one peer id each and, when a circuit ends, closes whatever is
+   booked under that id: a client's other circuits too (`Relay`).
+
+Hole punching: with `hole_punch`, py-libp2p's DCUtR runs on the host (both ends must): over
+a relayed connection the two exchange their predicted public addresses and dial each other at
+once from their listen ports (TCP simultaneous open), which port-preserving NATs let through.
+A dialer waits up to PUNCH_WAIT_S after a relayed dial for the direct connection, so its first
+streams already use it; through a symmetric NAT the prediction fails and streams stay relayed.
+Off by default until it has more runs behind it (DESIGN.md, "Peers behind NAT").
+(The responder's side of that dial met another defect, the private-network layer applied twice:
+see control/pnet.py, `protected_conn`.)
 
 Relays: every node answers STOP (it can be reached through a relay); a sentinel, or a peer with
 `--relay`, also serves HOP with reservations bounded in count, lifetime and bytes per circuit
@@ -29,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import multiaddr
@@ -48,6 +60,8 @@ log = logging.getLogger(__name__)
 PUBLIC, RELAYED, UNKNOWN, PRIVATE = "public", "relayed", "unknown", "private"
 DIAL_BACK_TIMEOUT_S = 3.0
 AUTONAT_TIMEOUT_S = 10.0
+PUNCH_WAIT_S = 3.0  # after a relayed dial, how long the dialer waits for hole punching to succeed
+HOLE_PUNCHED = "hole-punched"
 RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
 RELAY_LIMITS = RelayLimits(
     duration=2 * 3600,  # seconds one circuit may live (an inference session rarely lasts minutes)
@@ -60,6 +74,27 @@ RELAY_LIMITS = RelayLimits(
 
 def is_circuit(addr: multiaddr.Multiaddr | str) -> bool:
     return "/p2p-circuit" in str(addr)
+
+
+class _Unbooked(dict):
+    """A dict that keeps nothing (see `Relay`)."""
+
+    def __setitem__(self, key, value) -> None:
+        return None
+
+
+class Relay(CircuitV2Protocol):
+    """py-libp2p's circuit relay v2 protocol without its per-peer circuit book (defect 4).
+
+    `_active_relays` is keyed by one peer id per circuit, the source's or the destination's,
+    and the end of any circuit closes the streams booked under its key. A client with circuits
+    to two peers (a route and its replica) has both booked under its own id, so when one peer
+    dies, the relay closes the client's circuit to the other: the failover fails. Nothing else
+    reads the book; each circuit's two relaying tasks end when either side closes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._active_relays = _Unbooked()
 
 
 class DialBack(AutoNATService):
@@ -103,9 +138,9 @@ class Reach:
 class Relaying:
     """Circuit relay v2 and AutoNAT on one host. `run` it in the node's nursery."""
 
-    def __init__(self, host: IHost, *, hop: bool, limits: RelayLimits = RELAY_LIMITS) -> None:
-        self.host, self.hop = host, hop
-        self.protocol = CircuitV2Protocol(host, limits, allow_hop=hop)
+    def __init__(self, host: IHost, *, hop: bool, limits: RelayLimits = RELAY_LIMITS, hole_punch: bool = False) -> None:
+        self.host, self.hop, self.hole_punch = host, hop, hole_punch
+        self.protocol = Relay(host, limits, allow_hop=hop)
         # STOP only: this node never reserves behind our back (we reserve explicitly, on the
         # relays we choose) and a client's dial spends no relay slot.
         self.transport = CircuitV2Transport(host, self.protocol, RelayConfig(roles=RelayRole.STOP))
@@ -113,10 +148,15 @@ class Relaying:
         self.reach = Reach()
         self.circuit_addrs: dict[str, str] = {}  # relay peer id -> our /p2p-circuit address there
         self._held: set[str] = set()  # relays that ever held a slot for us
+        self._conn_of: dict[str, object] = {}  # relay -> the connection our slot was made on
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with background_trio_service(self.protocol):
+        async with background_trio_service(self.protocol), AsyncExitStack() as stack:
+            if self.hole_punch:
+                from libp2p.relay.circuit_v2 import DCUtRProtocol
+
+                await stack.enter_async_context(background_trio_service(DCUtRProtocol(self.host)))
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
@@ -142,9 +182,15 @@ class Relaying:
                     errors.append(f"direct: {e}")
             for addr in circuits:
                 try:
-                    return await self.dial(info.peer_id, addr)
+                    await self.dial(info.peer_id, addr)
                 except Exception as e:  # noqa: BLE001 - as above: the next relay
                     errors.append(f"{addr}: {e}")
+                    continue
+                if self.hole_punch:  # DCUtR starts on the new circuit: give it a moment, so the
+                    with trio.move_on_after(PUNCH_WAIT_S):  # first streams already go direct
+                        while how_reached(self.host, info.peer_id.to_base58())["state"] != HOLE_PUNCHED:
+                            await trio.sleep(0.05)
+                return None
             raise SwarmException(f"no address of {info.peer_id} worked: " + "; ".join(errors))
 
         self.host.connect = connect  # type: ignore[method-assign]
@@ -202,8 +248,9 @@ class Relaying:
             changed = False
             for relay in relays:
                 key = relay.peer_id.to_base58()
-                was_connected = self._connected(relay.peer_id)
+                before = self._conn_of.get(key)
                 ok = await self._reserve(relay)
+                now = self._conn_of[key] = self._relay_conn(relay.peer_id)
                 if ok and key not in self.circuit_addrs:
                     direct = [a for a in relay.addrs if not is_circuit(a)]
                     self.circuit_addrs[key] = f"{direct[0]}/p2p/{key}/p2p-circuit"
@@ -211,7 +258,8 @@ class Relaying:
                     (log.warning if key in self._held else log.info)(
                         "relay %s holds a slot for us%s", key, " again" if key in self._held else "")
                     self._held.add(key)
-                elif ok and not was_connected:  # the relay restarted (or the path broke): a new slot
+                elif ok and before is not None and now is not before:  # a new connection: the relay restarted
+                    # or the path broke (the DHT may have redialled it first), so this is a new slot
                     changed = True
                     log.warning("reserved again on relay %s after reconnecting", key)
                 elif not ok and key in self.circuit_addrs:
@@ -223,6 +271,10 @@ class Relaying:
             if changed:
                 await on_change()
             await trio.sleep(RESERVE_EVERY_S if len(self.circuit_addrs) == len(relays) else 2.0)
+
+    def _relay_conn(self, peer: ID) -> object:
+        conns = [c for c in self.host.get_network().get_connections(peer) if not getattr(c, "is_closed", False)]
+        return conns[0] if conns else None
 
     async def _reserve(self, relay: PeerInfo) -> bool:
         try:
@@ -241,12 +293,15 @@ class Relaying:
 
 
 def how_reached(host: IHost, peer_id: str) -> dict[str, object]:
-    """How this host is connected to `peer_id` now: {"state": "direct" | "relayed" | "none",
-    "via": relay peer id or None}, from the open connection's transport address."""
+    """How this host reaches `peer_id` now, as new streams go (a direct connection first):
+    {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}.
+    Hole-punched: a direct connection next to a relayed one (DCUtR opened it over the circuit;
+    the relayed one closes a minute later)."""
     try:
         conns = host.get_network().get_connections(ID.from_base58(peer_id))
     except Exception:  # noqa: BLE001 - a malformed id: not connected
         conns = []
+    direct, relay = False, None
     for conn in conns:
         if getattr(conn, "is_closed", False):
             continue
@@ -256,6 +311,9 @@ def how_reached(host: IHost, peer_id: str) -> dict[str, object]:
             addrs = []
         circuit = next((a for a in addrs if is_circuit(a)), None)
         if circuit is None:
-            return {"state": "direct", "via": None}
-        return {"state": "relayed", "via": circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]}
-    return {"state": "none", "via": None}
+            direct = True
+        else:
+            relay = circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
+    if direct:
+        return {"state": HOLE_PUNCHED if relay else "direct", "via": relay}
+    return {"state": "relayed", "via": relay} if relay else {"state": "none", "via": None}

@@ -84,6 +84,7 @@ class Node:
         mdns: bool = False,
         relay: bool = False,
         reach_check: bool | None = None,
+        hole_punch: bool = False,
     ) -> None:
         """server=False: a DHT client (status, pure clients) that stores nothing for others.
         `codecs`: what the DHT accepts under /diffuse/ (default: peer records only).
@@ -93,7 +94,8 @@ class Node:
         `relay`: serve circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check`
         (default: a DHT server with bootstrap peers and no --announce): ask the bootstrap peers
         to dial us back; unreachable, the node becomes a DHT client, reserves relay slots on them
-        and announces its /p2p-circuit addresses only."""
+        and announces its /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed
+        connections to or from peers that run it too turn direct where the NATs allow."""
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
@@ -101,7 +103,7 @@ class Node:
         self.mode = PRIVATE_SWARM if swarm_key is not None else PUBLIC_SWARM
         self.allow = allow
         self.host = make_host(key_pair, self._listen, announce_addrs, swarm_key)
-        self.relaying = Relaying(self.host, hop=relay)
+        self.relaying = Relaying(self.host, hop=relay, hole_punch=hole_punch)
         self.relaying.install()
         self.reach_check = (server and not announce_addrs) if reach_check is None else reach_check
         for proto, handler in (handlers or {}).items():

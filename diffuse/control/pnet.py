@@ -200,7 +200,12 @@ def dial_failure(error: BaseException) -> str | None:
 
 
 def protected_conn(conn: IRawConnection, psk: str) -> PrivateConn:
-    """What py-libp2p's swarm calls with its `psk` (64 hex digits) for every raw connection."""
+    """What py-libp2p's swarm calls with its `psk` (64 hex digits) for every raw connection.
+    A connection already wrapped is returned as it is: py-libp2p 0.8.1's `dial_addr_as_responder`
+    (hole punching) wraps the raw connection, then hands it to `upgrade_inbound_raw_conn`, which
+    wraps it again; two layers on one side and one on the other can never handshake."""
+    if isinstance(conn, PrivateConn):
+        return conn
     return PrivateConn(conn, bytes.fromhex(psk))
 
 
