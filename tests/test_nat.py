@@ -199,6 +199,22 @@ def internet():
     assert net.tag not in ip("netns", "list").stdout
 
 
+def sentinel_and_peer(net: Internet, base: list[str], tmp_path, children: list[Child],
+                      *peer_args: str) -> tuple[Child, Child, str, str]:
+    """The sentinel on the internet and a peer serving blocks 1:30 behind router 1, both in
+    `children`; with the bootstrap address and the relay's (the sentinel's) peer id."""
+    sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
+                                         "--listen", "/ip4/10.97.0.1/tcp/0"],
+                     tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
+    children.append(sentinel)
+    boot = sentinel.wait_for("/ip4/", 120)
+    peer = Child("peer", base + ["join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5", *peer_args,
+                                 "--identity", str(tmp_path / "peer.key")],
+                 tmp_path / "peer.log", prefix=net.prefix("peer"))
+    children.append(peer)
+    return sentinel, peer, boot, parse_peer_addr(boot).peer_id.to_base58()
+
+
 def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, key_env, internet, reference):
     """A sentinel on the internet; a peer serving every remote block behind one home router, a
     client behind another (MASQUERADE, unsolicited inbound dropped; the client's router with
@@ -218,16 +234,7 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
     base = ["--home", str(home)]
     children: list[Child] = []
     try:
-        sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
-                                             "--listen", "/ip4/10.97.0.1/tcp/0"],
-                         tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
-        children.append(sentinel)
-        boot = sentinel.wait_for("/ip4/", 120)
-        relay_id = parse_peer_addr(boot).peer_id.to_base58()
-        peer = Child("peer", base + ["join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5",
-                                     "--identity", str(tmp_path / "peer.key")],
-                     tmp_path / "peer.log", prefix=net.prefix("peer"))
-        children.append(peer)
+        sentinel, peer, boot, relay_id = sentinel_and_peer(net, base, tmp_path, children)
         addr = peer.wait_for("/ip4/", 180)
         assert addr.startswith(f"{boot}/p2p-circuit/p2p/"), addr  # only the relayed address
         peer_id = addr.rsplit("/", 1)[1]
@@ -353,16 +360,7 @@ def test_hole_punching_goes_direct_except_through_a_symmetric_nat(home, tmp_path
     base = ["--home", str(home)]
     children: list[Child] = []
     try:
-        sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
-                                             "--listen", "/ip4/10.97.0.1/tcp/0"],
-                         tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
-        children.append(sentinel)
-        boot = sentinel.wait_for("/ip4/", 120)
-        relay_id = parse_peer_addr(boot).peer_id.to_base58()
-        peer = Child("peer", base + ["join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5",
-                                     "--hole-punch", "--identity", str(tmp_path / "peer.key")],
-                     tmp_path / "peer.log", prefix=net.prefix("peer"))
-        children.append(peer)
+        _, peer, boot, relay_id = sentinel_and_peer(net, base, tmp_path, children, "--hole-punch")
         peer_id = peer.wait_for("/ip4/", 180).rsplit("/", 1)[1]
         peer.wait_for("serving ", 180)
         for client, expect in (("cone", {"state": "hole-punched", "via": relay_id}),

@@ -4,6 +4,9 @@ at its relay, and a client reaches it through them, in a private swarm."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -44,21 +47,29 @@ def test_dial_back_tells_a_listening_address_from_a_closed_one():
     trio.run(main)
 
 
-def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
-    key = SwarmKey.generate()
-
+@asynccontextmanager
+async def behind_nat(monkeypatch, key: SwarmKey, boot: str, **kw) -> AsyncIterator:
+    """A serving node whose reachability check finds it unreachable (only while it starts, so the
+    nodes opened after it check as usual): it reserves a slot on its bootstrap relay."""
     async def unreachable(self, servers, candidates):
         return nat.PRIVATE
+
+    async with AsyncExitStack() as stack:
+        with monkeypatch.context() as m:
+            m.setattr(nat.Relaying, "check", unreachable)
+            peer = await stack.enter_async_context(open_node(
+                create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot], handlers={ECHO: echo},
+                reach_check=True, **kw))
+        yield peer
+
+
+def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
+    key = SwarmKey.generate()
 
     async def main():
         async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
             boot = relay.full_addrs()[0]
-            with monkeypatch.context() as m:
-                m.setattr(nat.Relaying, "check", unreachable)
-                peer_cm = open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                    handlers={ECHO: echo}, reach_check=True)
-                peer = await peer_cm.__aenter__()
-            try:
+            async with behind_nat(monkeypatch, key, boot) as peer:
                 assert peer.reach.state == nat.RELAYED and peer.reach.relays == (relay.peer_id,)
                 assert peer.dht.mode == DHTMode.CLIENT
                 assert peer.addrs() == [f"{relay.addrs()[0]}/p2p/{relay.peer_id}/p2p-circuit"]
@@ -72,8 +83,6 @@ def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
                     assert await stream.read(64) == b"echo:through the relay"
                     assert [str(a) for a in conn.get_transport_addresses()] == [
                         f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{peer.peer_id}"]  # through the relay
-            finally:
-                await peer_cm.__aexit__(None, None, None)
 
     trio.run(main)
 
@@ -83,18 +92,10 @@ def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
     succeeds): the dialer's connect returns once the direct connection is up, and streams use it."""
     key = SwarmKey.generate()
 
-    async def unreachable(self, servers, candidates):
-        return nat.PRIVATE
-
     async def main():
         async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
             boot = relay.full_addrs()[0]
-            with monkeypatch.context() as m:
-                m.setattr(nat.Relaying, "check", unreachable)
-                peer_cm = open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                    handlers={ECHO: echo}, reach_check=True, hole_punch=True)
-                peer = await peer_cm.__aenter__()
-            try:
+            async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
                 async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
                                      server=False, hole_punch=True) as client:
                     pid = ID.from_base58(peer.peer_id)
@@ -107,7 +108,5 @@ def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
                     assert not any("/p2p-circuit" in str(a) for a in carrier.get_transport_addresses())
                     await stream.write(b"punched")
                     assert await stream.read(64) == b"echo:punched"
-            finally:
-                await peer_cm.__aexit__(None, None, None)
 
     trio.run(main)
