@@ -462,3 +462,63 @@ def test_rechunked_keeps_committed_rows_in_order_within_the_row_bound():
     assert torch.equal(torch.cat([c.positions for c in chunks]), torch.arange(8))
     assert torch.equal(torch.cat([c.h for c in chunks], 1), h[:, [0, 1, 2, 3, 4, 7, 8, 9]])
     assert rechunked([]) == []
+
+
+class Wire(MemStream):
+    """A MemStream whose writes and close wait on the event loop first, as a network stream's
+    do (yamux sends a frame to close): a cancelled caller gets nothing out unless it shields."""
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        await super().write(data)
+
+    async def close(self) -> None:
+        await trio.lowlevel.checkpoint()
+        await super().close()
+
+
+async def _opened_then_cancelled(path, stall_second_dial: bool) -> list[int]:
+    """Open a two-hop span over Wire streams and cancel its user (a client hanging up) once the
+    first hop is open: either mid-build (the second dial never answers) or after open, closing
+    inside the cancelled scope. Returns the servers' open sessions a moment later."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, {"a": (1, 2), "b": (2, 4)})
+        opened = trio.Event()
+
+        async def dial(hop):
+            if hop.peer_id == "b" and stall_second_dial:
+                opened.set()
+                await trio.sleep_forever()
+            a, b = trio.testing.memory_stream_pair()
+            nursery.start_soon(swarm._serve, hop.peer_id, swarm.servers[hop.peer_id], Wire(b))
+            return Wire(a)
+
+        remote = RemoteSpan(MODEL, 1, 4, dial, swarm.route, Bans(), max_len=32, timeout=10, route_wait=0)
+        scope = trio.CancelScope()
+
+        async def hang_up() -> None:
+            await opened.wait()
+            scope.cancel()
+
+        nursery.start_soon(hang_up)
+        with scope:
+            await remote.open()
+            assert [s.sessions for s in swarm.servers.values()] == [1, 1]
+            opened.set()
+            await trio.sleep_forever()
+        assert scope.cancelled_caught
+        if not stall_second_dial:
+            with trio.CancelScope() as closing:
+                closing.cancel()
+                await remote.close()  # in a cancelled scope, as a hung-up request's finally
+        with trio.move_on_after(5):
+            while any(s.sessions for s in swarm.servers.values()):
+                await trio.sleep(0.01)
+        left = [s.sessions for s in swarm.servers.values()]
+        nursery.cancel_scope.cancel()
+    return left
+
+
+@pytest.mark.parametrize("stall_second_dial", [True, False], ids=["mid-build", "closing"])
+def test_a_cancelled_client_frees_its_sessions_on_the_peers(tiny, stall_second_dial):
+    assert trio.run(_opened_then_cancelled, tiny, stall_second_dial) == [0, 0]

@@ -101,12 +101,9 @@ class RemoteSpan:
                     outs = await session.replay(feed, timeout=self.timeout * 4 + 0.5 * len(feed))
                     feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
                 return new
-            except (NoRoute, ChecksUnavailable):
+            except BaseException as e:  # cancelled too: sessions opened so far must not outlive it
                 await self._discard(new)
-                raise
-            except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
-                await self._discard(new)
-                if hop is None:
+                if hop is None or not isinstance(e, Exception) or isinstance(e, (NoRoute, ChecksUnavailable)):
                     raise
                 self._failed(hop, e, "replay" if inputs else "open")
 

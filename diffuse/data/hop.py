@@ -255,7 +255,10 @@ class HopSession:
         return self.history + ([replace(self.pending, keep=self.keep)] if self.keep else [])
 
     async def close(self) -> None:
-        with trio.move_on_after(1.0):
+        """CLOSE and end the stream, also when the caller is being cancelled (a client that hung
+        up): shielded for at most a second, so the peer frees the cache now rather than at its
+        idle timeout."""
+        with trio.move_on_after(1.0, shield=True):
             try:
                 if self.rules.state is not SessionState.CLOSED and self.rules.open is not None:
                     await self._send(Close(self.session_id))
