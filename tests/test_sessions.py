@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
+from diffuse.client.rescue import Rescuable
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.hop import Sent, rechunked
@@ -522,3 +523,49 @@ async def _opened_then_cancelled(path, stall_second_dial: bool) -> list[int]:
 @pytest.mark.parametrize("stall_second_dial", [True, False], ids=["mid-build", "closing"])
 def test_a_cancelled_client_frees_its_sessions_on_the_peers(tiny, stall_second_dial):
     assert trio.run(_opened_then_cancelled, tiny, stall_second_dial) == [0, 0]
+
+
+async def _rescued_answer(path, n: int, kill_at: int, weights: bool) -> tuple[list[int], Rescuable]:
+    """Greedy through two replicas of blocks 1-3 that both die after `kill_at` steps, the span
+    wrapped to finish here (from the store, or from nowhere: `weights` False)."""
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, path, {"x": (1, 4), "y": (1, 4)})
+        swarm.kill_after.update(x=kill_at, y=kill_at)
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                            timeout=10, route_wait=0)
+        await remote.open()
+
+        def load(a, b):
+            if not weights:
+                raise FileNotFoundError("no weights for blocks 1-3 in this store")
+            return load_span(path, a, b)
+
+        middle = Rescuable(remote, load, 1 << 20, 64)
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64), middle])
+        out: list[int] = []
+        try:
+            logits = await pipe.forward(torch.tensor([PROMPT]))
+            for _ in range(n):
+                out.append(int(logits[0, -1].argmax()))
+                logits = await pipe.forward(torch.tensor([[out[-1]]]))
+        except NoRoute:
+            pass
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return out, middle
+
+
+def test_a_span_the_swarm_lost_is_finished_here_with_the_same_answer(tiny):
+    expected = local_answer(tiny, PROMPT, 12)
+    for kill_at in (1, 6):
+        out, middle = trio.run(_rescued_answer, tiny, 12, kill_at, True)
+        assert out == expected, kill_at
+        assert middle.rescued_at == len(PROMPT) + kill_at - 1  # every committed token replayed here
+        assert {f["peer"] for f in middle.remote.stats.failovers} == {"x", "y"}
+
+
+def test_without_the_weights_the_answer_stops_where_the_swarm_did(tiny):
+    expected = local_answer(tiny, PROMPT, 12)
+    out, middle = trio.run(_rescued_answer, tiny, 12, 6, False)
+    assert middle.local is None
+    assert out == expected[:6]

@@ -11,6 +11,7 @@ import torch
 
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.control.routing import NoRoute
 from diffuse.client.speculative import SpecConfig, SpecState, kv_headroom, speculative_tokens
 from diffuse.errors import Rewind
 
@@ -19,7 +20,7 @@ from diffuse.errors import Rewind
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    finish_reason: str  # "stop" (end of turn or stop string), "length", or "uncovered blocks A-B" (no route left)
     prompt_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)  # tokens each decode round trip produced
@@ -128,19 +129,24 @@ class Generation:
         finish = "length"
         stats = self.state.stats if self.state else None
         seen = stats.steps if stats else 0  # a state reused across answers keeps adding steps
-        async for token in self.tokens(self.pipeline, self.prompt, sampler, self.tokenizer.eos_ids):
-            t_first = t_first or time.perf_counter()
-            ids.append(token)
-            piece = stopper.push(decoder.push(token))
-            if piece:
-                pieces.append(piece)
-                yield piece
-            if stopper.hit:
-                finish = "stop"
-                break
-        else:
-            if len(ids) < params.max_tokens:
-                finish = "stop"
+        try:
+            async for token in self.tokens(self.pipeline, self.prompt, sampler, self.tokenizer.eos_ids):
+                t_first = t_first or time.perf_counter()
+                ids.append(token)
+                piece = stopper.push(decoder.push(token))
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+                if stopper.hit:
+                    finish = "stop"
+                    break
+            else:
+                if len(ids) < params.max_tokens:
+                    finish = "stop"
+        except NoRoute as e:
+            if not ids:  # nothing to keep: the caller says what failed
+                raise
+            finish = f"uncovered blocks {e.blocks}"  # the swarm lost them mid-answer: keep what we have
         if not stopper.hit:
             piece = stopper.push(decoder.flush()) + stopper.flush()
             if piece:

@@ -23,6 +23,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from diffuse.client import privacy
 from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
+from diffuse.client.rescue import Rescuable
 from diffuse.control.host import parse_multiaddr
 from diffuse.control.node import Node
 from diffuse.control.records import PeerRecord
@@ -33,7 +34,7 @@ from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
-from diffuse.model.engine import BlockSpan, Head
+from diffuse.model.engine import BlockSpan, Head, block_parameters
 from diffuse.model.load import load_head, load_span
 from diffuse.model.weights import Manifest, load_manifest
 from diffuse.trust import reputation
@@ -88,6 +89,7 @@ class SwarmClient:
         lane = trio.CapacityLimiter(1)
         self.front_batcher, self.back_batcher = scheduler.span_batcher(lane=lane), scheduler.span_batcher(lane=lane)
         self.logits = head_batcher(self.head, lane)
+        self.rescue_batcher = scheduler.span_batcher(lane=lane)  # spans finished here (client/rescue.py)
         self.bans = Bans()
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
         self.rejected: dict[str, str] = {}  # peer -> why its record was refused
@@ -126,6 +128,15 @@ class SwarmClient:
         records = await self.records()
         start, end = self.remote_range
         return all(any(r.serves(b) and r.fresh() for r in records) for b in range(start, end))
+
+    async def uncovered(self) -> str:
+        """What covered() lacks, in words: "no live peer serves blocks 3-9" ("" when covered)."""
+        records = [r for r in await self.records(RECORDS_TTL_S) if r.fresh()]
+        try:
+            plan_route(records, *self.remote_range)
+        except NoRoute as e:
+            return str(e)
+        return ""
 
     async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
         """The best route avoiding `exclude`, and avoiding peers others published evidence
@@ -255,14 +266,26 @@ class SwarmClient:
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
                             self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact)
         await remote.open()
+        middle = Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
+                           self.rescue_batcher)
         stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
-            remote] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
+            middle] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
         stages = privacy.wrap_front(stages, self.front is not None, self.opts.noise)
         return Pipeline(self.head, stages, exact, self.logits)
 
+    def _load_span(self, start: int, end: int) -> BlockSpan:
+        """Blocks the swarm lost, from the store (verified against the manifest), to finish here."""
+        return load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device)
+
+    def _span_bytes(self, start: int, end: int) -> int:
+        per = torch.finfo(self.opts.dtype).bits // 8
+        return per * sum(block_parameters(self.cfg, b) for b in range(start, end))
+
 
 def remote_of(pipeline: Pipeline) -> RemoteSpan:
-    return next(s for s in pipeline.stages if isinstance(s, RemoteSpan))
+    """The session's remote span (also once a Rescuable finished it here: its stats, its route)."""
+    stages = [getattr(s, "remote", s) for s in pipeline.stages]
+    return next(s for s in stages if isinstance(s, RemoteSpan))
 
 
 __all__ = ["SwarmClient", "SwarmOptions", "NoRoute", "remote_of"]

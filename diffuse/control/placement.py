@@ -8,6 +8,7 @@ with one replica, and so on; ties go to the lowest start, so the choice is deter
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
@@ -97,3 +98,13 @@ def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str) -> int:
         raise PlacementError(
             f"--max-memory {budget / 2**20:.0f} MiB cannot hold one block ({per / 2**20:.1f} MiB)")
     return int(min(n, cfg.num_layers))
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (free plus reclaimable, as Linux's MemAvailable says)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -21,7 +21,11 @@ NO_ROOM_PENALTY = 30.0  # seconds: use a peer without cache room only if nothing
 
 
 class NoRoute(DiffuseError):
-    """Some blocks have no live, unbanned replica: the message names them."""
+    """Some blocks have no live, unbanned replica: the message names them, `blocks` too ("3-5, 9")."""
+
+    def __init__(self, message: str, blocks: str = ""):
+        super().__init__(message)
+        self.blocks = blocks
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,9 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
                     best[e], back[e] = c, (s, r)
                     heapq.heappush(queue, (c, e))
     if end not in best:
-        raise NoRoute(_uncovered(live, start, end, bool(banned)))
+        blocks = _runs([b for b in range(start, end) if not any(r.serves(b) for r in live)])
+        why = " (some replicas are banned after failing)" if banned else ""
+        raise NoRoute(f"no live peer serves block{'s' if '-' in blocks or ',' in blocks else ''} {blocks}{why}", blocks)
     hops, e = [], end
     while e != start:
         s, r = back[e]
@@ -70,15 +76,12 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
     return hops[::-1]
 
 
-def _uncovered(live: list[PeerRecord], start: int, end: int, some_banned: bool) -> str:
-    missing = [b for b in range(start, end) if not any(r.serves(b) for r in live)]
-    spans, run = [], None
-    for b in missing:
-        if run and b == run[1]:
-            run[1] = b + 1
+def _runs(blocks: list[int]) -> str:
+    """Block numbers as runs: [3, 4, 5, 9] -> "3-5, 9"."""
+    spans: list[list[int]] = []
+    for b in blocks:
+        if spans and b == spans[-1][1]:
+            spans[-1][1] = b + 1
         else:
-            run = [b, b + 1]
-            spans.append(run)
-    text = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in spans)
-    why = " (some replicas are banned after failing)" if some_banned else ""
-    return f"no live peer serves block{'s' if len(missing) > 1 else ''} {text}{why}"
+            spans.append([b, b + 1])
+    return ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in spans)

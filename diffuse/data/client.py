@@ -23,7 +23,7 @@ from torch import Tensor
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.data.checks import ChecksUnavailable, NoChecks, Rejected, StepChecks
 from diffuse.data.codec import ErrorCode, Fp16Overflow, WireError
-from diffuse.data.hop import HopFailed, HopSession, Sent, rechunked
+from diffuse.data.hop import HopFailed, HopSession, Sent, rechunked, truncated
 from diffuse.data.stream import ByteStream
 from diffuse.errors import DiffuseError, Rewind
 
@@ -205,6 +205,11 @@ class RemoteSpan:
             replaced_by=[s.hop.peer_id for s in new],
             replayed_tokens=sum(s.tokens for s in inputs),
             recovery_s=round(time.perf_counter() - t0, 4))
+
+    def committed_inputs(self, length: int) -> list[Sent]:
+        """The span's first `length` committed input tokens as first sent (its first hop's
+        inputs), to rebuild the whole span elsewhere."""
+        return truncated(self.hops[0].inputs(), length) if self.hops else []
 
     async def commit(self, keep: Sequence[int] | None) -> None:
         for s in self.hops:

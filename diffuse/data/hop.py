@@ -30,6 +30,17 @@ log = logging.getLogger(__name__)
 REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
 
 
+def truncated(inputs: Sequence[Sent], length: int) -> list[Sent]:
+    """The steps that hold the first `length` committed tokens of `inputs` (the last one cut)."""
+    kept, total = [], 0
+    for sent in inputs:
+        if total >= length:
+            break
+        kept.append(sent.head(length - total))
+        total += kept[-1].tokens
+    return kept
+
+
 class HopFailed(DiffuseError):
     def __init__(self, hop: Hop, why: str, code: int | None = None):
         super().__init__(f"peer {hop.peer_id[-8:]} (blocks {hop.start}-{hop.end - 1}): {why}")
@@ -239,13 +250,7 @@ class HopSession:
         if self.keep:
             self._commit_pending(self.keep)
         self.keep, self.pending = [], None
-        kept, total = [], 0
-        for sent in self.history:
-            if total >= length:
-                break
-            kept.append(sent.head(length - total))
-            total += kept[-1].tokens
-        self.history, self.committed = kept, length
+        self.history, self.committed = truncated(self.history, length), length
 
     def inputs(self) -> list[Sent]:
         """Everything committed so far, as it was first sent (plus a kept-but-not-yet-sent
