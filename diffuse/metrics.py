@@ -44,6 +44,8 @@ FAILED_CHECKS = Counter("diffuse_failed_checks", "Peer answers or records that f
                         ["check"], registry=REGISTRY)
 WIRE_BYTES = Counter("diffuse_wire_bytes", "Bytes of inference traffic on the wire",
                      ["direction"], registry=REGISTRY)  # direction: sent | received
+FALLBACKS = Counter("diffuse_fallbacks", "Answers given by another model because the asked one was not "
+                    "servable", ["asked", "answered"], registry=REGISTRY)
 REQUESTS = Counter("diffuse_api_requests", "HTTP requests to the API by endpoint and status code",
                    ["endpoint", "code"], registry=REGISTRY)
 
@@ -92,11 +94,11 @@ class _ServedCollector(Collector):
     """Tokens, steps and batches a peer served, read from its block server's own counters at
     scrape time."""
 
-    def __init__(self, model: str, status: Callable[[], Mapping[str, Any]]):
+    def __init__(self, model: Callable[[], str], status: Callable[[], Mapping[str, Any]]):
         self.model, self.status = model, status
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        s = self.status()
+        s, model = self.status(), self.model()
         for name, doc, key in (("diffuse_tokens_served", "Token positions this peer computed through its blocks",
                                 "tokens_served"),
                                ("diffuse_steps_served", "Steps (requests through its span) this peer answered",
@@ -108,14 +110,15 @@ class _ServedCollector(Collector):
                                ("diffuse_batched_steps", "Steps that shared their forward pass with another "
                                 "session's", "batched_steps")):
             family = CounterMetricFamily(name, doc, labels=["model"])
-            family.add_metric([self.model], float(s.get(key, 0)))
+            family.add_metric([model], float(s.get(key, 0)))
             yield family
 
 
-def watch_peer(model: str, status: Callable[[], Mapping[str, Any]],
+def watch_peer(model: Callable[[], str], status: Callable[[], Mapping[str, Any]],
                handle: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
-    """Export a peer's counters (`status()` gives steps_served, tokens_served, sessions) and
-    return `handle` wrapped so that every inference stream is metered."""
+    """Export a peer's counters (`status()` gives steps_served, tokens_served, sessions) under
+    the model it serves now (`model()`), and return `handle` wrapped so that every inference
+    stream is metered."""
     REGISTRY.register(_ServedCollector(model, status))
     SESSIONS_OPEN.labels("server").set_function(lambda: status().get("sessions", 0))
 

@@ -145,7 +145,8 @@ def test_wrong_or_missing_api_key_is_401(api):
 
 def test_unservable_model_is_503_naming_the_blocks(smollm2, fake):
     client = openai.OpenAI(base_url=fake + "/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == [FULL]  # only what is servable now
+    listed = {m.id: m.model_extra["servable"] for m in client.models.list().data}
+    assert listed == {FULL: True, PARTIAL: False}  # every model, and whether it is servable now
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model=PARTIAL, messages=ASK)
     assert e.value.status_code == 503

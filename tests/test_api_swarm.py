@@ -100,10 +100,10 @@ def scrape(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 
 
-def test_models_lists_what_the_swarm_can_serve_now(client, swarm):
+def test_models_lists_every_model_and_whether_it_is_servable_now(client, swarm):
     models = client.models.list().data
-    assert [m.id for m in models] == [DEFAULT_MODEL]  # PARTIAL is known but not servable
-    cov = models[0].model_extra["coverage"]
+    assert {m.id: m.model_extra["servable"] for m in models} == {DEFAULT_MODEL: True, PARTIAL: False}
+    cov = next(m for m in models if m.id == DEFAULT_MODEL).model_extra["coverage"]
     assert cov["servable"] and cov["missing"] == [] and cov["num_blocks"] == 30
     assert {p["peer_id"] for p in cov["peers"]} == set(swarm.ids.values()) | {"local"}
     assert [b["replicas"] for b in cov["blocks"]] == [3] + [2] * 29  # block 0 also runs in the API
@@ -137,11 +137,20 @@ def test_bad_request_and_wrong_key(client, swarm):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
 
 
-def test_unservable_model_is_503_naming_the_blocks(client):
-    with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=PARTIAL, messages=ASK, max_tokens=4)
-    assert e.value.status_code == 503
-    assert e.value.body["missing_blocks"] == list(range(15, 30)) and "15-29" in e.value.body["message"]
+def test_an_unservable_model_is_answered_by_the_fallback_which_says_so(client, swarm):
+    """PARTIAL lacks blocks 15-29: the default model answers (the API's default fallback), named
+    in `model`, in the headers and in /metrics. (Refusing with a 503 that names the blocks, as
+    `--fallback none` does: test_api.py.)"""
+    fallbacks = f'diffuse_fallbacks_total{{asked="{PARTIAL}",answered="{DEFAULT_MODEL}"}}'
+    before = scrape(swarm.api + "/metrics").get(fallbacks, 0.0)
+    raw = client.chat.completions.with_raw_response.create(model=PARTIAL, messages=ASK, max_tokens=8, temperature=0)
+    answer = raw.parse()
+    assert answer.model == DEFAULT_MODEL and answer.choices[0].message.content
+    assert raw.headers["x-diffuse-model"] == DEFAULT_MODEL and raw.headers["x-diffuse-asked-model"] == PARTIAL
+    assert scrape(swarm.api + "/metrics")[fallbacks] == before + 1
+    streamed = list(client.completions.create(model=PARTIAL, prompt=COUNTING, max_tokens=4, temperature=0,
+                                              stream=True))
+    assert {c.model for c in streamed} == {DEFAULT_MODEL}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=ASK)
 

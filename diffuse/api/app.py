@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -31,9 +32,10 @@ from diffuse.api.schema import (
 )
 from diffuse.client.generate import Completion
 from diffuse.errors import DiffuseError, ModelError
-from diffuse.metrics import PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
+from diffuse.metrics import FALLBACKS, PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
 from diffuse.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 MAX_BODY = 4 << 20  # bytes; a prompt this long is far beyond any context anyway
 ENDPOINTS = {"/", "/status.json", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
@@ -45,6 +47,9 @@ class Settings:
     max_queue: int = 64  # sessions requests may wait for; past them a 429
     default_max_tokens: int = 256  # when a request gives none (every token reserves KV cache)
     max_n: int = 8  # choices per request
+    # asked model -> the models that answer instead when it is not servable, best first
+    # (client/fallback.py); a model not in it is refused with a 503 naming its uncovered blocks
+    fallback: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class ApiError(DiffuseError):
@@ -109,8 +114,10 @@ async def _unless_disconnected(receive, work: Callable[[], Awaitable[Any]]) -> _
 class Answering(Response):
     """Generates the answer while responding: one JSON body, or server-sent events."""
 
-    def __init__(self, answers: Answers, shape: Shape, options: Options, prompt_tokens: int):
+    def __init__(self, answers: Answers, shape: Shape, options: Options, prompt_tokens: int,
+                 headers: dict[str, str]):
         self.answers, self.shape, self.options, self.prompt_tokens = answers, shape, options, prompt_tokens
+        self.model_headers = headers  # which model answers (x-diffuse-model), and which was asked if another
         self.background = None
 
     def _usage(self, completions: list[Completion]) -> dict[str, int]:
@@ -131,7 +138,7 @@ class Answering(Response):
 
         async def work() -> Response:
             completions = await self.answers.run(ignore)
-            return JSONResponse(self.shape.whole(completions, self._usage(completions)))
+            return JSONResponse(self.shape.whole(completions, self._usage(completions)), headers=self.model_headers)
 
         outcome = await _unless_disconnected(receive, work)
         if outcome.finished:
@@ -141,7 +148,8 @@ class Answering(Response):
     async def _stream(self, receive, send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                                *((k.encode(), v.encode()) for k, v in self.model_headers.items())]})
         lock = trio.Lock()  # n choices write concurrently; events must not interleave
 
         async def event(data: dict | str) -> None:
@@ -210,18 +218,36 @@ class Api:
         body = await self._body(request)
         options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
         messages = parse_messages(body)
-        tokenizer = self.backend.tokenizer(options.model)
-        return await self._answer(options, tokenizer, [tokenizer.encode_chat(messages)], ChatShape(options.model))
+        return await self._answer(options, lambda tok: [tok.encode_chat(messages)], ChatShape)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
-        tokenizer = self.backend.tokenizer(options.model)
-        prompts = [tokenizer.encode(p, add_special=True) for p in parse_prompts(body)]
-        return await self._answer(options, tokenizer, prompts, TextShape(options.model))
+        texts = parse_prompts(body)
+        return await self._answer(options, lambda tok: [tok.encode(p, add_special=True) for p in texts], TextShape)
 
-    async def _answer(self, options: Options, tokenizer: Tokenizer, prompts: list[list[int]],
-                      shape: Shape) -> Response:
+    async def _answer(self, options: Options, encode: Callable[[Tokenizer], list[list[int]]],
+                      shape: Callable[[str], Shape]) -> Response:
+        """The answer of the asked model or, when it is not servable, of the first of its
+        fallbacks that is (each encodes the prompts with its own tokenizer), said in the
+        response's `model`, its headers and /metrics."""
+        asked = options.model
+        for model in (asked, *self.settings.fallback.get(asked, ())):
+            try:
+                answering = await self._open(replace(options, model=model), encode(self.backend.tokenizer(model)),
+                                             shape(model))
+            except Unservable as e:
+                if model == asked:
+                    why = e
+                continue
+            if model != asked:
+                FALLBACKS.labels(asked, model).inc()
+                log.warning("%s; answering with %s", why, model)
+                answering.model_headers["x-diffuse-asked-model"] = asked
+            return answering
+        raise why
+
+    async def _open(self, options: Options, prompts: list[list[int]], shape: Shape) -> Answering:
         context = self.backend.context_length(options.model)
         longest = max(len(p) for p in prompts)
         max_tokens = options.params.max_tokens
@@ -231,17 +257,16 @@ class Api:
                                  f"max_tokens asks for {max_tokens} more", "max_tokens", "context_length_exceeded")
             max_tokens = context - longest
         choices = [(p, options.choice_params(j, max_tokens)) for p in prompts for j in range(options.n)]
-        answers = Answers(self.sessions, options.model, tokenizer, choices,
+        answers = Answers(self.sessions, options.model, self.backend.tokenizer(options.model), choices,
                           options.presence_penalty, options.frequency_penalty)
         await answers.open()
         prompt_tokens = sum(len(p) for p in prompts)
         PROMPT_TOKENS.labels(options.model).inc(prompt_tokens * options.n)
-        return Answering(answers, shape, options, prompt_tokens)
+        return Answering(answers, shape, options, prompt_tokens, {"x-diffuse-model": options.model})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        servable = [c for c in await self.backend.models() if c["servable"]]
-        return JSONResponse({"object": "list", "data": [_model_object(c) for c in servable]})
+        return JSONResponse({"object": "list", "data": [_model_object(c) for c in await self.backend.models()]})
 
     async def model(self, request: Request) -> Response:
         self._authorize(request)
@@ -269,10 +294,12 @@ class Api:
 
 
 def _model_object(coverage: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's model object; `created` is when its longest-serving peer started."""
+    """OpenAI's model object, with whether the swarm can serve it now (a request for one that
+    it cannot is answered by a fallback, or refused naming the blocks); `created` is when its
+    longest-serving peer started."""
     oldest = max((p.get("age_s", 0.0) for p in coverage["peers"]), default=0.0)
     return {"id": coverage["model"], "object": "model", "created": int(time.time() - oldest),
-            "owned_by": "diffuse", "coverage": coverage}
+            "owned_by": "diffuse", "servable": coverage["servable"], "coverage": coverage}
 
 
 async def _on_error(request: Request, exc: Exception) -> Response:
@@ -280,7 +307,10 @@ async def _on_error(request: Request, exc: Exception) -> Response:
         kind = "not_found" if exc.status_code == 404 else None
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}",
                                        "invalid_request_error", None, kind), exc.status_code, exc.headers)
-    return as_api_error(exc).response()
+    error = as_api_error(exc)
+    if error.status == 500:  # a bug: the client learns nothing of it, the operator must
+        log.error("internal error answering %s %s", request.method, request.url.path, exc_info=exc)
+    return error.response()
 
 
 class _CountRequests:

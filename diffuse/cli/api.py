@@ -14,7 +14,7 @@ from pathlib import Path
 
 import trio
 
-from diffuse.cli.ask import add_swarm_client_options, swarm_options
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -42,7 +42,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default 64)")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="answer length when a request gives no max_tokens (default 256)")
+    add_fallback_option(p, "the other --model models, largest first")
     p.set_defaults(func=cmd_api)
+
+
+def fallbacks(args) -> dict[str, tuple[str, ...]]:
+    """Each served model's fallback order, among the models this API serves."""
+    from diffuse.client.fallback import fallback_order
+    from diffuse.model import store
+
+    home = data_home(args.home)
+    served = [store.info(store.resolve(home, name)) for name in args.model or [None]]
+    held = {m.manifest.model_id: m.size_bytes for m in served}
+    return {m: tuple(fallback_order(args.fallback, m, held)) for m in held}
 
 
 def api_keys(args) -> frozenset[str]:
@@ -101,7 +113,7 @@ def cmd_api(args) -> int:
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
     settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, max_queue=args.max_queue,
-                        default_max_tokens=args.max_tokens)
+                        default_max_tokens=args.max_tokens, fallback=fallbacks(args))
 
     backend_cm = open_backend(args)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import trio
@@ -115,7 +116,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_options(p)
     add_swarm_client_options(p)
     add_hole_punch_option(p, default=False)
+    add_fallback_option(p, "every other model in the store, largest first; with no swarm reachable, "
+                           "answer in this process")
     p.set_defaults(func=cmd_ask)
+
+
+def add_fallback_option(p: argparse.ArgumentParser, auto: str) -> None:
+    p.add_argument("--fallback", default="auto", type=_fallback_arg, metavar="auto|none|MODEL[,MODEL]",
+                   help="when the asked model is not servable, answer with the first of these models the swarm "
+                        f"serves, and say so (auto, the default: {auto}; none: fail, naming the uncovered blocks)")
+
+
+def _fallback_arg(text: str):
+    from diffuse.client.fallback import parse_fallback
+
+    try:
+        return parse_fallback(text)
+    except DiffuseError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_ask(args) -> int:
@@ -160,59 +178,147 @@ def cmd_ask(args) -> int:
                           "positions": result.positions} | info))
     else:
         print()
+    if result.finish_reason.startswith("uncovered"):
+        print(f"notice: the swarm lost {result.finish_reason.removeprefix('uncovered ')} mid-answer and this "
+              "process does not hold them: the answer stops here", file=sys.stderr, flush=True)
     return 0
 
 
 def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bool):
+    """Through the swarm, with the asked model or the best fallback that is servable; in this
+    process when no bootstrap peer answers at all and the store holds a model small enough."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
-    from diffuse.cli.net import _bootstrap_addrs, _trio_run
+    from diffuse.cli.net import _bootstrap_addrs, _first_leaf, _trio_run
     from diffuse.cli.swarm import swarm_access
-    from diffuse.client.generate import complete, session_length
-    from diffuse.client.swarm import SwarmClient, remote_of
+    from diffuse.client import fallback
+    from diffuse.client.swarm import SwarmClient
+    from diffuse.control.dht import BootstrapError
     from diffuse.control.node import open_node
+    from diffuse.control.routing import NoRoute
     from diffuse.model import store
-    from diffuse.model.tokenizer import Tokenizer
+    from diffuse.model.weights import load_manifest
     from diffuse.trust import reputation
 
     boot = _bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
     access = swarm_access(args)
-    model_dir = store.resolve(data_home(args.home), args.model)
-    tokenizer = Tokenizer.load(model_dir)
-    prompt = tokenizer.encode_chat(messages)
+    home = data_home(args.home)
+    asked_dir = store.resolve(home, args.model)
+    asked = load_manifest(asked_dir).model_id
+    order = fallback.fallback_order(args.fallback, asked, fallback.held_models(home))
     opts = swarm_options(args, access, exact)
+    unreachable: list[BootstrapError] = []
 
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
-        async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
-                             mdns=mdns, hole_punch=args.hole_punch) as node:
-            client = SwarmClient(node, model_dir, opts)
-            deadline = trio.current_time() + args.wait
-            while not await client.covered():
-                if trio.current_time() >= deadline:
-                    break  # the route builder names what is missing
-                await trio.sleep(0.25)
-            t0 = trio.current_time()
-            pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
-            remote = remote_of(pipeline)
-            info["route_s"] = round(trio.current_time() - t0, 4)
-            try:
-                return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
-            finally:
-                from diffuse.control.nat import how_reached
+        try:
+            async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
+                                 codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
+                                 mdns=mdns, hole_punch=args.hole_punch) as node:
+                client = SwarmClient(node, asked_dir, opts)
+                deadline = trio.current_time() + args.wait
+                while not await client.covered() and trio.current_time() < deadline:
+                    await trio.sleep(0.25)
+                if not await client.covered():
+                    client = await _fallback_client(node, client, order, home, opts, await client.uncovered()) or client
+                try:
+                    return await _answer_swarm(client, node, args, messages, params, on_text, info, speculate,
+                                               access)
+                except NoRoute as e:  # announced, but no replica opened a session (dead peers' records linger)
+                    other = await _fallback_client(node, client, order, home, opts, str(e))
+                    if other is None:
+                        raise
+                    return await _answer_swarm(other, node, args, messages, params, on_text, info, speculate,
+                                               access)
+        except* BootstrapError as eg:
+            error = _first_leaf(eg)
+            if error.refused or args.fallback == fallback.NONE:
+                raise error from None
+            unreachable.append(error)
 
-                route = [dict(h) | {"reached": how_reached(node.host, h["peer"])} if isinstance(h, dict) else h
-                         for h in remote.route_taken]
-                info.update(mode="swarm", route=route, failovers=remote.stats.failovers,
-                            local_blocks=list(opts.local_blocks), swarm_mode=access.mode,
-                            trust=trust_mode(args, access),
-                            checks=client.guard.status() if client.guard else None)
-                await pipeline.close()
-                info["bytes_sent"] = remote.stats.bytes_sent
+    result = _trio_run(run)
+    if not unreachable:
+        return result
+    return _answer_in_process(args, home, asked, order, unreachable[0], messages, params, on_text, info,
+                              speculate, exact)
 
-    return _trio_run(run)
+
+async def _fallback_client(node, client, order: list[str], home: Path, opts, why: str):
+    """The first model of `order` the swarm covers now, with a notice on stderr; None if none."""
+    from diffuse.client import fallback
+    from diffuse.client.swarm import SwarmClient
+    from diffuse.model import store
+
+    for model_id in order:
+        if model_id == client.model_id:
+            continue
+        other = SwarmClient(node, store.resolve(home, fallback.store_name(home, model_id)), opts)
+        if await other.covered():
+            print(fallback.notice(client.model_id, other.model_id, why), file=sys.stderr, flush=True)
+            return other
+    return None
+
+
+async def _answer_swarm(client, node, args, messages, params, on_text, info: dict, speculate, access):
+    from diffuse.client.generate import complete, session_length
+    from diffuse.client.swarm import remote_of
+    from diffuse.control.nat import how_reached
+    from diffuse.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(client.model_dir)
+    prompt = tokenizer.encode_chat(messages)
+    t0 = trio.current_time()
+    pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
+    remote = remote_of(pipeline)
+    info["route_s"] = round(trio.current_time() - t0, 4)
+    try:
+        return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
+    finally:
+        route = [dict(h) | {"reached": how_reached(node.host, h["peer"])} if isinstance(h, dict) else h
+                 for h in remote.route_taken]
+        info.update(mode="swarm", model=client.model_id, route=route, failovers=remote.stats.failovers,
+                    finished_here_from=remote_rescue(pipeline), local_blocks=list(client.opts.local_blocks),
+                    swarm_mode=access.mode, trust=trust_mode(args, access),
+                    checks=client.guard.status() if client.guard else None)
+        await pipeline.close()
+        info["bytes_sent"] = remote.stats.bytes_sent
+
+
+def remote_rescue(pipeline) -> int | None:
+    """Committed tokens when this process took over the swarm's blocks (None: it never did)."""
+    return next((s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None), None)
+
+
+def _answer_in_process(args, home: Path, asked: str, order: list[str], error, messages, params, on_text,
+                       info: dict, speculate, exact: bool):
+    """No swarm answered: the asked model here if it fits in memory, else the first fallback that does."""
+    from diffuse.client import fallback
+    from diffuse.client.generate import complete, session_length
+    from diffuse.client.local import open_local
+    from diffuse.client.rescue import MEMORY_SHARE
+    from diffuse.control.placement import available_memory
+
+    held = fallback.held_models(home)
+    room = MEMORY_SHARE * available_memory()
+    model_id = next((m for m in [asked, *order] if m in held and held[m] <= room), None)
+    if model_id is None:
+        raise error
+    what = model_id if model_id == asked else f"{model_id} instead of {asked}"
+    print(f"notice: no swarm answered ({str(error).splitlines()[0]}); answering in this process with {what}",
+          file=sys.stderr, flush=True)
+    model, tokenizer = open_local(home, fallback.store_name(home, model_id), args.dtype, args.device)
+    prompt = tokenizer.encode_chat(messages)
+
+    async def run():
+        pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=exact)
+        try:
+            return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
+        finally:
+            await pipeline.close()
+
+    info.update(mode="local", model=model_id, reason="no swarm reachable")
+    return trio.run(run)
 
 
 def _spec_config(args):

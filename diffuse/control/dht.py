@@ -44,7 +44,12 @@ PREFIX = f"/{NAMESPACE}/".encode()
 
 
 class BootstrapError(DiffuseError):
-    """None of the bootstrap peers could be reached."""
+    """None of the bootstrap peers could be reached. `refused`: some answered but the handshake
+    failed (another swarm key or mode), which is not the same as no swarm being there."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
 
 
 class MergingValueStore(ValueStore):
@@ -269,7 +274,8 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
 
     await _gather(one, peers)
     if peers and not reached and any(p.peer_id != host.get_id() for p in peers):
-        raise BootstrapError("could not reach any bootstrap peer:\n  " + "\n  ".join(errors))
+        raise BootstrapError("could not reach any bootstrap peer:\n  " + "\n  ".join(errors),
+                             refused=any(e.startswith(NO_HANDSHAKE) for e in errors))
     if reached:
         # Populate the routing table beyond the sentinels and let them learn about us.
         with trio.move_on_after(timeout):
