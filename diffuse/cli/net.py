@@ -58,7 +58,13 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     add_swarm_options(p)
     add_relay_options(p, default=False)
     add_hole_punch_option(p, default=False)
-    p.add_argument("--model", help="model in the store (default: the embedded default model)")
+    p.add_argument("--model", help="model in the store (default: the embedded default model); auto: the model "
+                   "the swarm needs most, re-planned as peers come and go (control/ladder.py)")
+    p.add_argument("--models", metavar="A,B", help="with --model auto: the models it may choose from "
+                   "(default: every model in the store)")
+    p.add_argument("--replan", type=_positive, metavar="SECONDS",
+                   help="with --model auto: how often to look whether the swarm needs this peer elsewhere "
+                        "(default: 4 heartbeats)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
@@ -93,8 +99,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                    help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
     p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
     p.add_argument("--model", action="append", default=[],
-                   help="model in the store (repeatable; default: the default model): its manifest says how many "
-                        "blocks it has and which weights they hold")
+                   help="model in the store (repeatable; default: every model in the store): its manifest says "
+                        "how many blocks it has and which weights they hold")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll until every model is servable or SECONDS pass")
@@ -170,6 +176,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.control.coverage import coverage
     from diffuse.control.identity import peer_id as peer_id_of
     from diffuse.control.node import Node
+    from diffuse.control.ladder import Hosting, Offer
     from diffuse.control.placement import choose_span, requested_blocks
     from diffuse.data.serve import contribution
     from diffuse.home import data_home
@@ -180,11 +187,17 @@ def cmd_join(args: argparse.Namespace) -> int:
     key_pair = _key_pair(args, hold=True)
     boot = _bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
-    model_dir = store.resolve(data_home(args.home), args.model)
+    auto = (args.model or "").lower() == "auto"
+    if not auto and (args.models or args.replan):
+        raise DiffuseError("--models and --replan only apply with --model auto")
+    offers, dirs, budget = _offers(args) if auto else ([], {}, 0)
+    model_dir = dirs[offers[0].model] if auto else store.resolve(data_home(args.home), args.model)
     manifest = load_manifest(model_dir)
     n = manifest.num_layers
-    span, length = requested_blocks(args.blocks, args.num_blocks, args.max_memory, ModelConfig.load(model_dir),
-                                    manifest.dtype)
+    span, length = None, 0
+    if not auto:
+        span, length = requested_blocks(args.blocks, args.num_blocks, args.max_memory, ModelConfig.load(model_dir),
+                                        manifest.dtype)
     access = swarm_access(args)
     me = peer_id_of(key_pair).to_base58()
     if access.allow is not None and me not in access.allow:
@@ -220,7 +233,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     async def main() -> None:
         nonlocal node
         node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
-                    status_fn=hooks.status_fn, heartbeat=args.heartbeat, ttl=args.ttl,
+                    status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn, heartbeat=args.heartbeat,
+                    ttl=args.ttl,
                     announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
                     allow=access.allow, mdns=mdns, relay=args.relay, hole_punch=args.hole_punch)
         async with trio.open_nursery() as nursery:
@@ -238,23 +252,83 @@ def cmd_join(args: argparse.Namespace) -> int:
                 print(f"joined without serving (--{why})",
                       flush=True)
                 return
+            printed: list[str] = []
+
+            async def serve(offer: Offer, start: int, end: int) -> None:
+                throughput = args.throughput
+                if hooks.prepare is not None:
+                    hooks.use(dirs.get(offer.model, model_dir), offer.model)
+                    throughput = await hooks.prepare(start, end) or throughput
+                await node.serve(Serving(
+                    model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
+                    block_hashes=offer.block_hashes[start:end], dtype=args.dtype,
+                    throughput=throughput, cache_tokens=lend.cache_tokens, protocols=hooks.protocols))
+                if not printed:
+                    printed.extend(node.full_addrs())
+                    print("\n".join(printed), flush=True)
+                print(f"serving {offer.model} blocks {start}:{end} ({end - start} of {offer.num_blocks})", flush=True)
+
+            if auto:
+                async def leave() -> None:
+                    with trio.move_on_after(5.0):
+                        await node.withdraw()
+                    if hooks.drain is not None:
+                        await hooks.drain(args.drain_timeout)
+
+                hosting = Hosting(node, offers, budget, serve, leave, args.replan or 4 * args.heartbeat,
+                                  lambda line: print(line, file=sys.stderr, flush=True))
+                await nursery.start(hosting.run)
+                return
             start, end = span or choose_span(
                 coverage(await node.records(manifest.model_id), manifest.model_id, n,
                          expected_hashes=manifest.block_hashes).replicas, length)
-            throughput = args.throughput
-            if hooks.prepare is not None:
-                throughput = await hooks.prepare(start, end) or throughput
-            await node.serve(Serving(
-                model=manifest.model_id, num_blocks=n, start=start, end=end,
-                block_hashes=manifest.block_hashes[start:end], dtype=args.dtype,
-                throughput=throughput, cache_tokens=lend.cache_tokens, protocols=hooks.protocols))
-            for a in node.full_addrs():
-                print(a, flush=True)
-            print(f"serving {manifest.model_id} blocks {start}:{end} ({end - start} of {n})", flush=True)
+            await serve(Offer(manifest.model_id, n, 0, 0, tuple(manifest.block_hashes)), start, end)
 
     _trio_run(_until_signal, main, drain)
     print("stopped; announcement withdrawn", file=sys.stderr, flush=True)
     return 0
+
+
+def _placed(status_fn: Callable[[], Mapping[str, Any]] | None) -> Callable[[], Mapping[str, Any]]:
+    """The data plane's status, and that this peer places itself (its record's ext["placement"]):
+    other auto peers take turns with it to fill a gap (control/ladder.py)."""
+    from diffuse.control.ladder import AUTO
+
+    return lambda: {**(status_fn() if status_fn else {}), "placement": AUTO}
+
+
+def _offers(args: argparse.Namespace) -> tuple[list, dict[str, Path], int]:
+    """`join --model auto`: the models it may host (--models, else the store's), their
+    directories, and the weight budget (--max-memory, else half the memory available now)."""
+    from diffuse.control.ladder import Offer
+    from diffuse.control.placement import DTYPE_BYTES, available_memory, block_bytes, parse_size
+    from diffuse.home import data_home, models_dir
+    from diffuse.model import store
+
+    if args.blocks.strip().lower() != "auto" or args.num_blocks is not None:
+        raise DiffuseError("--model auto chooses the blocks too: give --blocks auto (the default) and, to bound "
+                           "it, --max-memory rather than --num-blocks")
+    home = data_home(args.home)
+    models = store.list_models(home)
+    if args.models:
+        wanted = [m.strip() for m in args.models.split(",") if m.strip()]
+        known = {m.name: m for m in models} | {m.manifest.model_id: m for m in models}
+        missing = [w for w in wanted if w not in known]
+        if missing:
+            raise DiffuseError(f"--models names {', '.join(missing)}, not in the store {models_dir(home)} "
+                               f"(it holds {', '.join(m.name for m in models) or 'nothing'})")
+        models = list({known[w].name: known[w] for w in wanted}.values())
+    if not models:
+        raise DiffuseError(f"--model auto: the store {models_dir(home)} holds no model (`diffuse model pull`)")
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
+    # The ladder ranks models by all their weights (embeddings too: they are what "a larger model" means),
+    # as they would be in the serving dtype.
+    offers = [Offer(m.manifest.model_id, m.config.num_layers, block_bytes(m.config, dtype),
+                    m.size_bytes * DTYPE_BYTES[dtype] // DTYPE_BYTES.get(m.manifest.dtype, 4),
+                    tuple(m.manifest.block_hashes))
+              for m in models]
+    budget = parse_size(args.max_memory) if args.max_memory else available_memory() // 2
+    return offers, {m.manifest.model_id: m.path for m in models}, budget
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -269,7 +343,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     boot = _bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
     access = swarm_access(args)
-    manifests = [load_manifest(store.resolve(data_home(args.home), name)) for name in args.model or [None]]
+    home = data_home(args.home)
+    if args.model:
+        manifests = [load_manifest(store.resolve(home, name)) for name in args.model]
+    else:  # every model in the store (the swarm's other models have no manifest to judge them by)
+        manifests = [m.manifest for m in store.list_models(home)] or [load_manifest(store.resolve(home, None))]
     result: list = []
     lan: list[str] = []
 
@@ -334,6 +412,7 @@ class ServeHooks:
     protocols: tuple[str, ...] = ()
     prepare: Callable[[int, int], Awaitable[float | None]] | None = None
     drain: Callable[[float], Awaitable[int]] | None = None
+    use: Callable[[Path, str], None] = lambda model_dir, model_id: None  # serve this model from the next prepare
 
 
 def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, lend: Contribution | None) -> ServeHooks:
@@ -358,9 +437,10 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, l
     if args.metrics:
         from diffuse.metrics import watch_peer
 
-        handle = watch_peer(manifest.model_id, lambda: service.server.status() if service.server else {}, handle)
+        handle = watch_peer(lambda: service.model_id, lambda: service.server.status() if service.server else {},
+                            handle)
     return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
-                      protocols=service.protocols, prepare=service.prepare, drain=service.drain)
+                      protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use)
 
 
 # ---- helpers ----

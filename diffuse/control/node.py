@@ -121,6 +121,7 @@ class Node:
         self.mdns, self.server = mdns, server
         self.lan_peers: list[str] = []  # peers found by mDNS that share our swarm
         self.announcer: Announcer | None = None
+        self._announcing = trio.CancelScope()  # the announcer task's
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
         self._stop = trio.Event()
@@ -212,18 +213,24 @@ class Node:
                     await self.host.close()
 
     async def serve(self, serving: Serving) -> PeerRecord:
-        """Announce `serving` now and on every heartbeat until the node stops."""
+        """Announce `serving` now and on every heartbeat until the node stops, or until it
+        withdraws and serves something else (join --model auto moving)."""
         if self._nursery is None:
             raise RuntimeError("Node.serve() needs a running node")
         if self.announcer is not None:
-            raise RuntimeError("this node already serves; start another node for another span")
-        self.announcer = Announcer(
+            if not self.announcer.withdrawn:
+                raise RuntimeError("this node already serves: withdraw before serving another span")
+            self._announcing.cancel()
+        announcer = self.announcer = Announcer(
             self.dht, self.key_pair, serving, self.addrs,
             heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self._status, mode=self.mode,
         )
-        await self._nursery.start(lambda task_status: self.announcer.run(
-            on_lonely=self._rebootstrap, task_status=task_status))
-        return self.announcer.current.record
+        self._announcing = await self._nursery.start(self._announce, announcer)
+        return announcer.current.record
+
+    async def _announce(self, announcer: Announcer, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            await announcer.run(on_lonely=self._rebootstrap, task_status=_Started(task_status, scope))
 
     def _status(self) -> dict[str, Any]:
         """The data plane's live numbers, and how we are reached (ext "reach" in the record)."""
@@ -342,6 +349,16 @@ class Node:
         """The block map of `model`, judged against its manifest (block count and hashes), so
         records that claim another model shape or other weights cannot distort it."""
         return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+
+
+class _Started:
+    """A task status that reports `value` when the task says it has started."""
+
+    def __init__(self, status: trio.TaskStatus, value: object):
+        self.status, self.value = status, value
+
+    def started(self, _: object = None) -> None:
+        self.status.started(self.value)
 
 
 @asynccontextmanager

@@ -72,6 +72,12 @@ class PeerService:
         # An operator's figure replaces the start-up measurement, which peers starting together on
         # shared cores skew (and routes follow it).
         self.throughput: float | None = throughput
+        self.given_throughput = throughput
+
+    def use(self, model_dir: Path, model_id: str) -> None:
+        """Serve another model from the next `prepare` on (join --model auto moving, once the
+        current sessions have drained)."""
+        self.model_dir, self.model_id, self.throughput = model_dir, model_id, self.given_throughput
 
     async def prepare(self, start: int, end: int) -> float:
         def load() -> tuple[BlockServer, float]:
