@@ -25,3 +25,13 @@ def smollm2(home) -> Path:
     from diffuse.home import DEFAULT_MODEL, models_dir
 
     return models_dir(home) / DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def gemma_pulled(tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """A store with gemma-3-270m pulled as `diffuse model pull` does: (home, model dir, what it said)."""
+    from diffuse.model import packages, store
+
+    home = tmp_path_factory.mktemp("gemma-home")
+    lines: list[str] = []
+    return home, store.pull(home, packages.GEMMA_3_270M.name, lines.append), lines

