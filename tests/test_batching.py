@@ -261,7 +261,8 @@ def test_the_batcher_batches_what_queued_and_lets_a_lone_step_run_at_once():
     assert trio.run(batcher.run, "k", 1, 6)[0] == 60
     assert lone == (10, lone[1]) and calls[0] == [1]
     assert results == {2: 20, 3: 30, 4: 40, 5: 50, 9: 90, -1: "a bad step"}
-    assert len(calls[1]) == 3 and all(len(c) <= 3 for c in calls)  # queued steps share batches, up to max_rows
+    # Queued steps share batches, up to max_rows (trio may run the other key's task first).
+    assert max(len(c) for c in calls) == 3
     assert [9] in calls and not any(9 in c and len(c) > 1 for c in calls)  # another key never joins them
     assert any(-1 in c and len(c) > 1 for c in calls) and [-1] in calls  # a failing batch is retried one by one
 
