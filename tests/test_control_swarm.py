@@ -189,6 +189,10 @@ def _len(span: str) -> int:
      "cannot hold one block"),
     (["join", "--bootstrap", "/ip4/127.0.0.1/tcp/1/p2p/{pid}", "--blocks", "0:10",
       "--listen", "/ip4/127.0.0.1/tcp/0"], "could not reach any bootstrap peer"),
+    (["join", "--model", "auto", "--models", "nope"], "--models names nope, not in the store"),
+    (["join", "--model", "auto", "--blocks", "0:10"], "--model auto chooses the blocks too"),
+    (["join", "--model", "auto", "--max-memory", "1MiB"], "cannot hold one block of any allowed model"),
+    (["join", "--models", "x"], "--models and --replan only apply with --model auto"),
     (["status", "--no-mdns"], "no bootstrap peer"),
     (["sentinel", "--listen", "/ip4/127.0.0.1/udp/5/quic"], "not TCP"),
 ])

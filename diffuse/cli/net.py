@@ -300,7 +300,7 @@ def _placed(status_fn: Callable[[], Mapping[str, Any]] | None) -> Callable[[], M
 def _offers(args: argparse.Namespace) -> tuple[list, dict[str, Path], int]:
     """`join --model auto`: the models it may host (--models, else the store's), their
     directories, and the weight budget (--max-memory, else half the memory available now)."""
-    from diffuse.control.ladder import Offer
+    from diffuse.control.ladder import Offer, choose
     from diffuse.control.placement import DTYPE_BYTES, available_memory, block_bytes, parse_size
     from diffuse.home import data_home, models_dir
     from diffuse.model import store
@@ -328,6 +328,7 @@ def _offers(args: argparse.Namespace) -> tuple[list, dict[str, Path], int]:
                     tuple(m.manifest.block_hashes))
               for m in models]
     budget = parse_size(args.max_memory) if args.max_memory else available_memory() // 2
+    choose(offers, {o.model: [0.0] * o.num_blocks for o in offers}, budget)  # refuses a budget that holds nothing
     return offers, {m.manifest.model_id: m.path for m in models}, budget
 
 
