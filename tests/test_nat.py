@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,14 +114,25 @@ def iptables_missing() -> str | None:
     return None if shutil.which("iptables") else "iptables is not installed (apt-get install iptables)"
 
 
+MINIUPNPD = shutil.which("miniupnpd") or "/usr/sbin/miniupnpd"
+
+
+def upnp_missing() -> str | None:
+    if not Path(MINIUPNPD).is_file() or not shutil.which("nft"):
+        return "miniupnpd or nft is not installed (apt-get install miniupnpd-nftables nftables)"
+    return None
+
+
 class Internet:
     """An "internet": a bridge (10.97.0.0/24) in a switch namespace. `public` puts a host on it;
     `home` puts a home router on it (WAN 10.97.0.x) with one host on its LAN (192.168.N.2) that
     it masquerades, dropping inbound traffic unless it belongs to a connection opened from inside.
     Names are short: an interface name holds at most 15 characters."""
 
-    def __init__(self, tag: str):
-        self.tag, self.made, self.links = tag, [], 0
+    def __init__(self, tag: str, tmp: Path):
+        self.tag, self.made, self.links, self.tmp = tag, [], 0, tmp
+        self.daemons: list[subprocess.Popen] = []  # miniupnpd of routers that offer UPnP
+        self.routers: dict[str, str] = {}  # host name -> its router's namespace, where it has UPnP
         self.ns: dict[str, str] = {}
         self.addr: dict[str, str] = {}
         self.switch = self._netns("sw")
@@ -158,7 +170,8 @@ class Internet:
         self.addr[name] = addr
         self._wan(self.ns[name], addr)
 
-    def home(self, name: str, wan: str, lan: int, random_fully: bool = False) -> None:
+    def home(self, name: str, wan: str, lan: int, random_fully: bool = False, upnp: bool = False) -> None:
+        """`upnp`: the router also runs miniupnpd on its LAN side and forwards what it maps."""
         router = self._netns(f"r{lan}")
         host = self.ns[name] = self._netns(name)
         self.addr[name] = f"192.168.{lan}.2"
@@ -170,28 +183,63 @@ class Internet:
         rules = [["-t", "nat", "-A", "POSTROUTING", "-o", wan_if, "-j", "MASQUERADE",
                   *(["--random-fully"] if random_fully else [])]]
         for chain in ("FORWARD", "INPUT"):
-            rules += [["-A", chain, "-i", wan_if, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
-                       "-j", "ACCEPT"], ["-A", chain, "-i", wan_if, "-j", "DROP"]]
+            accepted = "ESTABLISHED,RELATED" + (",DNAT" if upnp and chain == "FORWARD" else "")
+            rules += [["-A", chain, "-i", wan_if, "-m", "conntrack", "--ctstate", accepted, "-j", "ACCEPT"],
+                      ["-A", chain, "-i", wan_if, "-j", "DROP"]]
         for rule in [["sysctl", "-qw", "net.ipv4.ip_forward=1"], *(["iptables", *r] for r in rules)]:
             done = subprocess.run(["ip", "netns", "exec", router, *rule], capture_output=True, text=True,
                                   timeout=20)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(rule)} in {router}: {done.stderr.strip()}")
+        if upnp:
+            self.routers[name] = router
+            self._miniupnpd(router, wan_if, lan_router, lan)
+
+    def _miniupnpd(self, router: str, wan_if: str, lan_if: str, lan: int) -> None:
+        """miniupnpd (nftables backend) in `router`: its chains, then the daemon, answering the LAN."""
+        tables = ("table inet filter {\n"
+                  "  chain forward { type filter hook forward priority 0; policy accept; jump miniupnpd; }\n"
+                  "  chain miniupnpd { }\n"
+                  "  chain prerouting { type nat hook prerouting priority -100; policy accept; "
+                  "jump prerouting_miniupnpd; }\n"
+                  "  chain postrouting { type nat hook postrouting priority 100; policy accept; "
+                  "jump postrouting_miniupnpd; }\n"
+                  "  chain prerouting_miniupnpd { }\n  chain postrouting_miniupnpd { }\n}\n")
+        done = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=tables, capture_output=True,
+                              text=True, timeout=20)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft in {router}: {done.stderr.strip()}")
+        conf = self.tmp / f"miniupnpd-{lan}.conf"
+        conf.write_text(f"ext_ifname={wan_if}\nlistening_ip={lan_if}\nport=0\nenable_natpmp=no\nenable_upnp=yes\n"
+                        f"secure_mode=yes\nuuid=8f1c2c0e-1111-4c3a-9a5e-{lan:012d}\n"
+                        f"allow 1024-65535 192.168.{lan}.0/24 1024-65535\ndeny 0-65535 0.0.0.0/0 0-65535\n")
+        log = open(self.tmp / f"miniupnpd-{lan}.log", "w")
+        self.daemons.append(subprocess.Popen(
+            ["ip", "netns", "exec", router, MINIUPNPD, "-d", "-f", str(conf), "-P", str(self.tmp / f"upnp{lan}.pid")],
+            stdout=log, stderr=subprocess.STDOUT))
+
+    def ruleset(self, name: str) -> str:
+        """The nftables rules of `name`'s router (where miniupnpd writes its mappings)."""
+        return subprocess.run(["ip", "netns", "exec", self.routers[name], "nft", "list", "ruleset"],
+                              capture_output=True, text=True, timeout=20).stdout
 
     def prefix(self, name: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns[name]]
 
     def destroy(self) -> None:
+        for daemon in self.daemons:
+            daemon.kill()
+            daemon.wait(10)
         for ns in reversed(self.made):
             ip("netns", "del", ns)
 
 
 @pytest.fixture
-def internet():
+def internet(tmp_path):
     why = missing() or iptables_missing()
     if why:
         pytest.skip(why)
-    net = Internet(os.urandom(3).hex())
+    net = Internet(os.urandom(3).hex(), tmp_path)
     try:
         yield net
     finally:
@@ -204,7 +252,7 @@ def sentinel_and_peer(net: Internet, base: list[str], tmp_path, children: list[C
     """The sentinel on the internet and a peer serving blocks 1:30 behind router 1, both in
     `children`; with the bootstrap address and the relay's (the sentinel's) peer id."""
     sentinel = Child("sentinel", base + ["sentinel", "--identity", str(tmp_path / "s.key"),
-                                         "--listen", "/ip4/10.97.0.1/tcp/0"],
+                                         "--listen", f"/ip4/{net.addr['sentinel']}/tcp/0"],
                      tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
     children.append(sentinel)
     boot = sentinel.wait_for("/ip4/", 120)
@@ -278,6 +326,44 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
         again = json.loads(out.stdout)
         assert again["token_ids"] == reference
         assert [h["reached"] for h in again["route"]] == [{"state": "relayed", "via": relay_id}]
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def test_peer_behind_a_upnp_router_maps_its_port_and_is_reached_directly(home, tmp_path, key_env, internet,
+                                                                          reference):
+    """A home router that offers UPnP (miniupnpd) on a public-looking internet (11.97.0.0/24: UPnP
+    refuses to map behind a private external address): the peer maps its port there, the
+    sentinel's dial-back reaches it, it announces the router's address and no relay; a client
+    behind another router gets the in-process answer over a direct connection. Stopped, the peer
+    removes its mapping."""
+    why = upnp_missing()
+    if why:
+        pytest.skip(why)
+    net = internet
+    net.public("sentinel", "11.97.0.1")
+    net.home("peer", "11.97.0.11", 1, upnp=True)
+    net.home("client", "11.97.0.12", 2)
+    base = ["--home", str(home)]
+    children: list[Child] = []
+    try:
+        _, peer, boot, _ = sentinel_and_peer(net, base, tmp_path, children)
+        addr = peer.wait_for("/ip4/", 180)
+        assert addr.startswith("/ip4/11.97.0.11/tcp/"), addr  # the router's external address, mapped
+        peer_id = addr.rsplit("/", 1)[1]
+        peer.wait_for("serving ", 180)
+        assert "reachable through the router's UPnP port mapping" in (tmp_path / "peer.log").read_text()
+        assert "dnat ip to 192.168.1.2" in net.ruleset("peer")
+        out = subprocess.run(net.prefix("client") + CLI + base + [
+            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["token_ids"] == reference
+        assert [(h["peer"], h["reached"]["state"]) for h in got["route"]] == [(peer_id, "direct")]
+        peer.stop()
+        assert "dnat ip to 192.168.1.2" not in net.ruleset("peer")  # the mapping is gone
     finally:
         for child in reversed(children):
             child.stop()

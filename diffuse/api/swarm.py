@@ -172,20 +172,23 @@ def _torch_dtype_name(declared: str) -> str:
 @asynccontextmanager
 async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: list[str],
                              options: SwarmOptions, wait: float = 10.0, swarm_key: SwarmKey | None = None,
-                             allow: AllowList | None = None, mdns: bool = False) -> AsyncIterator[SwarmBackend]:
+                             allow: AllowList | None = None, mdns: bool = False,
+                             hole_punch: bool = False) -> AsyncIterator[SwarmBackend]:
     """Join the swarm as a client and load each model's client side; waits up to `wait` seconds
     for full coverage (an API that starts with its swarm need not fail its first requests), then
     warms the trust plane's material in the background while the caller serves. `swarm_key`,
     `allow`: as `Node` takes them (a private swarm, who may serve it); `mdns`: find the swarm on
-    the LAN (control/mdns.py)."""
+    the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.node import open_node
     from diffuse.model import store
 
-    async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=bootstrap, server=False,
+    # Punching holes, our dials must leave from a port our router maps: listen on every interface.
+    listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
+    async with open_node(create_new_key_pair(), listen=listen, bootstrap=bootstrap, server=False,
                          codecs=reputation.swarm_codecs(), swarm_key=swarm_key, allow=allow,
-                         mdns=mdns) as node, \
+                         mdns=mdns, hole_punch=hole_punch) as node, \
             trio.open_nursery() as background:
         clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait

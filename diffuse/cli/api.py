@@ -15,6 +15,7 @@ from pathlib import Path
 import trio
 
 from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
+from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="answer length when a request gives no max_tokens (default 256)")
     add_fallback_option(p, "the other --model models, largest first")
+    add_hole_punch_option(p, default=False)
     p.set_defaults(func=cmd_api)
 
 
@@ -89,7 +91,8 @@ def swarm_backend(args):
     access = swarm_access(args)
     boot = _bootstrap_addrs(args, required=False)
     return open_swarm_backend(data_home(args.home), args.model or [None], boot, swarm_options(args, access),
-                              args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot))
+                              args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot),
+                              hole_punch=args.hole_punch)
 
 
 def open_backend(args):

@@ -23,7 +23,9 @@ from typing import Any
 
 import trio
 
-from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, use_mdns
+from diffuse.cli.reach import (
+    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
+)
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
@@ -58,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     add_swarm_options(p)
     add_relay_options(p, default=False)
     add_hole_punch_option(p, default=False)
+    add_upnp_option(p)
     p.add_argument("--model", help="model in the store (default: the embedded default model); auto: the model "
                    "the swarm needs most, re-planned as peers come and go (control/ladder.py)")
     p.add_argument("--models", metavar="A,B", help="with --model auto: the models it may choose from "
@@ -236,7 +239,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                     status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn, heartbeat=args.heartbeat,
                     ttl=args.ttl,
                     announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
-                    allow=access.allow, mdns=mdns, relay=args.relay, hole_punch=args.hole_punch)
+                    allow=access.allow, mdns=mdns, relay=args.relay, hole_punch=args.hole_punch,
+                    upnp=args.upnp and lend is not None)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             print(f"reachability: {node.reach.describe()}", file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
 """Options on how a node finds the swarm and is reached: LAN discovery by mDNS (and, for
-peers, relays). Shared by `join`, `status`, `ask` and `api`."""
+peers, relays, hole punching and UPnP). Shared by `join`, `status`, `ask` and `api`."""
 
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def add_hole_punch_option(p: argparse.ArgumentParser, default: bool) -> None:
                    help="over a relayed connection, try DCUtR hole punching to open a direct one (both ends "
                         "must; a client then listens on every interface; new, so off by default: "
                         f"{'on' if default else 'off'})")
+
+
+def add_upnp_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--upnp", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask the LAN's router to map this peer's port (UPnP IGD) and, if the swarm can dial it "
+                        "there, announce the router's external address instead of using a relay (default: on)")
 
 
 def client_listen(args: argparse.Namespace) -> list[str]:

@@ -124,8 +124,12 @@ class Reach:
     state: str = UNKNOWN  # public | relayed | private (no relay slot yet) | unknown
     relays: tuple[str, ...] = ()  # peer ids of the relays holding a slot for us
     checked: float = 0.0
+    upnp: bool = False  # public through a port our router mapped for us (UPnP)
 
     def describe(self) -> str:
+        if self.state == PUBLIC and self.upnp:
+            return ("publicly reachable through the router's UPnP port mapping (AutoNAT dial-back succeeded): "
+                    "announcing the router's external address")
         if self.state == PUBLIC:
             return "publicly reachable (AutoNAT dial-back succeeded): announcing direct addresses"
         if self.state == RELAYED:

@@ -46,10 +46,11 @@ from diffuse.control.host import (
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
-from diffuse.control.nat import PRIVATE, RELAYED, Reach, Relaying
+from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key
 from diffuse.control.swarm_key import SwarmKey
+from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Node:
         relay: bool = False,
         reach_check: bool | None = None,
         hole_punch: bool = False,
+        upnp: bool = False,
     ) -> None:
         """server=False: a DHT client (status, pure clients) that stores nothing for others.
         `codecs`: what the DHT accepts under /diffuse/ (default: peer records only).
@@ -95,7 +97,9 @@ class Node:
         (default: a DHT server with bootstrap peers and no --announce): ask the bootstrap peers
         to dial us back; unreachable, the node becomes a DHT client, reserves relay slots on them
         and announces its /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed
-        connections to or from peers that run it too turn direct where the NATs allow."""
+        connections to or from peers that run it too turn direct where the NATs allow. `upnp`:
+        with the reach check, first map our port on the LAN's UPnP router (control/upnp.py) and
+        offer its external address to the dial-back."""
         self.key_pair = key_pair
         self.peer_id = peer_id_of(key_pair).to_base58()
         self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
@@ -106,6 +110,8 @@ class Node:
         self.relaying = Relaying(self.host, hop=relay, hole_punch=hole_punch)
         self.relaying.install()
         self.reach_check = (server and not announce_addrs) if reach_check is None else reach_check
+        self.upnp = upnp
+        self.mapping = PortMapping()  # our ports on the router's external address, if UPnP mapped them
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), handler)
         self.codecs = codecs or SetCodecs()
@@ -133,7 +139,8 @@ class Node:
         /p2p-circuit addresses at our relays."""
         if self.reach.state in (RELAYED, PRIVATE):
             return list(self.relaying.circuit_addrs.values())
-        return advertised_addrs(self.host, self.announce_addrs, self._towards())
+        return list(dict.fromkeys(self.mapping.addrs + advertised_addrs(self.host, self.announce_addrs,
+                                                                          self._towards())))
 
     def _towards(self) -> list[str]:
         """IPv4 addresses of our bootstrap peers: a wildcard listener is announced at the
@@ -207,6 +214,8 @@ class Node:
                     self._nursery = None
                     with trio.move_on_after(WITHDRAW_TIMEOUT_S):
                         await self.withdraw()
+                    with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
+                        await self.mapping.remove()
                 # Close explicitly: py-libp2p's own stop path runs its cleanup under cancellation,
                 # which aborts at the first await and leaves the listener accepting connections.
                 with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
@@ -255,13 +264,20 @@ class Node:
                 except Exception as e:  # noqa: BLE001 - bootstrap() says why, below
                     log.debug("bootstrap peer %s: %s", info.peer_id, e)
 
-        async with trio.open_nursery() as nursery:
+        async def map_our_ports() -> None:
+            self.mapping = await map_ports(self.host)
+
+        async with trio.open_nursery() as nursery:  # the router's answer comes while we connect
             for info in self.bootstrap_peers:
                 nursery.start_soon(one, info)
+            if self.upnp:
+                nursery.start_soon(map_our_ports)
         if not reached:
             return
-        state = await self.relaying.check(reached, advertised_addrs(self.host, (), self._towards()))
+        candidates = self.mapping.addrs + advertised_addrs(self.host, (), self._towards())
+        state = await self.relaying.check(reached, candidates)
         self.reach.state = state
+        self.reach.upnp = state == PUBLIC and bool(self.mapping.ports)
         if state == PRIVATE:
             self.dht.mode = DHTMode.CLIENT  # as switch_mode, without emptying the routing table
             self.host.remove_stream_handler(KAD_PROTOCOL_ID)
