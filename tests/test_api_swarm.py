@@ -141,7 +141,7 @@ def test_an_unservable_model_is_answered_by_the_fallback_which_says_so(client, s
     """PARTIAL lacks blocks 15-29: the default model answers (the API's default fallback), named
     in `model`, in the headers and in /metrics. (Refusing with a 503 that names the blocks, as
     `--fallback none` does: test_api.py.)"""
-    fallbacks = f'diffuse_fallbacks_total{{asked="{PARTIAL}",answered="{DEFAULT_MODEL}"}}'
+    fallbacks = f'diffuse_fallbacks_total{{answered="{DEFAULT_MODEL}",asked="{PARTIAL}"}}'
     before = scrape(swarm.api + "/metrics").get(fallbacks, 0.0)
     raw = client.chat.completions.with_raw_response.create(model=PARTIAL, messages=ASK, max_tokens=8, temperature=0)
     answer = raw.parse()

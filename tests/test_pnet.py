@@ -15,6 +15,7 @@ from control_helpers import fake_hashes
 from diffuse.control import pnet
 from diffuse.control.announce import Serving
 from diffuse.control.dht import BootstrapError
+from diffuse.control.host import parse_multiaddr
 from diffuse.control.node import open_node
 from diffuse.control.pnet import MULTISTREAM_HEADER, KeyMismatch, PlainPeer, PrivateConn, xsalsa20
 from diffuse.control.swarm_key import SwarmKey
@@ -175,3 +176,18 @@ def test_public_records_say_public():
             assert (await node.serve(Serving("m", 4, 0, 4, fake_hashes(4), "bfloat16"))).extra["mode"] == "public"
 
     trio.run(main)
+
+
+def test_a_private_node_is_told_from_a_public_one_by_who_speaks_first():
+    """The probe a failed dial falls back on when py-libp2p's error chain lost the handshake
+    failure: a private node sends its nonce unprompted, a public one waits for the dialer."""
+    from diffuse.control.pnet import speaks_first
+
+    async def main() -> tuple[bool, bool, bool]:
+        async with open_node(create_new_key_pair(), listen=LISTEN, swarm_key=SwarmKey.generate()) as private, \
+                open_node(create_new_key_pair(), listen=LISTEN) as public:
+            closed = "/ip4/127.0.0.1/tcp/9"  # nothing listens there
+            return tuple([await speaks_first(parse_multiaddr(a)) for a in (private.addrs()[0], public.addrs()[0],
+                                                                         closed)])
+
+    assert trio.run(main) == (True, False, False)

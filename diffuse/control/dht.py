@@ -33,7 +33,7 @@ from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.control.pnet import NO_HANDSHAKE, dial_failure
+from diffuse.control.pnet import NO_HANDSHAKE, dial_failure, speaks_first
 from diffuse.control.records import NAMESPACE, RecordValidator, SetCodec, SetCodecs
 from diffuse.errors import DiffuseError
 
@@ -250,6 +250,7 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
     Raises BootstrapError only if none answers: one reachable sentinel is enough. A peer of a
     private swarm that we cannot join (no key, another key, the other mode) is named as such."""
     reached: list[PeerInfo] = []
+    refused: list[PeerInfo] = []
     errors: list[str] = []
 
     async def one(info: PeerInfo) -> None:
@@ -260,6 +261,10 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
                 await host.connect(info)
             except Exception as e:  # noqa: BLE001 - py-libp2p raises many unrelated types on dial failure
                 addr, why = f"{info.addrs[0]}/p2p/{info.peer_id}", dial_failure(e)
+                if why is None and await speaks_first(info.addrs[0]):  # the chain lost the handshake failure
+                    why = NO_HANDSHAKE
+                if why is not None:  # it answered, in another swarm or mode
+                    refused.append(info)
                 errors.append(f"{addr}: {why or e or type(e).__name__}" if why != NO_HANDSHAKE else
                               f"{NO_HANDSHAKE} with {addr}: if this swarm is private, give its key with "
                               "--swarm-key FILE")
@@ -274,8 +279,7 @@ async def bootstrap(host: IHost, dht: KadDHT, peers: Sequence[PeerInfo], timeout
 
     await _gather(one, peers)
     if peers and not reached and any(p.peer_id != host.get_id() for p in peers):
-        raise BootstrapError("could not reach any bootstrap peer:\n  " + "\n  ".join(errors),
-                             refused=any(e.startswith(NO_HANDSHAKE) for e in errors))
+        raise BootstrapError("could not reach any bootstrap peer:\n  " + "\n  ".join(errors), refused=bool(refused))
     if reached:
         # Populate the routing table beyond the sentinels and let them learn about us.
         with trio.move_on_after(timeout):

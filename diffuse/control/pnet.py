@@ -28,6 +28,7 @@ import os
 import struct
 
 import libp2p
+import trio
 from Crypto.Cipher import Salsa20
 from libp2p.abc import ConnectionType, IRawConnection
 from libp2p.io.exceptions import IOException
@@ -197,6 +198,26 @@ def dial_failure(error: BaseException) -> str | None:
         upgrade_failed |= isinstance(e, SecurityUpgradeFailure)
         todo += [e.__cause__, e.__context__, *getattr(e, "errors", ()), *getattr(e, "exceptions", ())]
     return NO_HANDSHAKE if upgrade_failed else None
+
+
+async def speaks_first(addr: Multiaddr, wait: float = 1.0) -> bool:
+    """Whether the node at `addr` (/ip4/../tcp/..) sends a nonce's worth of bytes before we say
+    anything: a private-network node does (its nonce), a plain libp2p listener never does (the
+    dialer speaks first in multistream-select). Tells "a private swarm we lack the key of" from a
+    dial that failed for other reasons when py-libp2p's error chain lost the handshake failure."""
+    try:
+        stream = await trio.open_tcp_stream(addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp")))
+    except Exception:  # noqa: BLE001 - not TCP/IPv4, or no one listens: it did not speak
+        return False
+    got = b""
+    async with stream:
+        with trio.move_on_after(wait):
+            while len(got) < NONCE_BYTES:
+                data = await stream.receive_some(NONCE_BYTES)
+                if not data:
+                    break
+                got += data
+    return len(got) >= NONCE_BYTES
 
 
 def protected_conn(conn: IRawConnection, psk: str) -> PrivateConn:
