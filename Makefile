@@ -10,4 +10,4 @@ run: setup
 test: setup
 	.venv/bin/ruff check diffuse scripts tests
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile

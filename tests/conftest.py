@@ -10,6 +10,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with slow tests (multi-process swarms, real models) first, each module's tests in
+    their own order: the two workers of `make test` take whole modules, so the long ones start
+    early and the short ones fill the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(scope="session")
 def home(tmp_path_factory) -> Path:
     """A data directory holding the embedded SmolLM2, converted once per test run (~5 s)."""
