@@ -4,7 +4,7 @@ One swarm for the module (fp32 peers and wire, so answers compare exactly), its 
 both models answer one client as they do locally; both replicas of Gemma are SIGKILLed during an
 answer, which the client finishes itself (it holds the model) with the same tokens; with Gemma
 gone, `ask` and the API answer with SmolLM2 and say so, `--fallback none` refuses naming the
-blocks, and with no sentinel reachable `ask` answers in process. Then `join --model auto` peers
+blocks, and with no sentinel reachable `ask` and the API answer in process. Then `join --model auto` peers
 started one by one into a second, empty swarm climb the ladder, and re-plan when one is killed.
 """
 
@@ -191,7 +191,7 @@ def test_an_unservable_model_is_answered_by_the_best_other_and_says_so(both, swa
     assert listed == {GEMMA: False, DEFAULT_MODEL: True}
 
 
-def test_with_no_swarm_reachable_ask_answers_in_process(both, swarm, answers):
+def test_with_no_swarm_reachable_ask_and_the_api_answer_in_process(both, swarm, answers):
     sentinel_id = swarm.boot.rsplit("/p2p/", 1)[1]
     nowhere = f"/ip4/127.0.0.1/tcp/9/p2p/{sentinel_id}"  # the discard port: nothing listens
     out = swarm.procs.run("ask", "--bootstrap", nowhere, "--model", GEMMA, "--json", "--max-tokens", str(TOKENS),
@@ -201,6 +201,14 @@ def test_with_no_swarm_reachable_ask_answers_in_process(both, swarm, answers):
     assert (result["mode"], result["model"]) == ("local", GEMMA)
     assert result["token_ids"] == answers[GEMMA][1][:len(result["token_ids"])]
     assert "no swarm answered" in out.stderr and "answering in this process" in out.stderr
+
+    api = swarm.procs.start("--client-only", "api", "--bootstrap", nowhere, "--listen", "127.0.0.1:0", "--model", GEMMA,
+                            *FP32)
+    url = api.read_until("listening on", timeout=300)[-1].split()[-1]
+    assert any("no swarm answered" in ln and "from this process" in ln for ln in api.stderr), api.stderr
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    text = client.completions.create(model=GEMMA, prompt=PROMPTS[GEMMA], max_tokens=4, temperature=0)
+    assert text.model == GEMMA and text.choices[0].text
 
 
 def test_auto_peers_climb_the_ladder_and_replan_when_one_dies(both, tmp_path_factory):

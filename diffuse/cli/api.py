@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -104,7 +105,52 @@ def open_backend(args):
     if not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
         raise DiffuseError("give --bootstrap ADDR (a sentinel of the swarm to serve), or --local, or drop "
                            "--no-mdns to find the swarm on the LAN")
-    return swarm_backend(args)
+    return swarm_or_local(args)
+
+
+@asynccontextmanager
+async def swarm_or_local(args) -> AsyncIterator:
+    """The swarm's backend; when no bootstrap peer answers at all (none refused us: another key or
+    mode is an error), the served models that fit half the memory available, run here, said on
+    stderr (`--fallback none` refuses instead)."""
+    from diffuse.cli.net import _first_leaf
+    from diffuse.client.fallback import NONE
+    from diffuse.control.dht import BootstrapError
+
+    unreachable: list[BootstrapError] = []
+    opened = False
+    try:
+        async with swarm_backend(args) as backend:
+            opened = True
+            yield backend
+    except* BootstrapError as eg:
+        error = _first_leaf(eg)
+        if opened or error.refused or args.fallback == NONE:
+            raise error from None
+        unreachable.append(error)
+    if unreachable:
+        async with _local_instead(args, unreachable[0]) as backend:
+            yield backend
+
+
+@asynccontextmanager
+async def _local_instead(args, error) -> AsyncIterator:
+    from diffuse.api.backend import LocalBackend
+    from diffuse.client.rescue import MEMORY_SHARE
+    from diffuse.control.placement import available_memory
+    from diffuse.model import store
+
+    home = data_home(args.home)
+    room = MEMORY_SHARE * available_memory()
+    names = [name for name in args.model or [None] if store.info(store.resolve(home, name)).size_bytes <= room]
+    if not names:
+        raise error
+    served = ", ".join(n or "the default model" for n in names)
+    print(f"notice: no swarm answered ({str(error).splitlines()[0]}); serving {served} from this process",
+          file=sys.stderr, flush=True)
+    backend = LocalBackend.open(home, names, args.dtype, args.device)
+    await backend.warm_up()
+    yield backend
 
 
 def cmd_api(args) -> int:
