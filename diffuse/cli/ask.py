@@ -143,36 +143,23 @@ def cmd_ask(args) -> int:
     if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
                            "on the LAN)")
-    from diffuse.client.generate import complete, session_length
     default = not args.local and args.dtype == "fp32"
-    speculate = _spec_config(args) if (args.speculate if args.speculate is not None else default) else None
-    exact = speculate is not None if args.exact is None else args.exact
+    speculating = args.speculate if args.speculate is not None else default
+    exact = speculating if args.exact is None else args.exact
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
     info: dict = {}
     if args.local:
-        from diffuse.client.local import open_local
-
-        model, tokenizer = open_local(data_home(args.home), args.model, args.dtype, args.device)
-        prompt = tokenizer.encode_chat(messages)
-
-        async def run():
-            pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=exact)
-            try:
-                return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
-            finally:
-                await pipeline.close()
-
         info["mode"] = "local"
-        result = trio.run(run)
+        result = _answer_here(args, args.model, messages, params, on_text, speculating, exact)
     else:
-        result = _ask_swarm(args, messages, params, on_text, info, speculate, exact)
+        result = _ask_swarm(args, messages, params, on_text, info, speculating, exact)
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
-                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculate is not None,
+                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculating,
                           "exact": exact,
                           "tokens_per_step": round(result.tokens_per_step, 3), "steps": result.steps,
                           "positions": result.positions} | info))
@@ -184,7 +171,7 @@ def cmd_ask(args) -> int:
     return 0
 
 
-def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bool):
+def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, exact: bool):
     """Through the swarm, with the asked model or the best fallback that is servable; in this
     process when no bootstrap peer answers at all and the store holds a model small enough."""
     from libp2p.crypto.ed25519 import create_new_key_pair
@@ -223,13 +210,13 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
                 if not await client.covered():
                     client = await _fallback_client(node, client, order, home, opts, await client.uncovered()) or client
                 try:
-                    return await _answer_swarm(client, node, args, messages, params, on_text, info, speculate,
+                    return await _answer_swarm(client, node, args, messages, params, on_text, info, speculating,
                                                access)
                 except NoRoute as e:  # announced, but no replica opened a session (dead peers' records linger)
                     other = await _fallback_client(node, client, order, home, opts, str(e))
                     if other is None:
                         raise
-                    return await _answer_swarm(other, node, args, messages, params, on_text, info, speculate,
+                    return await _answer_swarm(other, node, args, messages, params, on_text, info, speculating,
                                                access)
         except* BootstrapError as eg:
             error = _first_leaf(eg)
@@ -241,7 +228,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculate, exact: bo
     if not unreachable:
         return result
     return _answer_in_process(args, home, asked, order, unreachable[0], messages, params, on_text, info,
-                              speculate, exact)
+                              speculating, exact)
 
 
 async def _fallback_client(node, client, order: list[str], home: Path, opts, why: str):
@@ -260,7 +247,7 @@ async def _fallback_client(node, client, order: list[str], home: Path, opts, why
     return None
 
 
-async def _answer_swarm(client, node, args, messages, params, on_text, info: dict, speculate, access):
+async def _answer_swarm(client, node, args, messages, params, on_text, info: dict, speculating: bool, access):
     from diffuse.client.generate import complete, session_length
     from diffuse.client.swarm import remote_of
     from diffuse.control.nat import how_reached
@@ -268,6 +255,7 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
 
     tokenizer = Tokenizer.load(client.model_dir)
     prompt = tokenizer.encode_chat(messages)
+    speculate = _spec_config(data_home(args.home), client.model_dir) if speculating else None
     t0 = trio.current_time()
     pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
     remote = remote_of(pipeline)
@@ -291,11 +279,9 @@ def remote_rescue(pipeline) -> int | None:
 
 
 def _answer_in_process(args, home: Path, asked: str, order: list[str], error, messages, params, on_text,
-                       info: dict, speculate, exact: bool):
+                       info: dict, speculating: bool, exact: bool):
     """No swarm answered: the asked model here if it fits in memory, else the first fallback that does."""
     from diffuse.client import fallback
-    from diffuse.client.generate import complete, session_length
-    from diffuse.client.local import open_local
     from diffuse.client.rescue import MEMORY_SHARE
     from diffuse.control.placement import available_memory
 
@@ -307,8 +293,20 @@ def _answer_in_process(args, home: Path, asked: str, order: list[str], error, me
     what = model_id if model_id == asked else f"{model_id} instead of {asked}"
     print(f"notice: no swarm answered ({str(error).splitlines()[0]}); answering in this process with {what}",
           file=sys.stderr, flush=True)
-    model, tokenizer = open_local(home, fallback.store_name(home, model_id), args.dtype, args.device)
+    info.update(mode="local", model=model_id, reason="no swarm reachable")
+    return _answer_here(args, fallback.store_name(home, model_id), messages, params, on_text, speculating, exact)
+
+
+def _answer_here(args, name: str | None, messages, params, on_text, speculating: bool, exact: bool):
+    """The whole model `name` of the store in this process."""
+    from diffuse.client.generate import complete, session_length
+    from diffuse.client.local import open_local
+    from diffuse.model import store
+
+    home = data_home(args.home)
+    model, tokenizer = open_local(home, name, args.dtype, args.device)
     prompt = tokenizer.encode_chat(messages)
+    speculate = _spec_config(home, store.resolve(home, name)) if speculating else None
 
     async def run():
         pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=exact)
@@ -317,17 +315,14 @@ def _answer_in_process(args, home: Path, asked: str, order: list[str], error, me
         finally:
             await pipeline.close()
 
-    info.update(mode="local", model=model_id, reason="no swarm reachable")
     return trio.run(run)
 
 
-def _spec_config(args):
-    """Speculation settings, with the draft head `diffuse model draft-head` trained, if any."""
+def _spec_config(home: Path, path: Path):
+    """Speculation settings for the model at `path`, with the draft head `diffuse model draft-head`
+    trained for it, if any (each model its own: a fallback never uses the asked model's)."""
     from diffuse.client import draft_head
     from diffuse.client.speculative import SpecConfig
-    from diffuse.model import store
     from diffuse.model.config import ModelConfig
 
-    home = data_home(args.home)
-    path = store.resolve(home, args.model)
     return SpecConfig(draft=draft_head.load(draft_head.path(home, path.name), ModelConfig.load(path).hidden_size))
