@@ -60,16 +60,16 @@ def reference(gemma):
     return tok, answers
 
 
-async def greedy(pipe, prompt: list[int], on_token=None) -> list[int]:
-    """TOKENS greedy tokens through a Pipeline (no stop token: the reference runs all of them);
+async def greedy(pipe, prompt: list[int], on_token=None, tokens: int = TOKENS) -> list[int]:
+    """`tokens` greedy tokens through a Pipeline (no stop token: the reference runs all of them);
     on_token(n) is called once the n-th is chosen."""
     logits = (await pipe.forward(torch.tensor([prompt]), rows=slice(-1, None)))[0, -1]
     out: list[int] = []
-    for _ in range(TOKENS):
+    for _ in range(tokens):
         out.append(int(logits.argmax()))
         if on_token:
             on_token(len(out))
-        if len(out) < TOKENS:
+        if len(out) < tokens:
             logits = (await pipe.forward(torch.tensor([[out[-1]]])))[0, -1]
     return out
 

@@ -29,6 +29,7 @@ from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import packages
+from test_gemma3 import greedy as gemma_greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 GEMMA = packages.GEMMA_3_270M.name
@@ -80,15 +81,7 @@ def swarm(both, tmp_path_factory):
 
 
 async def greedy(pipe, prompt: list[int], on_token=None) -> list[int]:
-    logits = (await pipe.forward(torch.tensor([prompt]), rows=slice(-1, None)))[0, -1]
-    out: list[int] = []
-    for _ in range(TOKENS):
-        out.append(int(logits.argmax()))
-        if on_token:
-            on_token(len(out))
-        if len(out) < TOKENS:
-            logits = (await pipe.forward(torch.tensor([[out[-1]]])))[0, -1]
-    return out
+    return await gemma_greedy(pipe, prompt, on_token, TOKENS)
 
 
 def local_answers(home: Path) -> dict[str, tuple[list[int], list[int]]]:

@@ -288,11 +288,7 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
         peer_id = addr.rsplit("/", 1)[1]
         peer.wait_for("serving ", 180)
         assert "behind NAT, reachable through relay" in (tmp_path / "peer.log").read_text()
-        out = subprocess.run(net.prefix("client") + CLI + base + [
-            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        got = json.loads(out.stdout)
+        got = ask_json(net, "client", base, boot)
         assert got["token_ids"] == reference
         assert [(h["peer"], h["blocks"]) for h in got["route"]] == [(peer_id, [1, 30])]
         assert [h["reached"] for h in got["route"]] == [{"state": "relayed", "via": relay_id}]
@@ -319,11 +315,7 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
         while not re.search(r"holds a slot for us again|reserved again on relay", log.read_text()):
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.5)
-        out = subprocess.run(net.prefix("client") + CLI + base + [
-            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        again = json.loads(out.stdout)
+        again = ask_json(net, "client", base, boot)
         assert again["token_ids"] == reference
         assert [h["reached"] for h in again["route"]] == [{"state": "relayed", "via": relay_id}]
     finally:
@@ -355,11 +347,7 @@ def test_peer_behind_a_upnp_router_maps_its_port_and_is_reached_directly(home, t
         peer.wait_for("serving ", 180)
         assert "reachable through the router's UPnP port mapping" in (tmp_path / "peer.log").read_text()
         assert "dnat ip to 192.168.1.2" in net.ruleset("peer")
-        out = subprocess.run(net.prefix("client") + CLI + base + [
-            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-            "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        got = json.loads(out.stdout)
+        got = ask_json(net, "client", base, boot)
         assert got["token_ids"] == reference
         assert [(h["peer"], h["reached"]["state"]) for h in got["route"]] == [(peer_id, "direct")]
         peer.stop()
@@ -367,6 +355,15 @@ def test_peer_behind_a_upnp_router_maps_its_port_and_is_reached_directly(home, t
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def ask_json(net: Internet, name: str, base: list[str], boot: str) -> dict:
+    """`ask --json` from `name`'s namespace through the swarm at `boot`, greedy and plain."""
+    out = subprocess.run(net.prefix(name) + CLI + base + [
+        "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+        "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def sessions_open(net: Internet, name: str) -> float:

@@ -85,9 +85,8 @@ async def local_backend(args) -> AsyncIterator:
 def swarm_backend(args):
     from diffuse.api.swarm import open_swarm_backend
     from diffuse.cli.net import _bootstrap_addrs
-    from diffuse.cli.swarm import swarm_access
-
     from diffuse.cli.reach import use_mdns
+    from diffuse.cli.swarm import swarm_access
 
     access = swarm_access(args)
     boot = _bootstrap_addrs(args, required=False)
