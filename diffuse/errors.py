@@ -13,6 +13,11 @@ class ProtocolError(DiffuseError):
     """A peer sent bytes that do not follow the Diffuse wire protocol."""
 
 
+class FetchError(DiffuseError):
+    """A file fetched from a peer was refused: the peer did not serve it, broke off, or sent
+    bytes other than those its announced hash names (nothing of it is kept)."""
+
+
 class Rewind(Exception):
     """Not an error a user sees: a deferred spot check caught a peer, and every stage has been
     rolled back to `length` committed tokens (the caught peer replaced). Whoever drives the

@@ -1,0 +1,504 @@
+"""Files by SHA-256 between peers: `/diffuse/files/1.0.0` (protocols/files.md).
+
+A client asks for a byte range of the file whose SHA-256 it names; the server answers with one
+RESPONSE (a status, the file's size, the range it sends) and the bytes in DATA frames of at most
+1 MiB. The content hash is the file's only name, so the receiver checks it over the whole file
+before anything uses it, and a peer can serve whatever the swarm announces by hash (a draft
+head now; blocks' weights later, which the manifest already names by hash).
+
+The codec (`encode`, `decode_body`, `Decoder`, `resolve`) does no I/O; `FileServer.handle`
+and `fetch` run it over libp2p streams. Metadata is packed with `struct`, never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import tempfile
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, BinaryIO, Union
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from diffuse.control.host import parse_multiaddr
+from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
+from diffuse.errors import FetchError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_ID = "/diffuse/files/1.0.0"
+MAGIC = b"DF"
+VERSION_MAJOR = 1
+VERSION_MINOR = 0
+MAX_REQUEST_FRAME = 4096  # a GET is 54 bytes; the rest is room for extensions
+MAX_CHUNK = 1 << 20  # bytes of one DATA frame, at most
+CHUNK = 256 << 10  # what the reference server puts in one DATA frame
+MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for no more at once
+MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
+REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
+STALL_TIMEOUT_S = 30.0  # no byte through in this long, either way: the transfer is given up
+PEERSTORE_TTL_S = 600
+
+_HEADER = struct.Struct(">2sBBBB")  # magic, major, minor, type, reserved
+HEADER_SIZE = _HEADER.size  # 6
+_GET = struct.Struct(">32sQQ")  # sha256, offset, length
+_RESPONSE = struct.Struct(">HQQQH")  # status, total size, offset, length, message length
+_U32 = struct.Struct(">I")
+_TLV = struct.Struct(">HI")
+
+
+class MsgType(IntEnum):
+    GET = 1
+    RESPONSE = 2
+    DATA = 3
+
+
+class Status(IntEnum):
+    """RESPONSE status. Receivers accept codes they do not know and treat them like INTERNAL."""
+
+    OK = 0
+    BAD_REQUEST = 1  # undecodable request, or a range outside the file
+    UNSUPPORTED_VERSION = 2
+    NOT_FOUND = 3  # no file with that hash here (or it changed since it was hashed)
+    TOO_LARGE = 4  # the range is longer than this server sends at once
+    BUSY = 5  # too many transfers now: try another peer or later
+    INTERNAL = 6
+    TIMEOUT = 7  # no GET arrived in time
+
+
+def status_name(code: int) -> str:
+    return Status(code).name if code in Status._value2member_map_ else f"status {code}"
+
+
+class FrameError(ProtocolError):
+    """Bytes that break the files protocol; `status` is what the server's RESPONSE carries."""
+
+    def __init__(self, message: str, status: Status = Status.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Get:
+    """Bytes [offset, offset + length) of the file with this SHA-256; length 0: to its end."""
+
+    sha256: bytes
+    offset: int = 0
+    length: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != 32:
+            raise ValueError("a SHA-256 is 32 bytes")
+
+
+@dataclass(frozen=True)
+class Response:
+    """The answer to a GET. OK: `length` bytes from `offset` follow in DATA frames; `total` is
+    the whole file's size (also on TOO_LARGE and BAD_REQUEST, where it is known). TOO_LARGE:
+    `length` is the longest range this server sends at once."""
+
+    status: int
+    total: int = 0
+    offset: int = 0
+    length: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Data:
+    data: bytes
+
+
+Message = Union[Get, Response, Data]
+
+
+def encode(msg: Message) -> bytes:
+    """One whole frame (length prefix included), for one write."""
+    if isinstance(msg, Get):
+        kind, payload = MsgType.GET, _GET.pack(msg.sha256, msg.offset, msg.length)
+    elif isinstance(msg, Response):
+        text = msg.message.encode()[:MAX_MESSAGE].decode(errors="ignore").encode()  # cut at a character
+        kind = MsgType.RESPONSE
+        payload = _RESPONSE.pack(msg.status, msg.total, msg.offset, msg.length, len(text)) + text
+    elif isinstance(msg, Data):
+        if not 0 < len(msg.data) <= MAX_CHUNK:
+            raise ValueError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {len(msg.data)}")
+        kind, payload = MsgType.DATA, bytes(msg.data)
+    else:
+        raise TypeError(f"not a files-protocol message: {type(msg).__name__}")
+    body = _HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, kind, 0) + payload
+    return _U32.pack(len(body)) + body
+
+
+def decode_body(body: bytes | memoryview) -> Message:
+    """The message in one frame body; FrameError names what is wrong."""
+    if len(body) < 4 or bytes(body[:2]) != MAGIC:
+        raise FrameError("bad magic: not a files-protocol frame")
+    if body[2] != VERSION_MAJOR:
+        raise FrameError(f"peer speaks files protocol {body[2]}.{body[3]}, this peer speaks "
+                         f"{VERSION_MAJOR}.{VERSION_MINOR}", Status.UNSUPPORTED_VERSION)
+    if len(body) < HEADER_SIZE:
+        raise FrameError("truncated header")
+    kind, payload = body[4], memoryview(body)[HEADER_SIZE:]
+    if kind == MsgType.DATA:
+        if not 0 < len(payload) <= MAX_CHUNK:
+            raise FrameError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {len(payload)}")
+        return Data(bytes(payload))
+    if kind == MsgType.GET:
+        if len(payload) < _GET.size:
+            raise FrameError("truncated GET")
+        sha, offset, length = _GET.unpack_from(payload)
+        _extensions(payload[_GET.size:])
+        return Get(sha, offset, length)
+    if kind == MsgType.RESPONSE:
+        if len(payload) < _RESPONSE.size:
+            raise FrameError("truncated RESPONSE")
+        status, total, offset, length, n = _RESPONSE.unpack_from(payload)
+        if n > MAX_MESSAGE or len(payload) < _RESPONSE.size + n:
+            raise FrameError(f"RESPONSE message of {n} bytes does not fit (at most {MAX_MESSAGE})")
+        try:
+            text = bytes(payload[_RESPONSE.size:_RESPONSE.size + n]).decode()
+        except UnicodeDecodeError:
+            raise FrameError("RESPONSE message is not UTF-8") from None
+        _extensions(payload[_RESPONSE.size + n:])
+        return Response(status, total, offset, length, text)
+    raise FrameError(f"unknown message type {kind}")
+
+
+def _extensions(area: memoryview) -> None:
+    """Check the extension area's framing; no type is registered in 1.0, so all are ignored."""
+    seen: set[int] = set()
+    while len(area):
+        if len(area) < _TLV.size:
+            raise FrameError("truncated extension entry")
+        kind, n = _TLV.unpack_from(area)
+        if kind == 0 or kind in seen or len(area) < _TLV.size + n:
+            raise FrameError(f"bad extension entry (type {kind}, {n} bytes)")
+        seen.add(kind)
+        area = area[_TLV.size + n:]
+
+
+class Decoder:
+    """Frames from reads that split or join them anywhere; the length prefix is checked
+    against `max_frame` before any of the body is held. After a FrameError every call raises."""
+
+    def __init__(self, max_frame: int) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self.failed: FrameError | None = None
+
+    def feed(self, data: bytes) -> list[Message]:
+        if self.failed is not None:
+            raise FrameError(f"stream unusable after an earlier error: {self.failed}", self.failed.status)
+        self._buf += data
+        out: list[Message] = []
+        try:
+            while len(self._buf) >= 4:
+                (n,) = _U32.unpack_from(self._buf)
+                if n > self.max_frame:
+                    raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+                if len(self._buf) < 4 + n:
+                    break
+                out.append(decode_body(bytes(self._buf[4:4 + n])))
+                del self._buf[:4 + n]
+        except FrameError as e:
+            self.failed, self._buf = e, bytearray()
+            raise
+        return out
+
+
+def resolve(get: Get, size: int | None, max_range: int = MAX_RANGE) -> Response:
+    """The RESPONSE to `get` for a file of `size` bytes here (None: no such file)."""
+    if size is None:
+        return Response(Status.NOT_FOUND, message=f"no file with sha256 {get.sha256.hex()} here")
+    if get.offset > size:
+        return Response(Status.BAD_REQUEST, size, message=f"offset {get.offset} is past the end ({size} bytes)")
+    length = get.length or size - get.offset
+    if get.offset + length > size:
+        return Response(Status.BAD_REQUEST, size,
+                        message=f"range {get.offset}+{length} runs past the end ({size} bytes)")
+    if length > max_range:
+        return Response(Status.TOO_LARGE, size, 0, max_range,
+                        f"range of {length} bytes: this peer sends at most {max_range} at once")
+    return Response(Status.OK, size, get.offset, length)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FileServer:
+    """Serves the files it was given by their SHA-256, a few transfers at a time.
+
+    A file is hashed once, when added; a request finds it by hash and the server checks only its
+    size before sending (re-hashing per request would cost a full read): a file damaged on disk
+    afterwards goes out as it is now, and the receiver's hash check refuses it.
+    """
+
+    def __init__(self, *, max_transfers: int = 4, max_per_peer: int = 2, max_range: int = MAX_RANGE,
+                 request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+        self.files: dict[str, tuple[Path, int]] = {}  # hex sha256 -> (path, size when hashed)
+        self.max_transfers, self.max_per_peer, self.max_range = max_transfers, max_per_peer, max_range
+        self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
+        self.active: Counter[str] = Counter()  # remote peer -> transfers in progress
+
+    def add(self, path: Path) -> tuple[str, int]:
+        """Hash `path` and serve it; returns (hex sha256, size)."""
+        path = Path(path)
+        size, sha = path.stat().st_size, sha256_file(path)
+        self.files[sha] = (path, size)
+        return sha, size
+
+    async def handle(self, stream: Any) -> None:
+        """A libp2p stream handler (the remote peer's id bounds its share of transfers)."""
+        await self.serve(stream, str(stream.muxed_conn.peer_id))
+
+    async def serve(self, stream: ByteStream, remote: str) -> None:
+        """Answer one GET on `stream`, then close it; never raises for anything the peer did."""
+        try:
+            get = await self._request(stream)
+            if get is not None:
+                await self._answer(stream, get, remote)
+        except FrameError as e:
+            await self._reply(stream, Response(e.status, message=str(e)))
+        except Exception as e:  # noqa: BLE001 - one stream's failure must not reach the others
+            if type(e).__module__.startswith("libp2p") or isinstance(e, (OSError, trio.BrokenResourceError,
+                                                                          trio.ClosedResourceError)):
+                log.info("files stream from %s failed: %s", remote, e)
+            else:
+                log.exception("internal error serving a file to %s", remote)
+                await self._reply(stream, Response(Status.INTERNAL, message=f"internal error: {type(e).__name__}"))
+        finally:
+            await close_quietly(stream)
+
+    async def _request(self, stream: ByteStream) -> Get | None:
+        """The stream's GET; None if it ends before one."""
+        decoder = Decoder(MAX_REQUEST_FRAME)
+        with trio.move_on_after(self.request_timeout):
+            while True:
+                data = await _read(stream)
+                if not data:
+                    return None
+                if msgs := decoder.feed(data):
+                    if not isinstance(msgs[0], Get):
+                        raise FrameError(f"expected a GET, got {type(msgs[0]).__name__.upper()}")
+                    return msgs[0]
+        raise FrameError(f"no GET within {self.request_timeout:g} s", Status.TIMEOUT)
+
+    async def _answer(self, stream: ByteStream, get: Get, remote: str) -> None:
+        if sum(self.active.values()) >= self.max_transfers or self.active[remote] >= self.max_per_peer:
+            await self._reply(stream, Response(Status.BUSY, message=f"{sum(self.active.values())} transfers "
+                                                                    "in progress: try later or another peer"))
+            return
+        entry = self.files.get(get.sha256.hex())
+        try:
+            f = open(entry[0], "rb") if entry else None
+        except OSError:
+            f = None
+        if f is None:
+            await self._reply(stream, resolve(get, None))
+            return
+        self.active[remote] += 1
+        try:
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry[1]:
+                    log.warning("%s changed on disk since it was hashed: no longer served", entry[0])
+                    await self._reply(stream, Response(Status.NOT_FOUND, message=f"file {get.sha256.hex()} "
+                                                                                 "changed since it was announced"))
+                    return
+                answer = resolve(get, size, self.max_range)
+                await self._send(stream, answer)
+                if answer.status == Status.OK:
+                    await self._copy(f, stream, answer.offset, answer.length)
+        finally:
+            self.active[remote] -= 1
+            if not self.active[remote]:
+                del self.active[remote]
+
+    async def _copy(self, f: BinaryIO, stream: ByteStream, offset: int, length: int) -> None:
+        f.seek(offset)
+        while length:
+            block = await trio.to_thread.run_sync(f.read, min(CHUNK, length))
+            if not block:  # truncated while we sent it: break off; the receiver sees a short range
+                raise OSError(f"{f.name} shrank while it was being sent")
+            await self._send(stream, Data(block))
+            length -= len(block)
+
+    async def _send(self, stream: ByteStream, msg: Message) -> None:
+        with trio.fail_after(self.stall_timeout):
+            await stream.write(encode(msg))
+
+    async def _reply(self, stream: ByteStream, msg: Response) -> None:
+        """An error answer; the stream may be gone already."""
+        try:
+            await self._send(stream, msg)
+        except Exception as e:  # noqa: BLE001 - nobody left to tell
+            log.debug("could not send %s: %s", Status(msg.status).name, e)
+
+
+Opener = Callable[[], Awaitable[ByteStream]]
+
+
+async def fetch(host: Any, peer_id: str, sha256: str, expected_size: int, dest: Path, limit: int,
+                addrs: Sequence[str] = (), *, max_range: int = MAX_RANGE) -> Path:
+    """Download the file with hex SHA-256 `sha256` and `expected_size` bytes (what the peer
+    announced; refused above `limit`) from `peer_id` into `dest`, range by range, and return
+    `dest`. It is written under a temporary name and renamed only once its size and hash are
+    right: on any failure nothing is left and FetchError names the peer and what was wrong.
+    `addrs`: the peer's announced addresses, dialled when no connection to it is open."""
+    peer = ID.from_base58(peer_id)
+    await _connect(host, peer, addrs)
+
+    async def open_stream() -> ByteStream:
+        try:
+            return await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        except Exception as e:  # noqa: BLE001 - py-libp2p fails streams in many types of its own
+            raise FetchError(f"cannot open a files stream to peer {peer_id}: {e}") from None
+
+    return await fetch_with(open_stream, peer_id, sha256, expected_size, dest, limit, max_range=max_range)
+
+
+async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size: int, dest: Path, limit: int,
+                     *, max_range: int = MAX_RANGE, stall_timeout: float = STALL_TIMEOUT_S) -> Path:
+    """`fetch` over streams from `open_stream`, one per range."""
+    try:
+        want = bytes.fromhex(sha256)
+    except ValueError:
+        want = b""
+    if len(want) != 32:
+        raise FetchError(f"peer {peer} announces {sha256!r}, not a SHA-256 in hex")
+    if not 0 < expected_size <= limit:
+        raise FetchError(f"peer {peer} announces a file of {expected_size} bytes; 1 to {limit} are accepted")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            offset = 0
+            while offset < expected_size:
+                length = min(max_range, expected_size - offset)
+                try:
+                    offset += await _get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
+                                               stall_timeout)
+                except _Smaller as e:  # the peer sends less per request, and said how much
+                    if not 0 < e.length < length:
+                        raise FetchError(f"peer {peer} refused {length} bytes as too large without naming "
+                                         "a smaller range") from None
+                    max_range = e.length
+        if digest.hexdigest() != sha256:
+            raise FetchError(f"peer {peer} sent {expected_size} bytes that hash to SHA-256 {digest.hexdigest()}, "
+                             f"not the announced {sha256}: refused, nothing kept")
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+class _Smaller(Exception):
+    """The peer answered TOO_LARGE: it sends at most `length` bytes per request."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.length = length
+
+
+async def _get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
+                     out: BinaryIO, digest: Any, stall_timeout: float) -> int:
+    """Receive [offset, offset + length) into `out` and `digest`; returns `length`."""
+    stream = await open_stream()
+    try:
+        try:
+            await stream.write(encode(Get(sha, offset, length)))
+        except Exception as e:  # noqa: BLE001 - a reset stream, in py-libp2p's types
+            raise FetchError(f"peer {peer} closed the files stream before the request: {e}") from None
+        decoder = Decoder(HEADER_SIZE + MAX_CHUNK)
+        head: Response | None = None
+        received = 0
+        while head is None or received < length:
+            with trio.move_on_after(stall_timeout) as idle:
+                data = await _read(stream)
+            if idle.cancelled_caught:
+                raise FetchError(f"peer {peer} sent nothing for {stall_timeout:g} s "
+                                 f"({received} of {length} bytes from {offset} received)")
+            if not data:
+                what = "before answering" if head is None else f"after {received} of {length} bytes from {offset}"
+                raise FetchError(f"peer {peer} ended the transfer {what}")
+            try:
+                messages = decoder.feed(data)
+            except FrameError as e:
+                raise FetchError(f"peer {peer} broke the files protocol: {e}") from None
+            for msg in messages:
+                if head is None:
+                    head = _check_head(msg, peer, offset, length, total)
+                elif isinstance(msg, Data) and received + len(msg.data) <= length:
+                    out.write(msg.data)
+                    digest.update(msg.data)
+                    received += len(msg.data)
+                elif isinstance(msg, Response):
+                    raise FetchError(f"peer {peer} broke off the transfer after {received} of {length} bytes: "
+                                     f"{status_name(msg.status)}: {msg.message}")
+                else:
+                    raise FetchError(f"peer {peer} sent more than the {length} bytes asked from {offset}")
+        return received
+    finally:
+        await close_quietly(stream)
+
+
+async def _read(stream: ByteStream) -> bytes:
+    """The next bytes; b"" at the end of the stream, however py-libp2p reports it."""
+    try:
+        return await stream.read(READ_CHUNK)
+    except EOFError:
+        return b""
+    except Exception as e:  # noqa: BLE001 - a reset, in py-libp2p's own types
+        if type(e).__module__.startswith("libp2p") or isinstance(e, OSError):
+            return b""
+        raise
+
+
+def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -> Response:
+    if not isinstance(msg, Response):
+        raise FetchError(f"peer {peer} sent {type(msg).__name__.upper()} before its RESPONSE")
+    if msg.status == Status.TOO_LARGE:
+        raise _Smaller(msg.length)
+    if msg.status != Status.OK:
+        raise FetchError(f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
+    if msg.total != total:
+        raise FetchError(f"peer {peer} serves a file of {msg.total} bytes under that hash; it announced {total}")
+    if (msg.offset, msg.length) != (offset, length):
+        raise FetchError(f"peer {peer} answered for {msg.length} bytes from {msg.offset}; "
+                         f"{length} from {offset} were asked")
+    return msg
+
+
+async def _connect(host: Any, peer: ID, addrs: Sequence[str]) -> None:
+    """Dial the peer at its announced addresses unless a connection to it is open."""
+    if not addrs or any(not c.is_closed for c in host.get_network().get_connections(peer)):
+        return
+    maddrs = [parse_multiaddr(a) for a in addrs]
+    host.get_peerstore().add_addrs(peer, maddrs, PEERSTORE_TTL_S)
+    try:
+        await host.connect(PeerInfo(peer, maddrs))
+    except Exception as e:  # noqa: BLE001 - py-libp2p fails dials in many types of its own
+        raise FetchError(f"cannot reach peer {peer.to_base58()}: {e}") from None
+
+
+__all__ = ["PROTOCOL_ID", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response", "Status",
+           "decode_body", "encode", "fetch", "fetch_with", "resolve", "sha256_file", "status_name"]

@@ -1,0 +1,277 @@
+"""Files by hash between peers, and draft heads fetched from the swarm.
+
+The codec round-trips and refuses malformed, wrongly versioned and oversized frames; a
+FileServer answers unknown hashes, bad ranges and bad frames with a RESPONSE and keeps serving
+other streams; `fetch` keeps a file only when its size and SHA-256 match what was announced.
+Through a real swarm (a sentinel and a `diffuse join` peer whose home holds a draft head), a
+client with no head fetches, verifies and caches the peer's, and refuses one whose bytes on the
+peer's disk no longer match the announced hash, caching nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from diffuse.data import files as F
+from diffuse.errors import FetchError
+
+
+class MemStream:
+    """read/write/close over a trio memory stream, like a libp2p stream."""
+
+    def __init__(self, s):
+        self.s = s
+
+    async def read(self, n: int = -1) -> bytes:
+        try:
+            return await self.s.receive_some(n if n > 0 else None)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self.s.send_all(data)
+
+    async def close(self) -> None:
+        await self.s.aclose()
+
+
+def frames(data: bytes, max_frame: int = F.HEADER_SIZE + F.MAX_CHUNK) -> list:
+    return F.Decoder(max_frame).feed(data)
+
+
+# ---- codec ----
+
+def test_messages_round_trip_through_split_reads():
+    msgs = [F.Get(bytes(range(32)), 5, 7), F.Get(b"\xff" * 32),
+            F.Response(F.Status.OK, 10, 2, 8), F.Response(F.Status.NOT_FOUND, message="no file ünicode"),
+            F.Data(b"x" * F.MAX_CHUNK), F.Data(b"\0")]
+    wire = b"".join(F.encode(m) for m in msgs)
+    dec = F.Decoder(F.HEADER_SIZE + F.MAX_CHUNK)
+    got = []
+    for i in range(0, len(wire), 4093):  # reads split frames anywhere
+        got += dec.feed(wire[i:i + 4093])
+    assert got == msgs
+
+
+def test_get_layout_is_as_specified():
+    sha = bytes.fromhex("ab" * 32)
+    wire = F.encode(F.Get(sha, 1, 2))
+    assert wire == struct.pack(">I", 54) + b"DF\x01\x00\x01\x00" + sha + (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"XX\x01\x00\x01\x00" + bytes(48), "bad magic"),
+    (b"DF\x01\x00\x09\x00", "unknown message type 9"),
+    (b"DF\x01\x00\x01\x00" + bytes(47), "truncated GET"),
+    (b"DF\x01\x00\x01\x00" + bytes(48) + b"\x00\x01\x00\x00\x00\x05ab", "bad extension entry"),
+    (b"DF\x01\x00\x01\x00" + bytes(48) + b"\x00\x00\x00\x00\x00\x00", "bad extension entry"),
+    (b"DF\x01\x00\x02\x00" + struct.pack(">HQQQH", 0, 0, 0, 0, 2) + b"\xff\xfe", "not UTF-8"),
+    (b"DF\x01\x00\x02\x00" + struct.pack(">HQQQH", 0, 0, 0, 0, 2000) + bytes(2000), "does not fit"),
+    (b"DF\x01\x00\x03\x00", "DATA frame carries 1.."),
+    (b"DF\x01", "bad magic"),
+])
+def test_malformed_frames_are_refused_by_name(body, why):
+    with pytest.raises(F.FrameError, match=why) as e:
+        frames(struct.pack(">I", len(body)) + body, 1 << 22)
+    assert e.value.status == F.Status.BAD_REQUEST
+
+
+def test_unknown_extensions_are_ignored():
+    body = b"DF\x01\x00\x01\x00" + bytes(48) + b"\x80\x01\x00\x00\x00\x02hi"
+    assert frames(struct.pack(">I", len(body)) + body) == [F.Get(bytes(32))]
+
+
+def test_another_major_version_is_named():
+    body = b"DF\x02\x05\x01\x00" + bytes(60)
+    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.0") as e:
+        frames(struct.pack(">I", len(body)) + body)
+    assert e.value.status == F.Status.UNSUPPORTED_VERSION
+
+
+def test_oversized_frames_are_refused_from_the_length_prefix():
+    dec = F.Decoder(F.MAX_REQUEST_FRAME)
+    with pytest.raises(F.FrameError, match="frame of 4097 bytes exceeds the limit of 4096"):
+        dec.feed(struct.pack(">I", F.MAX_REQUEST_FRAME + 1) + b"DF")  # refused before the body arrives
+    with pytest.raises(F.FrameError, match="unusable after an earlier error"):
+        dec.feed(F.encode(F.Get(bytes(32))))
+
+
+def test_resolve_ranges():
+    get = F.Get(bytes(32))
+    assert F.resolve(get, None).status == F.Status.NOT_FOUND
+    assert F.resolve(get, 100) == F.Response(F.Status.OK, 100, 0, 100)
+    assert F.resolve(F.Get(bytes(32), 90), 100) == F.Response(F.Status.OK, 100, 90, 10)
+    assert F.resolve(F.Get(bytes(32), 100), 100) == F.Response(F.Status.OK, 100, 100, 0)
+    assert F.resolve(F.Get(bytes(32), 101), 100).status == F.Status.BAD_REQUEST
+    assert F.resolve(F.Get(bytes(32), 50, 51), 100).status == F.Status.BAD_REQUEST
+    too = F.resolve(F.Get(bytes(32), 0, 60), 100, max_range=50)
+    assert (too.status, too.total, too.length) == (F.Status.TOO_LARGE, 100, 50)
+
+
+# ---- serving and fetching over in-memory streams ----
+
+@pytest.fixture
+def served(tmp_path):
+    blob = bytes(range(256)) * 5000 + b"tail"  # 1.28 MB: several DATA frames
+    path = tmp_path / "blob.bin"
+    path.write_bytes(blob)
+    server = F.FileServer(max_range=300_000)
+    sha, size = server.add(path)
+    assert (sha, size) == (hashlib.sha256(blob).hexdigest(), len(blob))
+    return server, path, blob, sha
+
+
+async def ask(server: F.FileServer, raw: bytes, remote: str = "peer") -> list:
+    """Send `raw` on a stream to `server`; every frame it answered before closing."""
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.serve, MemStream(b), remote)
+        client = MemStream(a)
+        await client.write(raw)
+        got = b""
+        with trio.fail_after(10):
+            while data := await client.read(1 << 16):
+                got += data
+    return frames(got)
+
+
+def opener(server: F.FileServer, nursery, remote: str = "peer"):
+    async def open_stream():
+        a, b = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.serve, MemStream(b), remote)
+        return MemStream(a)
+    return open_stream
+
+
+def test_server_answers_ranges_and_refusals(served):
+    server, _, blob, sha = served
+    h = bytes.fromhex(sha)
+
+    async def main():
+        head, *data = await ask(server, F.encode(F.Get(h, 1000, 290_000)))
+        assert head == F.Response(F.Status.OK, len(blob), 1000, 290_000)
+        assert b"".join(d.data for d in data) == blob[1000:291_000]
+        assert all(len(d.data) <= F.MAX_CHUNK for d in data) and len(data) > 1
+        (missing,) = await ask(server, F.encode(F.Get(b"\x01" * 32)))
+        assert missing.status == F.Status.NOT_FOUND and "01" * 32 in missing.message
+        (big,) = await ask(server, F.encode(F.Get(h)))
+        assert (big.status, big.length) == (F.Status.TOO_LARGE, 300_000)
+        (past,) = await ask(server, F.encode(F.Get(h, len(blob) + 1)))
+        assert past.status == F.Status.BAD_REQUEST and "past the end" in past.message
+        (garbage,) = await ask(server, b"\x00\x00\x00\x08DF\x01\x00\x05\x00xy")
+        assert garbage.status == F.Status.BAD_REQUEST and "unknown message type 5" in garbage.message
+        (huge,) = await ask(server, struct.pack(">I", 1 << 30))
+        assert huge.status == F.Status.BAD_REQUEST and "exceeds the limit" in huge.message
+        (version,) = await ask(server, b"\x00\x00\x00\x36DF\x07\x00\x01\x00" + bytes(48))
+        assert version.status == F.Status.UNSUPPORTED_VERSION and "7.0" in version.message
+        (wrong,) = await ask(server, F.encode(F.Data(b"hello")))
+        assert wrong.status == F.Status.BAD_REQUEST and "expected a GET" in wrong.message
+        a, b = trio.testing.memory_stream_pair()
+        await a.aclose()  # a stream that ends before asking: nothing to answer, nothing raised
+        with trio.fail_after(10):
+            await server.serve(MemStream(b), "gone")
+
+    trio.run(main)
+
+
+def test_a_silent_stream_times_out_and_busy_peers_are_told(served):
+    server, _, _, sha = served
+    server.request_timeout = 0.2
+
+    async def main():
+        a, b = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve, MemStream(b), "slow")
+            with trio.fail_after(10):
+                (answer,) = frames(await MemStream(a).read(1 << 16))
+        assert answer.status == F.Status.TIMEOUT
+        server.active["other"] = server.max_transfers  # every slot taken
+        (busy,) = await ask(server, F.encode(F.Get(bytes.fromhex(sha), 0, 10)))
+        assert busy.status == F.Status.BUSY
+
+    trio.run(main)
+
+
+def test_a_bad_stream_does_not_disturb_a_transfer_beside_it(served, tmp_path):
+    server, _, blob, sha = served
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            bad = [nursery.start_soon(ask, server, b"\x00\x00\x00\x03abc") for _ in range(3)]
+            assert bad == [None] * 3
+            dest = await F.fetch_with(opener(server, nursery), "good", sha, len(blob), tmp_path / "got", 1 << 24)
+        assert dest.read_bytes() == blob
+
+    trio.run(main)
+
+
+def test_fetch_asks_in_ranges_the_server_accepts(served, tmp_path):
+    server, _, blob, sha = served
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            # the client asks for MAX_RANGE at once; the server sends 300 kB: the client follows it
+            return await F.fetch_with(opener(server, nursery), "p", sha, len(blob), tmp_path / "d" / "f", 1 << 24)
+
+    dest = trio.run(main)
+    assert dest.read_bytes() == blob and [p.name for p in dest.parent.iterdir()] == ["f"]
+
+
+@pytest.mark.parametrize("case, why", [
+    ("corrupt", "hash to SHA-256 .*not the announced"),
+    ("size", "serves a file of .* bytes under that hash; it announced"),
+    ("limit", "at most|are accepted"),
+    ("unknown", "NOT_FOUND"),
+    ("hash", "not a SHA-256 in hex"),
+])
+def test_fetch_refuses_what_does_not_match_and_keeps_nothing(served, tmp_path, case, why):
+    server, path, blob, sha = served
+    size, limit = len(blob), 1 << 24
+    if case == "corrupt":  # same size, other bytes: only the hash tells
+        path.write_bytes(blob[:-1] + b"X")
+    elif case == "size":
+        size -= 1
+    elif case == "limit":
+        limit = size - 1
+    elif case == "unknown":
+        sha = "cd" * 32
+    elif case == "hash":
+        sha = "not hex"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(FetchError, match=why) as e:
+                await F.fetch_with(opener(server, nursery), "PEERX", sha, size, tmp_path / "out" / "f", limit)
+        return e.value
+
+    assert "PEERX" in str(trio.run(main))
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_fetch_refuses_a_peer_that_sends_too_much(tmp_path):
+    blob = b"abc" * 10
+    sha = hashlib.sha256(blob).hexdigest()
+
+    async def liar(stream):
+        await stream.read(1 << 16)
+        await stream.write(F.encode(F.Response(F.Status.OK, len(blob), 0, len(blob))) + F.encode(F.Data(blob + b"!")))
+        await stream.close()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def open_stream():
+                a, b = trio.testing.memory_stream_pair()
+                nursery.start_soon(liar, MemStream(b))
+                return MemStream(a)
+            with pytest.raises(FetchError, match="LIAR sent more than the 30 bytes"):
+                await F.fetch_with(open_stream, "LIAR", sha, len(blob), tmp_path / "f", 1000)
+
+    trio.run(main)
+    assert list(tmp_path.iterdir()) == []
+
