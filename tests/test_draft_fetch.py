@@ -11,6 +11,7 @@ peer's disk no longer match the announced hash, caching nothing.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 
 import pytest
@@ -275,3 +276,110 @@ def test_fetch_refuses_a_peer_that_sends_too_much(tmp_path):
     trio.run(main)
     assert list(tmp_path.iterdir()) == []
 
+
+
+# ---- through a real swarm ----
+
+LOCAL = "/ip4/127.0.0.1/tcp/0"
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    """A sentinel and one `diffuse join` peer of a tiny model whose home holds a draft head."""
+    from control_helpers import Procs
+    from diffuse.client import draft_head
+    from diffuse.home import models_dir
+    from tiny import make_tiny
+
+    home = tmp_path_factory.mktemp("peerhome")
+    model_dir = make_tiny(models_dir(home) / "tiny")
+    torch.manual_seed(3)
+    head = draft_head.DraftHead(64, 170, torch.arange(0, 300, 3))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+    file = draft_head.path(home, "tiny")
+    draft_head.save(head, file, {"made": "for this test"})
+    with Procs(home) as procs:
+        boot = procs.start("sentinel", "--identity", str(home / "s.key"), "--listen", LOCAL).readline(timeout=60)
+        peer = procs.start("join", "--model", "tiny", "--blocks", "1:4", "--dtype", "fp32", "--listen", LOCAL,
+                           "--identity", str(home / "p.key"), "--bootstrap", boot, "--heartbeat", "2", "--ttl", "30")
+        peer.read_until("serving", timeout=60)
+        yield boot, model_dir, file, head
+
+
+def client_home(tmp_path, model_dir):
+    """A store holding the model, and no draft head."""
+    import shutil
+
+    from diffuse.home import models_dir
+
+    home = tmp_path / "client"
+    shutil.copytree(model_dir, models_dir(home) / model_dir.name)
+    return home, models_dir(home) / model_dir.name
+
+
+async def obtain_through(boot: str, home, model_dir, said: list[str]):
+    """What a client of the swarm gets: its SwarmClient's records, then obtain_draft_head."""
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from control_helpers import swarm_key
+    from diffuse.client.draft_fetch import announced, obtain_draft_head
+    from diffuse.client.swarm import SwarmClient, SwarmOptions
+    from diffuse.control.node import open_node
+
+    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+                         swarm_key=swarm_key()) as node:
+        client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, trust=None))
+        with trio.fail_after(30):
+            records = await client.records()
+            while not any(announced(r) for r in records):
+                await trio.sleep(0.25)
+                records = await client.records()
+            return await obtain_draft_head(client.node, records, home, client.model_dir, say=said.append)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_client_fetches_verifies_and_caches_a_peers_draft_head(swarm, tmp_path):
+    from diffuse.client import draft_fetch, draft_head
+
+    boot, model_dir, peer_file, peer_head = swarm
+    home, mine = client_home(tmp_path, model_dir)
+    said: list[str] = []
+    got = trio.run(obtain_through, boot, home, mine, said)
+    assert got is not None, said
+    assert said == []
+    assert set(got.state_dict()) == set(peer_head.state_dict())
+    assert all(torch.equal(t, peer_head.state_dict()[n]) for n, t in got.state_dict().items())
+    cached = draft_head.path(home, "tiny")
+    assert cached.read_bytes() == peer_file.read_bytes()
+    sha = hashlib.sha256(peer_file.read_bytes()).hexdigest()
+    assert json.loads((cached.parent / draft_fetch.FETCHED).read_text())["sha256"] == sha
+    assert sorted(p.name for p in cached.parent.iterdir()) == sorted([draft_fetch.FETCHED, draft_head.FILE])
+    # The local head is used as it is, with no swarm at all.
+    assert trio.run(draft_fetch.obtain_draft_head, None, [], home, mine) is not None
+    # Dropped for poor acceptance: deleted, and that hash is not fetched again.
+    assert draft_fetch.drop_fetched(home, "tiny") and not cached.exists()
+    assert trio.run(obtain_through, boot, home, mine, said) is None and said == []
+    assert not draft_fetch.drop_fetched(home, "tiny")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_head_that_no_longer_matches_its_announced_hash_is_refused(swarm, tmp_path):
+    """The peer hashed its file at start; its bytes on disk change afterwards (same size)."""
+    from diffuse.client import draft_head
+
+    boot, model_dir, peer_file, _ = swarm
+    data = bytearray(peer_file.read_bytes())
+    announced_sha = hashlib.sha256(data).hexdigest()
+    data[-7] ^= 0xFF
+    peer_file.write_bytes(bytes(data))
+    home, mine = client_home(tmp_path, model_dir)
+    said: list[str] = []
+    assert trio.run(obtain_through, boot, home, mine, said) is None
+    assert len(said) == 1 and f"not the announced {announced_sha}" in said[0], said
+    assert hashlib.sha256(data).hexdigest() in said[0]
+    folder = draft_head.path(home, "tiny").parent
+    assert not folder.exists() or list(folder.iterdir()) == []

@@ -217,6 +217,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(lend.threads)
     hooks = data_plane_hooks(args, model_dir, manifest, lend)
+    files, heads = draft_heads(data_home(args.home), dirs or {manifest.model_id: model_dir}) if lend else ({}, {})
     if args.drain_timeout < 0:
         raise DiffuseError("--drain-timeout must be at least 0")
     node: Node | None = None
@@ -235,7 +236,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         nonlocal node
-        node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers,
+        node = Node(key_pair, listen=_listen(args), bootstrap=boot, handlers=hooks.handlers | files,
                     status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn, heartbeat=args.heartbeat,
                     ttl=args.ttl,
                     announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
@@ -266,7 +267,9 @@ def cmd_join(args: argparse.Namespace) -> int:
                 await node.serve(Serving(
                     model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
                     block_hashes=offer.block_hashes[start:end], dtype=args.dtype,
-                    throughput=throughput, cache_tokens=lend.cache_tokens, protocols=hooks.protocols))
+                    throughput=throughput, cache_tokens=lend.cache_tokens,
+                    protocols=hooks.protocols + tuple(files if offer.model in heads else ()),
+                    extra=heads.get(offer.model, {})))  # the draft head it offers (client/draft_fetch.py)
                 if not printed:
                     printed.extend(node.full_addrs())
                     print("\n".join(printed), flush=True)
@@ -446,6 +449,18 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, l
                             handle)
     return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
                       protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use)
+
+
+def draft_heads(home: Path, models: Mapping[str, Path]) -> tuple[dict[str, Callable[[Any], Awaitable[None]]],
+                                                                 dict[str, dict[str, Any]]]:
+    """The files protocol's handler serving this peer's draft heads (client/draft_fetch.py), and
+    per model id the record fields announcing its head (none: nothing to offer for it)."""
+    from diffuse.client import draft_fetch
+    from diffuse.data.files import PROTOCOL_ID, FileServer
+
+    server = FileServer()
+    heads = draft_fetch.offer(server, home, models)
+    return ({PROTOCOL_ID: server.handle} if heads else {}), heads
 
 
 # ---- helpers ----

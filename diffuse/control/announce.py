@@ -55,12 +55,16 @@ class Serving:
     throughput: float | None = None  # tokens/s through the span; None: a conservative estimate
     cache_tokens: int = 0
     protocols: Sequence[str] = field(default_factory=tuple)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # fixed ext fields, e.g. the draft head it offers
 
     def __post_init__(self) -> None:
         if not (0 <= self.start < self.end <= self.num_blocks):
             raise ValueError(f"bad span [{self.start}, {self.end}) of {self.num_blocks} blocks")
         if len(self.block_hashes) != self.end - self.start:
             raise ValueError("block_hashes must list the hashes of the served blocks only")
+        bad = [k for k, v in self.extra.items() if not (isinstance(k, str) and len(k) <= 64 and is_scalar(v))]
+        if bad:
+            raise ValueError(f"extra fields must be scalars under short string keys: {bad}")
 
 
 def estimate_throughput(num_blocks: int) -> float:
@@ -118,7 +122,7 @@ class Announcer:
             tput = estimate_throughput(s.end - s.start)
         cache = status.pop("cache_tokens", None)
         cache = max(0, int(cache if cache is not None else s.cache_tokens))
-        extra = {k: v for k, v in status.items() if isinstance(k, str) and is_scalar(v)}
+        extra = dict(s.extra) | {k: v for k, v in status.items() if isinstance(k, str) and is_scalar(v)}
         if self.mode is not None:
             extra["mode"] = self.mode
         last = self.current.record.timestamp if self.current else 0.0
