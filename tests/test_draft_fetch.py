@@ -192,6 +192,14 @@ def test_a_silent_stream_times_out_and_busy_peers_are_told(served):
             with trio.fail_after(10):
                 (answer,) = frames(await MemStream(a).read(1 << 16))
         assert answer.status == F.Status.TIMEOUT
+        # A receiver that asks and then reads nothing: the write stalls and the server gives up on it.
+        server.stall_timeout = 0.2
+        a, b = trio.testing.lockstep_stream_pair()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.serve, MemStream(b), "stuck")
+                await a.send_all(F.encode(F.Get(bytes.fromhex(sha))))
+        assert not server.active  # its slot is free again
         server.active["other"] = server.max_transfers  # every slot taken
         (busy,) = await ask(server, F.encode(F.Get(bytes.fromhex(sha), 0, 10)))
         assert busy.status == F.Status.BUSY

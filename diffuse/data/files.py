@@ -274,6 +274,8 @@ class FileServer:
                 await self._answer(stream, get, remote)
         except FrameError as e:
             await self._reply(stream, Response(e.status, message=str(e)))
+        except trio.TooSlowError:
+            log.info("files stream to %s stalled for %g s: closed", remote, self.stall_timeout)
         except Exception as e:  # noqa: BLE001 - one stream's failure must not reach the others
             if type(e).__module__.startswith("libp2p") or isinstance(e, (OSError, trio.BrokenResourceError,
                                                                           trio.ClosedResourceError)):
