@@ -210,12 +210,20 @@ def test_a_silent_stream_times_out_and_busy_peers_are_told(served):
 def test_a_bad_stream_does_not_disturb_a_transfer_beside_it(served, tmp_path):
     server, _, blob, sha = served
 
+    answers: list = []
+
+    async def bad(i: int) -> None:
+        answers.extend(await ask(server, b"\x00\x00\x00\x03abc", f"bad{i}"))
+
     async def main():
         async with trio.open_nursery() as nursery:
-            bad = [nursery.start_soon(ask, server, b"\x00\x00\x00\x03abc") for _ in range(3)]
-            assert bad == [None] * 3
+            for i in range(3):
+                nursery.start_soon(bad, i)
             dest = await F.fetch_with(opener(server, nursery), "good", sha, len(blob), tmp_path / "got", 1 << 24)
-        assert dest.read_bytes() == blob
+        return dest
+
+    assert trio.run(main).read_bytes() == blob
+    assert [a.status for a in answers] == [F.Status.BAD_REQUEST] * 3 and "bad magic" in answers[0].message
 
     trio.run(main)
 

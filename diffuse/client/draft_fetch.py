@@ -53,7 +53,7 @@ def offer(server: files.FileServer, home: Path, models: Mapping[str, Path]) -> d
     directory in the store); returns model id -> the ext fields announcing it. Hashed here, once."""
     found: dict[str, dict[str, Any]] = {}
     for model_id, model_dir in models.items():
-        file = draft_head.path(home, Path(model_dir).name)
+        file = draft_head.path(Path(home), Path(model_dir).name)
         if file.is_file():
             sha, size = server.add(file)
             found[model_id] = {HASH_KEY: sha, BYTES_KEY: size}
@@ -80,7 +80,7 @@ async def obtain_draft_head(node: Any, records: Sequence[PeerRecord], home: Path
     nothing of a refused file is kept."""
     model_dir = Path(model_dir)
     hidden = ModelConfig.load(model_dir).hidden_size
-    file = draft_head.path(home, model_dir.name)
+    file = draft_head.path(Path(home), model_dir.name)
     if file.exists():
         return draft_head.load(file, hidden)
     model_id = load_manifest(model_dir).model_id
@@ -142,7 +142,7 @@ def drop_fetched(home: Path, model: str) -> bool:
     """Delete the draft head of `model` (its name in the store, as draft_head.path takes) if it
     was fetched rather than trained here, and remember its hash so it is not fetched again.
     Returns whether a head was deleted; one trained here since it was fetched is kept."""
-    file = draft_head.path(home, model)
+    file = draft_head.path(Path(home), model)
     side = file.parent / FETCHED
     info = _read_json(side)
     sha = info.get("sha256") if isinstance(info, dict) else None
