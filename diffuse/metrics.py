@@ -46,6 +46,13 @@ WIRE_BYTES = Counter("diffuse_wire_bytes", "Bytes of inference traffic on the wi
                      ["direction"], registry=REGISTRY)  # direction: sent | received
 FALLBACKS = Counter("diffuse_fallbacks", "Answers given by another model because the asked one was not "
                     "servable", ["asked", "answered"], registry=REGISTRY)
+DECODE_STEPS = Counter("diffuse_decode_steps", "Decoding round trips of this process's clients, by mode (tree: "
+                       "guesses sent; plain: the planner's choice; held: plain because speculation did not pay)",
+                       ["model", "mode"], registry=REGISTRY)
+DECODE_STEP_TOKENS = Counter("diffuse_decode_step_tokens", "Tokens those round trips produced (per step: divide "
+                             "by diffuse_decode_steps_total)", ["model", "mode"], registry=REGISTRY)
+DECODE_STEP_POSITIONS = Counter("diffuse_decode_step_positions", "Positions those round trips sent (the root "
+                                "and its guesses)", ["model", "mode"], registry=REGISTRY)
 REQUESTS = Counter("diffuse_api_requests", "HTTP requests to the API by endpoint and status code",
                    ["endpoint", "code"], registry=REGISTRY)
 

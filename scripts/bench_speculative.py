@@ -2,25 +2,27 @@
 """Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
-        [--tokens 96] [--dtype bf16] [--spans 1:30] [--modes spec draft] [--exact]
+        [--tokens 96] [--dtypes bf16 fp32] [--spans 1:30] [--modes spec draft] [--exact]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
 client exchanges with a peer crosses the relay (checked: the client's connection to each hop
 must end at a relay port). The client runs in this process (block 0 local, as by default). For
-each RTT, the same prompts (chat, code, grounded) run plain and in each speculative mode, in
-alternating order: `spec` guesses by prompt lookup and the lookahead pool, `draft` adds the draft
-head of `diffuse model draft-head` (trained on requests and text of its own, never on these prompts).
-Speculative configs are shared per RTT, as a long-lived client keeps its step-cost fit warm.
+each dtype and RTT, the same prompts (chat, code, grounded) run plain (`ask --no-speculate`) and
+with `ask`'s default speculation, in alternating order: `spec` guesses by prompt lookup and the
+lookahead pool, `draft` adds a draft head the client fetched from the peer (draft_fetch.py, into
+an empty store; the head of `diffuse model draft-head`, trained on requests and text of its own,
+never on these prompts). Every answer is a fresh `ask`: its own speculation state and cost fit.
 The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
 Peers take all cores (`diffuse join`'s default) and so does the client (--threads): they compute
 in turn, as on machines of their own, and idle OpenMP threads spin only briefly (GOMP_SPINCOUNT).
-(With one client thread a speculative step's 16-row LM head takes ~45 ms instead of ~25.)
 
-Reported per RTT, class and mode: tokens per round trip (decode steps after the prefill; plain
-is 1), decode tokens/s, and the speed-up. The model tokens/s = tokens_per_step / (RTT + c) is
-fitted per mode (c = fixed time per step: compute, transfer and client work, one least-squares
-constant over every cell) and its prediction error printed per cell.
+Reported per dtype, RTT, class and mode: tokens per round trip (decode steps after the prefill;
+plain is 1), positions per round trip, the share of steps the planner sent as trees / kept plain /
+held plain (speculation not paying, as measured), decode tokens/s and the speed-up over plain.
+The model tokens/s = tokens_per_step / (RTT + c) is fitted per mode (c = fixed time per step:
+compute, transfer and client work, one least-squares constant over every cell) and its
+prediction error printed per cell.
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 from diffuse.client import draft_head  # noqa: E402
 from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
-from diffuse.client.speculative import SpecConfig  # noqa: E402
+from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
-from diffuse.model.config import ModelConfig  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from latency_relay import RelayProcess  # noqa: E402
@@ -147,59 +148,49 @@ async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, pro
     finally:
         await pipe.close()
     c = gen.completion
-    return {"tokens": c.token_ids, "steps": c.steps, "positions": c.positions, "decode_s": c.timings["decode_s"]}
+    return {"tokens": c.token_ids, "steps": c.steps, "positions": c.positions, "modes": c.modes,
+            "decode_s": c.timings["decode_s"]}
 
 
 def cell(runs: list[dict]) -> dict:
     steps = [s for r in runs for s in r["steps"]]
+    modes = [m for r in runs for m in r["modes"]]
     decoded = sum(len(r["tokens"]) - 1 for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
     return {"tps": decoded / decode_s, "per_step": sum(steps) / len(steps), "step_s": decode_s / len(steps),
-            "positions": sum(p for r in runs for p in r["positions"]) / len(steps), "n_steps": len(steps)}
+            "positions": sum(p for r in runs for p in r["positions"]) / len(steps), "n_steps": len(steps),
+            "modes": {m: modes.count(m) / len(modes) for m in (TREE, PLAIN, HELD)}}
 
 
-def main() -> None:
-    from eval_speculative_identity import CLASSES
+async def fetched_draft(node, client: SwarmClient, home: Path):
+    """The draft head as a new user gets it: fetched from a peer into an empty store."""
+    from diffuse.client.draft_fetch import obtain_draft_head
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home")
-    ap.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 80], help="round trips in ms")
-    ap.add_argument("--per-class", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                    help="torch threads of the client (default: all cores). Peers take all cores, as "
-                         "`diffuse join` does; client and peers compute in turn, as on machines of their own")
-    ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
-                    help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ draft head)")
-    ap.add_argument("--exact", action="store_true", help="speculative sessions use exact (batch-invariant) "
-                    "kernels, as `diffuse ask` does; plain keeps the fast ones, the baseline to beat")
-    args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
-    torch.set_num_threads(args.threads)
-    home = data_home(args.home)
-    model_dir = models_dir(home) / DEFAULT_MODEL
-    tok = Tokenizer.load(model_dir)
-    draft = draft_head.load(draft_head.path(home, DEFAULT_MODEL), ModelConfig.load(model_dir).hidden_size)
-    if "draft" in args.modes and draft is None:
-        sys.exit("no draft head: run `diffuse model draft-head` first, or pass --modes spec")
-    spec_modes = list(dict.fromkeys(args.modes))
-    modes = ["plain"] + spec_modes
-    prompts = [(kind, tok.encode_chat([{"role": "user", "content": t}]))
-               for kind, texts in CLASSES.items() for t in texts[:args.per_class]]
+    with trio.fail_after(120):
+        while True:
+            draft = await obtain_draft_head(node, await node.records(client.model_id), home, client.model_dir)
+            if draft is not None:
+                return draft
+            await trio.sleep(1)
+
+
+def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, modes: list[str]) -> dict:
+    spec_modes = modes[1:]
     params = SamplingParams(max_tokens=args.tokens)
-    t_start = time.perf_counter()
     results: dict[tuple[float, str, str], list[dict]] = {}
     mismatches = 0
-
-    with LoopbackSwarm(home, args.spans, args.dtype) as swarm:
+    with LoopbackSwarm(home, args.spans, dtype) as swarm:
         async def bench() -> None:
             nonlocal mismatches
             async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
-                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(args.dtype), trust=None))
+                model_dir = models_dir(home) / DEFAULT_MODEL
+                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
                 while not await client.covered():
                     await trio.sleep(0.25)
+                draft = None
+                if "draft" in modes:
+                    with tempfile.TemporaryDirectory(prefix="diffuse-client-") as empty:
+                        draft = await fetched_draft(node, client, Path(empty))
                 for rtt_ms in args.rtts:
                     swarm.relay.set_rtt(rtt_ms / 1e3)
                     configs = {"plain": None, "spec": SpecConfig(), "draft": SpecConfig(draft=draft)}
@@ -213,14 +204,19 @@ def main() -> None:
                                                       args.exact and mode != "plain")
                             results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
                         mismatches += sum(got[m]["tokens"] != got["plain"]["tokens"] for m in spec_modes)
-                        print(f"  rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+                        print(f"  {dtype} rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr,
+                              flush=True)
 
         trio.run(bench)
+    return {"results": results, "mismatches": mismatches}
 
+
+def report(args, dtype: str, results: dict, mismatches: int, prompts: list, modes: list[str]) -> None:
+    from eval_speculative_identity import CLASSES
+
+    spec_modes = modes[1:]
     kinds = list(CLASSES) + ["mixed"]
-    table = {}
-    for (rtt, kind, mode), runs in results.items():
-        table[(rtt, kind, mode)] = cell(runs)
+    table = {key: cell(runs) for key, runs in results.items()}
     for rtt in args.rtts:
         for mode in modes:
             table[(rtt, "mixed", mode)] = cell([r for k in CLASSES for r in results[(rtt, k, mode)]])
@@ -231,14 +227,14 @@ def main() -> None:
         steps = sum(c["n_steps"] for _, c in cells)
         fixed[mode] = sum(c["n_steps"] * (c["step_s"] - rtt / 1e3) for rtt, c in cells) / steps
 
-    print(f"\nSmolLM2-135M {args.dtype}, peers {args.spans} behind the relay, client holds block 0, "
-          f"{'exact kernels when speculating, ' if args.exact else ''}"
+    print(f"\nSmolLM2-135M {dtype}, peers {args.spans} behind the relay, client holds block 0, "
+          f"{'exact kernels when speculating' if args.exact else 'fast kernels'}, "
           f"client threads {args.threads}, {args.per_class} prompts/class, up to {args.tokens} tokens, greedy; "
           f"load {os.getloadavg()}")
     print("fitted fixed time per step: " + ", ".join(f"{m} {fixed[m] * 1e3:.1f} ms" for m in modes))
-    print("| RTT ms | class | mode | tokens/step | positions/step | tok/s plain | tok/s | speed-up "
-          "| model tok/s plain (err) | model tok/s (err) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| RTT ms | class | mode | tokens/step | positions/step | steps tree/plain/held | tok/s plain | tok/s "
+          "| speed-up | model tok/s plain (err) | model tok/s (err) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for rtt in args.rtts:
         for kind in kinds:
@@ -249,11 +245,49 @@ def main() -> None:
                 errors += [abs(e) for e in err.values()]
             for m in spec_modes:
                 s = table[(rtt, kind, m)]
-                print(f"| {rtt:g} | {kind} | {m} | {s['per_step']:.2f} | {s['positions']:.1f} | {p['tps']:.1f} "
-                      f"| {s['tps']:.1f} | {s['tps'] / p['tps']:.2f}x | {model['plain']:.1f} ({err['plain']:+.0%}) "
-                      f"| {model[m]:.1f} ({err[m]:+.0%}) |")
+                shares = "/".join(f"{s['modes'][x]:.0%}" for x in (TREE, PLAIN, HELD))
+                print(f"| {rtt:g} | {kind} | {m} | {s['per_step']:.2f} | {s['positions']:.1f} | {shares} "
+                      f"| {p['tps']:.1f} | {s['tps']:.1f} | {s['tps'] / p['tps']:.2f}x "
+                      f"| {model['plain']:.1f} ({err['plain']:+.0%}) | {model[m]:.1f} ({err[m]:+.0%}) |")
     print(f"\nmodel prediction error over per-class cells: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}")
-    print(f"greedy answers differing from plain: {mismatches} of {len(prompts) * len(args.rtts) * len(spec_modes)}")
+    print(f"greedy answers differing from plain: {mismatches} of {len(prompts) * len(args.rtts) * len(spec_modes)}"
+          + ("" if args.exact else " (fast kernels: near-ties may flip; scripts/eval_speculative_identity.py "
+                                   "shows each one's top-2 gap)"))
+
+
+def main() -> None:
+    from eval_speculative_identity import CLASSES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--home")
+    ap.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 80], help="round trips in ms")
+    ap.add_argument("--per-class", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["fp32", "bf16"])
+    ap.add_argument("--spans", nargs="+", default=["1:30"], help="one peer per span")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the client (default: all cores). Peers take all cores, as "
+                         "`diffuse join` does; client and peers compute in turn, as on machines of their own")
+    ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
+                    help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ a fetched "
+                         "draft head)")
+    ap.add_argument("--exact", action="store_true", help="speculative sessions use exact (batch-invariant) "
+                    "kernels, as `ask --exact` does; plain keeps the fast ones, the baseline to beat")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup that ends the swarm
+    torch.set_num_threads(args.threads)
+    home = data_home(args.home)
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    tok = Tokenizer.load(model_dir)
+    if "draft" in args.modes and not draft_head.path(home, DEFAULT_MODEL).exists():
+        sys.exit("no draft head for the peer to serve: run `diffuse model draft-head` first, or pass --modes spec")
+    modes = ["plain"] + list(dict.fromkeys(args.modes))
+    prompts = [(kind, tok.encode_chat([{"role": "user", "content": t}]))
+               for kind, texts in CLASSES.items() for t in texts[:args.per_class]]
+    t_start = time.perf_counter()
+    runs = {dtype: bench_dtype(args, home, dtype, tok, prompts, modes) for dtype in args.dtypes}
+    for dtype, run in runs.items():
+        report(args, dtype, run["results"], run["mismatches"], prompts, modes)
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 

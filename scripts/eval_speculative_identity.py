@@ -175,6 +175,9 @@ class Modelled(StepCost):
     def fit(self) -> Cost:
         return self.cost
 
+    def charged(self, positions: int, seconds: float) -> float:
+        return self.cost(positions)
+
 
 class Recording:
     """A pipeline proxy that keeps the top-2 logit gap of the last position of each forward."""

@@ -72,6 +72,9 @@ class FakeSwarm:
             raise Unservable(model_id, cov["missing"])
         raise Overloaded("every peer serving blocks 0-11 is busy")
 
+    def speculation(self, model_id: str) -> None:
+        return None
+
 
 FAKE_SERVER = """
 import sys, trio

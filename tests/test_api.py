@@ -254,6 +254,9 @@ def test_metrics_and_status(api, client):
     for name in ("diffuse_step_seconds_bucket", "diffuse_first_token_seconds_count", "diffuse_sessions_open",
                  'diffuse_api_requests_total{code="200",endpoint="/v1/completions"}'):
         assert name in text
+    # In one process a step is no round trip: no speculation, every decode step counted as plain.
+    steps = re.search(rf'^diffuse_decode_steps_total{{mode="plain",model="{DEFAULT_MODEL}"}} (\S+)$', text, re.M)
+    assert steps and float(steps.group(1)) >= 2 and "mode=\"tree\"" not in text
     s = status(api)
     assert s["models"][0]["model"] == DEFAULT_MODEL and s["models"][0]["peers"][0]["throughput"] > 0
     page = httpx.get(api + "/")

@@ -399,3 +399,61 @@ def test_a_head_that_no_longer_matches_its_announced_hash_is_refused(swarm, tmp_
     assert hashlib.sha256(data).hexdigest() in said[0]
     folder = draft_head.path(home, "tiny").parent
     assert not folder.exists() or list(folder.iterdir()) == []
+
+
+# ---- what a fetched file may not do ----
+
+def _head_file(tmp_path, **change):
+    """A valid head file for width 64, then with `change` applied to its tensors or metadata."""
+    from safetensors.torch import save_file
+
+    from diffuse.client import draft_head
+
+    head = draft_head.DraftHead(64, 170, torch.arange(0, 300, 3))
+    state = {n: t.contiguous() for n, t in head.state_dict().items()}
+    meta = {"hidden": "64", "inter": "170", "info": "{}"}
+    for k, v in change.items():
+        (meta if isinstance(v, str) else state)[k] = v
+    file = tmp_path / "head.safetensors"
+    save_file(state, str(file), metadata=meta)
+    return file
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"inter": "100000000"}, "do not make a head of width 64, MLP 100000000"),  # would allocate ~25 GB
+    ({"calibration": torch.tensor([0.5, 0.5])}, "calibration"),
+    ({"calibration": torch.tensor([0.1, 0.2, 0.3, 0.4, 7.0])}, "calibration rates outside [0, 1]"),
+    ({"vocab": torch.tensor([1, 2, 999])}, "vocab holds ids outside the model's 300 tokens"),
+    ({"up.weight": torch.full((170, 64), float("nan"))}, "non-finite numbers in ['up.weight']"),
+    ({"extra": torch.zeros(3)}, "unexpected or missing tensors"),
+])
+def test_a_head_file_is_checked_before_anything_is_built_from_it(tmp_path, change, why):
+    from diffuse.client import draft_head
+    from diffuse.errors import ModelError
+
+    assert draft_head.load(_head_file(tmp_path), 64, 300) is not None  # the unchanged file loads
+    with pytest.raises(ModelError) as e:
+        draft_head.load(_head_file(tmp_path, **change), 64, 300)
+    assert why in str(e.value) and "not a usable draft-head file" in str(e.value)
+
+
+def test_an_announced_head_larger_than_this_model_allows_is_not_fetched(tmp_path):
+    from types import SimpleNamespace
+
+    from diffuse.client import draft_fetch, draft_head
+    from diffuse.control.records import PeerRecord
+    from diffuse.model.config import ModelConfig
+    from diffuse.model.weights import load_manifest
+    from tiny import make_tiny
+
+    model_dir = make_tiny(tmp_path / "models" / "tiny")
+    cfg = ModelConfig.load(model_dir)
+    huge = draft_head.max_bytes(cfg.hidden_size, cfg.vocab_size) + 1
+    record = PeerRecord(peer_id="QmPeer", model=load_manifest(model_dir).model_id, num_blocks=cfg.num_layers,
+                        start=1, end=2, block_hashes=("0" * 64,), dtype="fp32", throughput=1.0, cache_tokens=1,
+                        addrs=(), timestamp=1.0, expires=2.0, started=1.0, protocols=(F.PROTOCOL_ID,),
+                        extra={draft_fetch.HASH_KEY: "ab" * 32, draft_fetch.BYTES_KEY: huge})
+    said: list[str] = []
+    node = SimpleNamespace(peer_id="QmMe", support={})  # never dialled: the offer is refused first
+    assert trio.run(lambda: draft_fetch.obtain_draft_head(node, [record], tmp_path, model_dir, say=said.append)) is None
+    assert len(said) == 1 and f"{huge} bytes is more than a head of this model can be" in said[0]

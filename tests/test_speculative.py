@@ -40,6 +40,9 @@ class Fixed(StepCost):
     def fit(self) -> Cost:
         return self.cost
 
+    def charged(self, positions: int, seconds: float) -> float:
+        return self.cost(positions)
+
 
 def network(**kw) -> tuple[SpecConfig, SpecState]:
     """Plan as over an 80 ms round trip to CPU peers: speculation pays, trees get sent."""
@@ -353,6 +356,59 @@ def test_exact_max_tokens_and_eos_as_an_accepted_guess():
         params = SamplingParams(max_tokens=max_tokens)
         ours = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), *network())
         assert ours == ([2, 3, 4, eos, 1] * 6)[:max_tokens]
+
+
+class Misjudged(Fixed):
+    """Forecasts speculation over an 80 ms round trip but charges each wide step `wide` seconds
+    (plain steps 0.1 s): the forecast is wrong while `wide` is high."""
+
+    def __init__(self, wide: float):
+        super().__init__(Cost(0.118, 0.128, 0.0016))
+        self.wide = wide
+
+    def charged(self, positions: int, seconds: float) -> float:
+        return 0.1 if positions == 1 else self.wide
+
+
+def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
+    from diffuse.client.speculative import HELD, PLAIN, TREE, Gate
+
+    gate = Gate(window=4, hold=4, most=16)
+    for _ in range(4):
+        gate.observe(1, 8, 0.2, 0.1)  # 5 tokens/s against plain's 10 (its fitted cost)
+    assert not gate.open and gate.held == 4
+    for _ in range(4):
+        gate.observe(1, 1, 0.1, None)
+    assert gate.open
+    for _ in range(4):
+        gate.observe(1, 8, 0.2, None)
+    assert gate.held == 8  # failed again: a longer hold
+    for _ in range(8):
+        gate.observe(1, 1, 0.1, None)
+    for _ in range(4):
+        gate.observe(3, 8, 0.2, None)  # 15 tokens/s: it pays, the hold resets
+    assert gate.open and gate.hold == 4
+
+    # In the loop: the text repeats (guesses are right), but wide steps cost 10x a plain one
+    # until the round trip grows; then trees come back. The answer is plain greedy's throughout.
+    eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
+    cost = Misjudged(wide=1.0)
+    state, params = SpecState(cost=cost), SamplingParams(max_tokens=400)
+    modes = state.stats.modes
+
+    async def run():
+        out = []
+        async for tok in speculative_tokens(cyclic_pipe(eos), prompt, Sampler(params), set(), SpecConfig(), state):
+            out.append(tok)
+            if len(modes) == 40:
+                cost.wide = 0.12  # now a tree of ~5 accepted tokens beats a 0.1 s plain step
+        return out
+
+    out = trio.run(run)
+    assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
+    assert modes[:4] == [TREE] * 4 and modes[4] == HELD  # held after one window of losing trees
+    assert modes[:40].count(HELD) >= 24  # holds of 4, 8, 16 steps between windows of 4 trees
+    assert set(modes) <= {TREE, PLAIN, HELD} and modes[-8:] == [TREE] * 8  # back once it pays
 
 
 def test_widest_steps_fit_the_kv_headroom():

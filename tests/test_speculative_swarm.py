@@ -1,6 +1,6 @@
 """Speculative decoding through real swarms: a sentinel and fp32 `diffuse join` peers as OS
 processes on 127.0.0.1, every block served twice. Speculating (candidate trees really sent) gives
-the plain greedy answer through the swarm, through `diffuse ask` too, and still does when a
+the plain greedy answer through the swarm, through `diffuse ask --exact` too, and still does when a
 peer on the route is SIGKILLed mid-generation: the sessions are exact, so the replica is rebuilt
 from the committed rows (the kept nodes of candidate trees included) replayed in one chunk.
 """
@@ -38,6 +38,9 @@ class Fixed(StepCost):
 
     def fit(self) -> Cost:
         return Cost(0.118, 0.128, 0.0016)
+
+    def charged(self, positions: int, seconds: float) -> float:
+        return self.fit()(positions)
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +96,23 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     tokens, failovers = trio.run(generate, boot, home, spec)
     assert tokens == plain, failovers
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
-    # The user-facing path: `ask` speculates through the swarm by default and reports its steps.
-    out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32", "--no-trust",
-                    "--max-tokens", str(TOKENS), "--wait", "30", QUESTION, timeout=600)
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
-    assert got["token_ids"] == plain and got["speculate"] is True and got["exact"] is True
-    assert sum(got["steps"]) + 1 >= len(plain) and got["tokens_per_step"] >= 1.0
+    # The user-facing path: `ask` speculates through the swarm by default (on the fast kernels:
+    # plain greedy up to near-ties), with --exact bit for bit; both report every step's mode.
+    for exact in (False, True):
+        out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32", "--no-trust",
+                        "--max-tokens", str(TOKENS), "--wait", "30", *(["--exact"] if exact else []), QUESTION,
+                        timeout=600)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert got["speculate"] is True and got["exact"] is exact
+        if exact:
+            assert got["token_ids"] == plain
+        assert len(got["step_modes"]) == len(got["steps"]) == len(got["positions"])
+        assert set(got["step_modes"]) <= {"tree", "plain", "held"}
+        assert sum(c["steps"] for c in got["modes"].values()) == len(got["steps"])
+        assert sum(c["tokens"] for c in got["modes"].values()) == sum(got["steps"])
+        assert len(got["token_ids"]) - 1 <= sum(got["steps"]) <= len(got["token_ids"])  # + an end of turn
+        assert got["tokens_per_step"] >= 1.0 and got["positions_per_step"] >= 1.0
 
 
 def test_sigkill_while_speculating_keeps_the_greedy_answer(swarm, home, plain):

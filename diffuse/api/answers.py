@@ -16,10 +16,14 @@ import trio
 from torch import Tensor
 
 from diffuse.api.backend import Backend, Overloaded
-from diffuse.client.generate import Completion, Generation, TokenSource, stream_tokens
+from diffuse.client.generate import Completion, Generation, TokenSource, session_length, stream_tokens
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
-from diffuse.metrics import FIRST_TOKEN_SECONDS, SESSIONS_OPEN, STEP_SECONDS, TOKENS_GENERATED
+from diffuse.client.speculative import PLAIN, SpecConfig, SpecState
+from diffuse.metrics import (
+    DECODE_STEP_POSITIONS, DECODE_STEP_TOKENS, DECODE_STEPS, FIRST_TOKEN_SECONDS, SESSIONS_OPEN, STEP_SECONDS,
+    TOKENS_GENERATED,
+)
 from diffuse.model.tokenizer import Tokenizer
 
 CLOSE_TIMEOUT_S = 10.0  # a peer that does not acknowledge a close in this long is left to time out
@@ -97,34 +101,66 @@ class Penalized:
         self.sampler, self.p = sampler, sampler.p
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
 
-    def sample(self, logits: Tensor, context: Tensor | None = None) -> int:
+    @property
+    def gen(self) -> torch.Generator:  # speculative verification draws from the sampler's generator
+        return self.sampler.gen
+
+    def penalized(self, logits: Tensor, context: Tensor | None) -> Tensor:
         if context is not None and len(context) > self.prompt_len:
             counts = torch.bincount(context[self.prompt_len:], minlength=logits.shape[-1]).to(logits.dtype)
             logits = logits - self.frequency * counts - self.presence * (counts > 0).to(logits.dtype)
-        return self.sampler.sample(logits, context)
+        return logits
+
+    def sample(self, logits: Tensor, context: Tensor | None = None) -> int:
+        return self.sampler.sample(self.penalized(logits, context), context)
+
+    def probs(self, logits: Tensor, context: Tensor | None = None) -> Tensor:
+        return self.sampler.probs(self.penalized(logits, context), context)
 
 
-def token_source(model: str, presence: float, frequency: float, arrived: float) -> TokenSource:
-    """The generation loop with the penalties applied, every step timed for /metrics (the first
-    from the request's arrival: its wait in the queue and its prefill), and a checkpoint after
-    each token so that concurrent answers take turns."""
+def token_source(model: str, presence: float, frequency: float, arrived: float,
+                 speculate: SpecConfig | None = None,
+                 judged: Callable[[SpecState], None] = lambda state: None) -> TokenSource:
+    """The generation loop with the penalties applied, speculating with `speculate`, every step
+    timed and counted by mode for /metrics (the first token's time from the request's arrival:
+    its wait in the queue and its prefill), and a checkpoint after each token so that concurrent
+    answers take turns. A speculating answer's state goes to `judged` when it ends (the draft
+    head's record)."""
 
     async def tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler, eos_ids: set[int]
                      ) -> AsyncIterator[int]:
         if presence or frequency:
             sampler = Penalized(sampler, len(prompt), presence, frequency)
-        first, t0 = True, arrived
-        async for token in stream_tokens(pipeline, prompt, sampler, eos_ids):
-            (FIRST_TOKEN_SECONDS if first else STEP_SECONDS.labels("client")).observe(time.perf_counter() - t0)
-            TOKENS_GENERATED.labels(model).inc()
-            first = False
-            yield token
-            # A local model never waits, so without this one answer would hold the event loop to
-            # its end: no other request, no status page, no noticing that its client hung up.
-            await trio.lowlevel.checkpoint()
-            t0 = time.perf_counter()
+        state = SpecState() if speculate is not None else None
+        counted, first, t0 = 0, True, arrived
+        try:
+            async for token in stream_tokens(pipeline, prompt, sampler, eos_ids, speculate, state):
+                (FIRST_TOKEN_SECONDS if first else STEP_SECONDS.labels("client")).observe(time.perf_counter() - t0)
+                TOKENS_GENERATED.labels(model).inc()
+                if state is None and not first:
+                    _count_step(model, PLAIN, 1, 1)
+                elif state is not None:
+                    s = state.stats
+                    for mode, made, sent in zip(s.modes[counted:], s.tokens[counted:], s.positions[counted:]):
+                        _count_step(model, mode, made, sent)
+                    counted = s.steps
+                first = False
+                yield token
+                # A local model never waits, so without this one answer would hold the event loop to
+                # its end: no other request, no status page, no noticing that its client hung up.
+                await trio.lowlevel.checkpoint()
+                t0 = time.perf_counter()
+        finally:
+            if state is not None:
+                judged(state)
 
     return tokens
+
+
+def _count_step(model: str, mode: str, tokens: int, positions: int) -> None:
+    DECODE_STEPS.labels(model, mode).inc()
+    DECODE_STEP_TOKENS.labels(model, mode).inc(tokens)
+    DECODE_STEP_POSITIONS.labels(model, mode).inc(positions)
 
 
 class Answers:
@@ -134,12 +170,14 @@ class Answers:
                  choices: list[tuple[list[int], SamplingParams]], presence: float, frequency: float):
         self.sessions, self.model, self.tokenizer, self.choices = sessions, model, tokenizer, choices
         self.arrived = time.perf_counter()
-        self.source = token_source(model, presence, frequency, self.arrived)
+        self.speculate = sessions.backend.speculation(model)
+        self.source = token_source(model, presence, frequency, self.arrived, self.speculate,
+                                   lambda state: sessions.backend.speculated(model, state))
         self.pipelines: list[Pipeline] = []
         self.opened = 0.0
 
     async def open(self) -> None:
-        max_len = max(len(prompt) + params.max_tokens for prompt, params in self.choices)
+        max_len = max(session_length(len(prompt), params.max_tokens, self.speculate) for prompt, params in self.choices)
         self.pipelines = await self.sessions.acquire(self.model, max_len, len(self.choices))
         self.opened = time.perf_counter()
 

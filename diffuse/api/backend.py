@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from diffuse.client.pipeline import LocalModel, Pipeline
+from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.errors import DiffuseError
 from diffuse.model.tokenizer import Tokenizer
 
@@ -63,6 +64,14 @@ class Backend(Protocol):
     async def session(self, model_id: str, max_len: int) -> Pipeline:
         """A fresh session for up to `max_len` tokens, which the caller closes.
         Raises UnknownModel, Unservable (naming the uncovered blocks) or Overloaded."""
+        ...
+
+    def speculation(self, model_id: str) -> SpecConfig | None:
+        """How this model's answers speculate (None: plain decoding, as where a step is no round trip)."""
+        ...
+
+    def speculated(self, model_id: str, state: SpecState) -> None:
+        """A speculating answer ended with `state` (how its draft head guessed)."""
         ...
 
 
@@ -143,6 +152,14 @@ class LocalBackend:
 
     async def session(self, model_id: str, max_len: int) -> Pipeline:
         return self._get(model_id).session(max_len)
+
+    def speculation(self, model_id: str) -> None:
+        """None: in one process a step is no round trip, so a wider one only costs."""
+        self._get(model_id)
+        return None
+
+    def speculated(self, model_id: str, state: SpecState) -> None:
+        pass
 
 
 def _local_coverage(model_id: str, m: _Loaded, now: float) -> dict[str, Any]:

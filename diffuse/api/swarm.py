@@ -19,13 +19,17 @@ from typing import Any
 import trio
 
 from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
+from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
+from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
+from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm import RECORDS_TTL_S, SwarmClient, SwarmOptions, remote_of
 from diffuse.control.allow import AllowList
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.control.swarm_key import SwarmKey
+from diffuse.errors import ModelError
 from diffuse.metrics import FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
@@ -58,8 +62,13 @@ class _Session(Pipeline):
 class SwarmBackend:
     """The Backend protocol over the swarm, for the models whose client side is in the store."""
 
-    def __init__(self, clients: list[SwarmClient]):
+    def __init__(self, clients: list[SwarmClient], speculate: bool = True,
+                 drafts: dict[str, DraftHead] | None = None, home: Path | None = None):
         self.clients = {c.model_id: c for c in clients}
+        self.speculate = speculate  # answers speculate: the planner keeps a step plain where guessing does not pay
+        self.drafts = drafts or {}  # per model: the draft head its speculation drafts with
+        self.home = home  # the store, where a fetched draft head that guesses poorly is dropped from
+        self.judged: dict[str, SpecState] = {}  # per model: its draft head's first guesses over all answers
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
         self.trust: dict[str, dict[str, Any]] = {}  # per model: the start-up trust warm-up, for status
@@ -120,6 +129,24 @@ class SwarmBackend:
         except NoRoute as e:  # every block is announced, but no peer took this session now
             raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly") from None
 
+    def speculation(self, model_id: str) -> SpecConfig | None:
+        self._client(model_id)
+        return SpecConfig(draft=self.drafts.get(model_id)) if self.speculate else None
+
+    def speculated(self, model_id: str, state: SpecState) -> None:
+        """Add up how the model's draft head guessed; a fetched head that guesses poorly is dropped
+        (from the store too, and not fetched again) and answers go on without one."""
+        if model_id not in self.drafts:
+            return
+        seen = self.judged.setdefault(model_id, SpecState())
+        seen.draft_trials += state.draft_trials
+        seen.draft_hits += state.draft_hits
+        if seen.draft_is_poor() and self.home is not None and \
+                drop_fetched(self.home, self.clients[model_id].model_dir.name):
+            del self.drafts[model_id]
+            log.warning("the draft head of %s fetched from the swarm guessed %d of %d first tokens right: dropped",
+                        model_id, seen.draft_hits, seen.draft_trials)
+
     async def warm_trust(self, client: SwarmClient, retry_s: float = WARM_RETRY_S) -> None:
         """Compute the trust plane's canary material (canaries, calibration for the dtypes peers
         declare, the fp32 referee) for the spans of the route a session would take now, so the
@@ -169,16 +196,26 @@ def _torch_dtype_name(declared: str) -> str:
         return ""
 
 
+async def _draft_head(client: SwarmClient, home: Path) -> DraftHead | None:
+    """The model's draft head from the store, else fetched from a peer that offers one."""
+    try:
+        return await obtain_draft_head(client.node, await client.records(), home, client.model_dir, say=log.warning)
+    except ModelError as e:  # a broken file of our own: speculate without it, and say so
+        log.warning("%s", e)
+        return None
+
+
 @asynccontextmanager
 async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: list[str],
                              options: SwarmOptions, wait: float = 10.0, swarm_key: SwarmKey | None = None,
                              allow: AllowList | None = None, mdns: bool = False,
-                             hole_punch: bool = False) -> AsyncIterator[SwarmBackend]:
+                             hole_punch: bool = False, speculate: bool = True) -> AsyncIterator[SwarmBackend]:
     """Join the swarm as a client and load each model's client side; waits up to `wait` seconds
     for full coverage (an API that starts with its swarm need not fail its first requests), then
     warms the trust plane's material in the background while the caller serves. `swarm_key`,
     `allow`: as `Node` takes them (a private swarm, who may serve it); `mdns`: find the swarm on
-    the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay."""
+    the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay;
+    `speculate`: answers speculate (with each model's draft head from the store, if it has one)."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.node import open_node
@@ -195,7 +232,8 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
         for client in clients:
             while not await client.covered() and trio.current_time() < deadline:
                 await trio.sleep(0.25)
-        backend = SwarmBackend(clients)
+        drafts = {c.model_id: d for c in clients if speculate and (d := await _draft_head(c, home)) is not None}
+        backend = SwarmBackend(clients, speculate, drafts, home)
         for client in clients:
             background.start_soon(backend.warm_trust, client)
         try:

@@ -103,15 +103,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token ids, timings, tokens per step, route, failovers)")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
-                   help="send guessed continuations with each step, several tokens per round trip "
-                        "(default: on through the swarm in fp32; off in bf16/fp16, and with --local, "
-                        "where a step is no round trip)")
-    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="send guessed continuations with each step, several tokens per round trip, where "
+                        "they pay: a planner falls back to plain steps when they do not (default: on through "
+                        "the swarm in every dtype; off with --local, where a step is no round trip)")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=False,
                    help="batch-invariant kernels here and on every peer (peers that cannot are routed "
                         "around): a token's logits have the same bits whether it is decoded alone, "
                         "verified in a tree of guesses or replayed after a failover, so speculation "
-                        "returns exactly the greedy answer of --exact without it (default: on with "
-                        "--speculate; costs up to 2x per plain step)")
+                        "returns exactly the greedy answer of --exact without it, ties included (default: "
+                        "off; the fast kernels give plain greedy's answer up to near-ties; costs up to 2x "
+                        "per plain step)")
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -143,9 +144,8 @@ def cmd_ask(args) -> int:
     if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
                            "on the LAN)")
-    default = not args.local and args.dtype == "fp32"
-    speculating = args.speculate if args.speculate is not None else default
-    exact = speculating if args.exact is None else args.exact
+    speculating = args.speculate if args.speculate is not None else not args.local
+    exact = args.exact
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
@@ -155,14 +155,17 @@ def cmd_ask(args) -> int:
         result = _answer_here(args, args.model, messages, params, on_text, speculating, exact)
     else:
         result = _ask_swarm(args, messages, params, on_text, info, speculating, exact)
+    speculated = speculating if info.get("mode") == "swarm" else bool(args.speculate)  # in process: only if asked
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
-                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculating,
+                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculated,
                           "exact": exact,
-                          "tokens_per_step": round(result.tokens_per_step, 3), "steps": result.steps,
-                          "positions": result.positions} | info))
+                          "tokens_per_step": round(result.tokens_per_step, 3),
+                          "positions_per_step": round(result.positions_per_step, 3), "steps": result.steps,
+                          "positions": result.positions, "step_modes": result.modes,
+                          "modes": result.mode_counts()} | info))
     else:
         print()
     if result.finish_reason.startswith("uncovered"):
@@ -248,20 +251,30 @@ async def _fallback_client(node, client, order: list[str], home: Path, opts, why
 
 
 async def _answer_swarm(client, node, args, messages, params, on_text, info: dict, speculating: bool, access):
+    from diffuse.client.draft_fetch import drop_fetched
     from diffuse.client.generate import complete, session_length
+    from diffuse.client.speculative import SpecState
     from diffuse.client.swarm import remote_of
     from diffuse.control.nat import how_reached
     from diffuse.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(client.model_dir)
     prompt = tokenizer.encode_chat(messages)
-    speculate = _spec_config(data_home(args.home), client.model_dir) if speculating else None
+    home = data_home(args.home)
+    speculate = await _swarm_spec_config(client, home) if speculating else None
+    state = SpecState() if speculate is not None else None
     t0 = trio.current_time()
     pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
     remote = remote_of(pipeline)
     info["route_s"] = round(trio.current_time() - t0, 4)
     try:
-        return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
+        result = await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate, state=state)
+        if speculate is not None and speculate.draft is not None:
+            info["draft_head"] = {"first_guesses": state.draft_trials, "right": state.draft_hits}
+            if state.draft_is_poor() and drop_fetched(home, client.model_dir.name):
+                _notice(f"the draft head fetched from the swarm guessed {state.draft_hits} of "
+                        f"{state.draft_trials} first tokens right: dropped, and not fetched again")
+        return result
     finally:
         route = [dict(h) | {"reached": how_reached(node.host, h["peer"])} if isinstance(h, dict) else h
                  for h in remote.route_taken]
@@ -294,7 +307,9 @@ def _answer_in_process(args, home: Path, asked: str, order: list[str], error, me
     print(f"notice: no swarm answered ({str(error).splitlines()[0]}); answering in this process with {what}",
           file=sys.stderr, flush=True)
     info.update(mode="local", model=model_id, reason="no swarm reachable")
-    return _answer_here(args, fallback.store_name(home, model_id), messages, params, on_text, speculating, exact)
+    # Here a step is no round trip: speculate only if asked to.
+    return _answer_here(args, fallback.store_name(home, model_id), messages, params, on_text, bool(args.speculate),
+                        exact)
 
 
 def _answer_here(args, name: str | None, messages, params, on_text, speculating: bool, exact: bool):
@@ -316,6 +331,20 @@ def _answer_here(args, name: str | None, messages, params, on_text, speculating:
             await pipeline.close()
 
     return trio.run(run)
+
+
+async def _swarm_spec_config(client, home: Path):
+    """Speculation settings through the swarm: with this client's draft head, else one fetched
+    from a peer that offers it (verified against its announced hash; refusals said on stderr)."""
+    from diffuse.client.draft_fetch import obtain_draft_head
+    from diffuse.client.speculative import SpecConfig
+
+    return SpecConfig(draft=await obtain_draft_head(client.node, await client.records(), home, client.model_dir,
+                                                    say=_notice))
+
+
+def _notice(text: str) -> None:
+    print(f"notice: {text}", file=sys.stderr, flush=True)
 
 
 def _spec_config(home: Path, path: Path):

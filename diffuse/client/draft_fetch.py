@@ -79,14 +79,19 @@ async def obtain_draft_head(node: Any, records: Sequence[PeerRecord], home: Path
     does not hash to its announced value, or is not a head of this model) goes to `say`;
     nothing of a refused file is kept."""
     model_dir = Path(model_dir)
-    hidden = ModelConfig.load(model_dir).hidden_size
+    cfg = ModelConfig.load(model_dir)
+    hidden, limit = cfg.hidden_size, draft_head.max_bytes(cfg.hidden_size, cfg.vocab_size)
     file = draft_head.path(Path(home), model_dir.name)
     if file.exists():
-        return draft_head.load(file, hidden)
+        return draft_head.load(file, hidden, cfg.vocab_size)
     model_id = load_manifest(model_dir).model_id
     refused = _refused(file.parent)
     offers = [(r, a) for r in records
               if r.model == model_id and r.peer_id != node.peer_id and (a := announced(r)) and a[0] not in refused]
+    for record, (sha, size) in [o for o in offers if o[1][1] > limit]:
+        say(f"draft head of peer {record.peer_id} (sha256 {sha}) not fetched: {size} bytes is more than a head "
+            f"of this model can be ({limit})")
+    offers = [o for o in offers if o[1][1] <= limit]
     random.shuffle(offers)  # ties in any order, not the records' (a flooder's) order
     by_hash = Counter(sha for _, (sha, _) in offers)
     support = node.support.get(model_id, {})
@@ -96,7 +101,7 @@ async def obtain_draft_head(node: Any, records: Sequence[PeerRecord], home: Path
         for record, (sha, size) in offers[:MAX_TRIES]:
             if sha in unusable:
                 continue
-            head = await _fetch_one(node, record, sha, size, file, hidden, say)
+            head = await _fetch_one(node, record, sha, size, file, cfg, say)
             if head is not None:
                 return head
             unusable.add(sha)
@@ -106,14 +111,15 @@ async def obtain_draft_head(node: Any, records: Sequence[PeerRecord], home: Path
     return None
 
 
-async def _fetch_one(node: Any, record: PeerRecord, sha: str, size: int, file: Path, hidden: int,
+async def _fetch_one(node: Any, record: PeerRecord, sha: str, size: int, file: Path, cfg: ModelConfig,
                      say: Callable[[str], None]) -> DraftHead | None:
     """Fetch, check and cache one peer's head; None (said why) if refused."""
     staged = file.with_name(f".{file.name}.{os.getpid()}.fetched")
     seconds = fetch_seconds(size)
     try:
         with trio.fail_after(seconds):
-            await files.fetch(node.host, record.peer_id, sha, size, staged, MAX_DRAFT_BYTES, record.addrs)
+            await files.fetch(node.host, record.peer_id, sha, size, staged,
+                              draft_head.max_bytes(cfg.hidden_size, cfg.vocab_size), record.addrs)
     except FetchError as e:
         say(f"draft head not fetched: {e}")
         return None
@@ -122,13 +128,13 @@ async def _fetch_one(node: Any, record: PeerRecord, sha: str, size: int, file: P
         return None
     try:
         try:
-            head = draft_head.load(staged, hidden)
+            head = draft_head.load(staged, cfg.hidden_size, cfg.vocab_size)
         except ModelError as e:
             say(f"draft head from peer {record.peer_id} (sha256 {sha}) refused: {e}")
             return None
         if head is None:
             say(f"draft head from peer {record.peer_id} (sha256 {sha}) refused: not made for this model's "
-                f"hidden size {hidden}")
+                f"hidden size {cfg.hidden_size}")
             return None
         _write_json(file.parent / FETCHED, {"sha256": sha, "bytes": size, "peer": record.peer_id, "at": time.time()})
         staged.replace(file)  # the side file first: a head in place is never taken for one trained here

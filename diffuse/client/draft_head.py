@@ -160,8 +160,20 @@ def save(draft: DraftHead, file: Path, meta: dict) -> None:
     tmp.replace(file)
 
 
-def load(file: Path, hidden: int) -> DraftHead | None:
-    """The draft head in `file`, or None when there is none or it does not fit this model's width."""
+def max_bytes(hidden: int, vocab: int) -> int:
+    """The largest file a head for this width and vocabulary can be: its weights (~11 h^2 fp32
+    numbers at the default 8/3 MLP width; 16 h^2 allows twice that) and a vocab list, plus room
+    for the header. A fetched file beyond it is refused before it is read."""
+    return 4 * 16 * hidden * hidden + 8 * vocab + (1 << 20)
+
+
+def load(file: Path, hidden: int, vocab_size: int | None = None) -> DraftHead | None:
+    """The draft head in `file`, or None when there is none or it does not fit this model's width.
+
+    The file may come from a peer (draft_fetch.py), so it is checked before anything is built
+    from it: every tensor's shape from the header (the MLP width declared in the metadata must
+    match the tensors, so a header cannot make us allocate more than the file holds), finite
+    weights, calibration rates in [0, 1], and (given `vocab_size`) token ids inside the vocabulary."""
     if not file.exists():
         return None
     from safetensors import safe_open
@@ -169,11 +181,28 @@ def load(file: Path, hidden: int) -> DraftHead | None:
     try:
         with safe_open(str(file), "pt") as f:
             meta = f.metadata() or {}
-        width, inter = int(meta["hidden"]), int(meta["inter"])
-        if width != hidden:
-            return None
+            width, inter = int(meta["hidden"]), int(meta["inter"])
+            if width != hidden:
+                return None
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        want = {"fc.weight": (hidden, 2 * hidden), "fc.bias": (hidden,), "norm.weight": (hidden,),
+                "gate.weight": (inter, hidden), "up.weight": (inter, hidden), "down.weight": (hidden, inter),
+                "calibration": (len(BANDS) + 1,)}
+        wrong = {k: shapes.get(k) for k, v in want.items() if shapes.get(k) != v}
+        if wrong or len(shapes.get("vocab", ())) != 1 or set(shapes) != set(want) | {"vocab"}:
+            raise ValueError(f"tensors {sorted(shapes)} do not make a head of width {hidden}, MLP {inter}: "
+                             f"{wrong or 'unexpected or missing tensors'}")
         state = load_file(str(file))
-        draft = DraftHead(hidden, inter, state["vocab"], state["calibration"])
+        bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise ValueError(f"non-finite numbers in {bad}")
+        cal, vocab = state["calibration"], state["vocab"]
+        if not ((cal >= 0) & (cal <= 1)).all():
+            raise ValueError(f"calibration rates outside [0, 1]: {cal.tolist()}")
+        outside = len(vocab) and (vocab.min() < 0 or (vocab_size and vocab.max() >= vocab_size))
+        if vocab.is_floating_point() or outside:
+            raise ValueError(f"vocab holds ids outside the model's {vocab_size} tokens")
+        draft = DraftHead(hidden, inter, vocab.long(), cal.float())
         draft.load_state_dict(state)
     except Exception as e:  # noqa: BLE001 - whatever is wrong with the file, say which file
         raise ModelError(f"{file}: not a usable draft-head file ({type(e).__name__}: {e}); "

@@ -25,10 +25,25 @@ class Completion:
     timings: dict[str, float] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)  # tokens each decode round trip produced
     positions: list[int] = field(default_factory=list)  # positions each decode round trip sent
+    modes: list[str] = field(default_factory=list)  # each round trip's mode: tree, plain or held (speculative.py)
 
     @property
     def tokens_per_step(self) -> float:
         return sum(self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def positions_per_step(self) -> float:
+        return sum(self.positions) / len(self.positions) if self.positions else 0.0
+
+    def mode_counts(self) -> dict[str, dict[str, int]]:
+        """Per mode: the round trips, tokens and positions it took."""
+        out: dict[str, dict[str, int]] = {}
+        for mode, tokens, positions in zip(self.modes, self.steps, self.positions):
+            c = out.setdefault(mode, {"steps": 0, "tokens": 0, "positions": 0})
+            c["steps"] += 1
+            c["tokens"] += tokens
+            c["positions"] += positions
+        return out
 
 
 def session_length(prompt_tokens: int, max_tokens: int, speculate: SpecConfig | None = None) -> int:
@@ -157,11 +172,12 @@ class Generation:
         decode_s = t_end - t_first
         plain = [1] * max(0, len(ids) - 1)
         steps, positions = (stats.tokens[seen:], stats.positions[seen:]) if stats else (plain, plain)
+        modes = stats.modes[seen:] if stats else ["plain"] * len(plain)
         self.completion = Completion(
             text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(self.prompt),
             timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
                      "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
-            steps=list(steps), positions=list(positions),
+            steps=list(steps), positions=list(positions), modes=list(modes),
         )
 
 

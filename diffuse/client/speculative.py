@@ -11,13 +11,16 @@ guesses too. Acceptance keeps the output exactly that of plain decoding: under g
 of argmaxes, under sampling the speculative rejection rule (Leviathan et al. / Chen et al.). A
 planner sizes each step's tree from the measured step cost and the observed acceptance, down to
 one token when guessing does not pay (as on a local CPU, where a wider step costs more than its
-extra tokens gain).
+extra tokens gain), and a gate holds speculation off for a while whenever its steps, as measured,
+yield fewer tokens per second than plain ones: a generation is never much slower than plain
+decoding, and speculates again where the text starts to repeat.
 """
 
 from __future__ import annotations
 
 import functools
 import random
+import statistics
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
@@ -33,14 +36,18 @@ from diffuse.model.kernels import padded_rows
 from diffuse.model.engine import Head
 
 
+TREE, PLAIN, HELD = "tree", "plain", "held"  # a step's mode: guesses sent; plain by forecast; plain by the gate
+
+
 @dataclass
 class SpecStats:
     """Per verification step: tokens it produced (accepted guesses + the model's own next
-    token), positions it sent and the seconds its forward took."""
+    token), positions it sent, the seconds its forward took and its mode (TREE, PLAIN, HELD)."""
 
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -83,10 +90,18 @@ class SpecConfig:
 @dataclass
 class SpecState:
     """What speculation learns and counts as it runs: the step-cost fit, which the answers of one
-    route may share (reusing it keeps the fit warm), and per-step stats (appended to)."""
+    route may share (reusing it keeps the fit warm), per-step stats (appended to), and how the
+    draft head's first guesses fared (to drop a fetched head that guesses poorly)."""
 
     cost: "StepCost" = field(default_factory=lambda: StepCost())
     stats: SpecStats = field(default_factory=SpecStats)
+    draft_hits: int = 0
+    draft_trials: int = 0
+
+    def draft_is_poor(self, trials: int = 64, rate: float = 0.1) -> bool:
+        """Whether, over at least `trials` scored first guesses, the draft head was right less
+        often than `rate` (prompt lookup alone does better on chat)."""
+        return self.draft_trials >= trials and self.draft_hits < rate * self.draft_trials
 
 
 def kv_headroom(config: SpecConfig | None = None) -> int:
@@ -288,18 +303,28 @@ class StepCost:
 
     The intercept holds the round trip and fixed per-step work, the slope the price of one more
     position; both come from timing real steps, so the same planner suits a CPU next door and a
-    GPU across an ocean.
+    GPU across an ocean. One-position and wider steps are kept apart, so a long run of plain
+    steps does not forget the slope (and force a probe to relearn it).
     """
 
     def __init__(self, window: int = 32):
-        self.obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self.obs: deque[tuple[int, float]] = deque(maxlen=window)  # wider steps
+        self.plain: deque[float] = deque(maxlen=window // 2)  # one-position steps
 
     def observe(self, positions: int, seconds: float) -> None:
-        self.obs.append((positions, seconds))
+        if positions == 1:
+            self.plain.append(seconds)
+        else:
+            self.obs.append((positions, seconds))
+
+    def charged(self, positions: int, seconds: float) -> float:
+        """What a step of `positions` rows is taken to have cost: what it measured (a cost model
+        fixed to another network's curve says what that network would have charged)."""
+        return seconds
 
     def fit(self) -> Cost | None:
         """None while recent wide steps all had one size, so that the slope is unknown."""
-        wide = [(t, s) for t, s in self.obs if t > 1]
+        wide = list(self.obs)
         if len({t for t, _ in wide}) < 2:
             return None
         mt = sum(t for t, _ in wide) / len(wide)
@@ -307,8 +332,46 @@ class StepCost:
         var = sum((t - mt) ** 2 for t, _ in wide)
         b = max(0.0, sum((t - mt) * (s - ms) for t, s in wide) / var)
         a = max(ms - b * mt, 1e-6)
-        single = [s for t, s in self.obs if t == 1]
-        return Cost(sum(single) / len(single) if single else a + b, a, b)
+        return Cost(sum(self.plain) / len(self.plain) if self.plain else a + b, a, b)
+
+
+class Gate:
+    """Speculation must beat plain decoding as measured, not only as forecast.
+
+    The forecast (acceptance x cost fit) can be wrong: a fit skewed by a noisy step, acceptance
+    priors that flatter a topic. So after every `window` speculative steps their tokens per
+    second, as measured, are compared with plain steps' (the median of recent ones, else the
+    fit's one-position cost): if lower, speculation is held off for `hold` steps, a hold that
+    doubles up to `most` each time it fails again and resets once it pays. Held steps are plain,
+    and acceptance is still learned in hindsight from every draft, so speculation resumes, after
+    the hold, where the text starts to repeat.
+    """
+
+    def __init__(self, window: int = 4, hold: int = 4, most: int = 64):
+        self.trees: deque[tuple[int, float]] = deque(maxlen=window)
+        self.plain: deque[float] = deque(maxlen=8)
+        self.base = self.hold = hold
+        self.most = most
+        self.held = 0  # plain steps left before speculation may be tried again
+
+    @property
+    def open(self) -> bool:
+        return self.held == 0
+
+    def observe(self, tokens: int, positions: int, seconds: float, plain_guess: float | None) -> None:
+        if positions == 1:
+            self.plain.append(seconds)
+            self.held = max(0, self.held - 1)
+            return
+        self.trees.append((tokens, seconds))
+        plain = statistics.median(self.plain) if self.plain else plain_guess
+        if len(self.trees) < (self.trees.maxlen or 1) or not plain:
+            return
+        if sum(t for t, _ in self.trees) / sum(s for _, s in self.trees) < 1.0 / plain:
+            self.held, self.hold = self.hold, min(2 * self.hold, self.most)
+        else:
+            self.hold = self.base
+        self.trees.clear()
 
 
 KV_HEADROOM = kv_headroom()  # with the default config
@@ -374,6 +437,7 @@ class StepTree:
     tokens: list[int]
     parents: list[int]
     lookahead: bool  # whether the Jacobi window rides at the end
+    mode: str = TREE  # TREE, or PLAIN / HELD for the root alone
 
 
 class Speculator:
@@ -381,7 +445,7 @@ class Speculator:
 
     def __init__(self, cfg: SpecConfig, state: SpecState, prompt: Sequence[int], head: Head | None = None,
                  exact: bool = False):
-        self.cfg, self.head = cfg, head
+        self.cfg, self.head, self.state = cfg, head, state
         self.exact = exact  # the session's kernels pad every product to EXACT_FORMS' rows
         self.z: Tensor | None = None  # final hidden state (pre-norm) of the position that produced the root
         self.lookup = PromptLookup(cfg.ngram)
@@ -390,6 +454,7 @@ class Speculator:
         self.window = Lookahead(cfg.width, cfg.levels, prompt, cfg.seed) if cfg.levels and cfg.width else None
         self.acceptance = Acceptance(cfg.draft.priors() if cfg.draft is not None else None)
         self.cost = state.cost
+        self.gate = Gate()
         self.waiting: deque[tuple[Draft, int]] = deque()  # drafts to score once their future is known
 
     @property
@@ -401,12 +466,17 @@ class Speculator:
         self.lookup.extend(tokens)
         while self.waiting and len(self.text) - self.waiting[0][1] > self.cfg.max_depth:
             draft, root_at = self.waiting.popleft()
-            self.acceptance.learn(draft, self.text[root_at + 1:])
+            realised = self.text[root_at + 1:]
+            first = next(iter(draft.children[0].items()), None)
+            if first is not None and draft.kinds[first[1]][0].startswith("draft"):
+                self.state.draft_trials += 1
+                self.state.draft_hits += first[0] == realised[0]
+            self.acceptance.learn(draft, realised)
 
-    def draft(self, max_depth: int, fit: Cost | None = None) -> Draft:
+    def draft(self, max_depth: int, fit: Cost | None = None, head: bool = True) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
-        if cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
+        if head and cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
             # A guess is worth a position only if its chance beats one position's share of a
             # plain step (tokens per second can only fall otherwise): deeper levels stop there.
             floor = fit.b / fit(padded_rows(1, self.exact)) if fit is not None else 0.0
@@ -428,8 +498,14 @@ class Speculator:
     def plan(self, max_depth: int) -> StepTree:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
         the tokens it is expected to add (through the pool, later) are worth its positions, and
-        then the next-best guesses in the rows the kernels would pad with zeros anyway."""
+        then the next-best guesses in the rows the kernels would pad with zeros anyway. The root
+        alone while the gate holds speculation off (drafting still runs, to keep learning, but
+        the draft head only every fourth held step: its levels cost client time) and for the
+        first step, which measures what a plain step costs."""
         fit = self.cost.fit()
+        if not self.gate.open or (fit is None and not self.cost.plain and not self.exact):
+            self.draft(max_depth, fit, head=self.gate.held % 4 == 0)
+            return StepTree([self.text[-1]], [-1], False, HELD if not self.gate.open else PLAIN)
         draft = self.draft(max_depth, fit)
         scores = self.acceptance.scores(draft)
         ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
@@ -451,12 +527,16 @@ class Speculator:
         if lookahead:
             more, more_parents = self.window.tree(len(tokens))
             tokens, parents = tokens + more, parents + more_parents
-        return StepTree(tokens, parents, lookahead)
+        return StepTree(tokens, parents, lookahead, TREE if len(tokens) > 1 else PLAIN)
 
-    def learn(self, step: StepTree, predictions: list[int], positions: int, seconds: float) -> None:
-        """Feed the pool with the model's prediction at every node (after the last levels tokens
-        of that node's branch) and advance the Jacobi window."""
+    def learn(self, step: StepTree, predictions: list[int], tokens: int, seconds: float) -> None:
+        """Time the step (cost fit and gate), feed the pool with the model's prediction at every
+        node (after the last levels tokens of that node's branch) and advance the Jacobi window."""
+        positions = len(step.tokens)
         self.cost.observe(padded_rows(positions, self.exact), seconds)
+        fit = self.cost.fit()
+        self.gate.observe(tokens, positions, self.cost.charged(padded_rows(positions, self.exact), seconds),
+                          fit.plain if fit is not None else None)
         n = self.cfg.levels
         for i in range(len(step.tokens)):
             gram, j = [predictions[i]], i
@@ -496,6 +576,8 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         depth = min(cfg.max_depth, sampler.p.max_tokens - produced - 1)
         step = spec.plan(depth)
         ids, positions, mask = tree_inputs(step.tokens, step.parents, pipeline.length)
+        if len(step.tokens) == 1:  # a plain step: the causal path plain decoding takes, the same bits
+            mask = None
         t0 = time.perf_counter()
         logits = (await pipeline.forward(ids, positions, mask, commit=False))[0]
         seconds = time.perf_counter() - t0
@@ -504,10 +586,12 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         guesses = [step.tokens[i] for i in path]
         cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
         await pipeline.commit([0] + path[:cut])
-        spec.learn(step, logits.argmax(-1).tolist(), len(step.tokens), seconds)
-        state.stats.tokens.append(min(len(path), cut + 1) + (cut == len(guesses)))  # an eos ends the step
+        produced_now = min(len(path), cut + 1) + (cut == len(guesses))  # an eos ends the step
+        spec.learn(step, logits.argmax(-1).tolist(), produced_now, seconds)
+        state.stats.tokens.append(produced_now)
         state.stats.positions.append(len(step.tokens))
         state.stats.seconds.append(seconds)
+        state.stats.modes.append(step.mode)
         for tok in guesses[:cut]:
             yield tok
         produced += cut
