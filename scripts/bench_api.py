@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle OpenMP threads must not steal the server's cores
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no draft head behind the measurement
 if "--threads" in sys.argv:  # before torch starts; the servers inherit it (and use it in every thread)
     os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `diffuse` sets it; before torch starts
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no draft head behind the measurement
 
 import trio  # noqa: E402
 from bench_swarm import LOCAL, PROMPT, Peers, decode  # noqa: E402

@@ -26,6 +26,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers it starts train no draft head behind the measurement
 
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 

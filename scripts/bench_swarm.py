@@ -46,6 +46,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `diffuse` sets it; before torch starts
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no draft head behind the measurement
 
 import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # no peer or API a test starts trains a draft head behind it
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import trio
 
 from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
+from diffuse.cli import draft_trainer
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
@@ -46,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answer length when a request gives no max_tokens (default 256)")
     add_fallback_option(p, "the other --model models, largest first")
     add_hole_punch_option(p, default=False)
+    draft_trainer.add_option(p)
     p.set_defaults(func=cmd_api)
 
 
@@ -164,15 +166,18 @@ def cmd_api(args) -> int:
                         default_max_tokens=args.max_tokens, fallback=fallbacks(args))
 
     backend_cm = open_backend(args)
+    activity: dict[str, float] = {}  # /v1 requests being answered: the draft head trains only while none are
 
     async def main() -> None:
         async with backend_cm as backend, trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, create_app(backend, settings), args.listen)
+            app = draft_trainer.counting(create_app(backend, settings), activity)
+            binds = await nursery.start(serve_http, app, args.listen)
             print(f"listening on {binds[0]}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break
 
-    _trio_run(main)
+    with draft_trainer.background(args, (args.model or [None])[0], lambda: activity.get("requests", 0) > 0):
+        _trio_run(main)
     return 0

@@ -26,6 +26,7 @@ import trio
 from diffuse.cli.reach import (
     add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
 )
+from diffuse.cli import draft_trainer
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
@@ -95,6 +96,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM: seconds open sessions get to finish before they are handed "
                         "to replicas (a second signal stops at once)")
+    draft_trainer.add_option(p)
     p.set_defaults(func=cmd_join)
 
     p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
@@ -291,7 +293,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                          expected_hashes=manifest.block_hashes).replicas, length)
             await serve(Offer(manifest.model_id, n, 0, 0, tuple(manifest.block_hashes)), start, end)
 
-    _trio_run(_until_signal, main, drain)
+    with draft_trainer.background(args, model_dir, lambda: bool((hooks.status_fn or dict)().get("sessions"))):
+        _trio_run(_until_signal, main, drain)
     print("stopped; announcement withdrawn", file=sys.stderr, flush=True)
     return 0
 
