@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers it starts train no draft head behind the measurement
 
 import torch  # noqa: E402
 import trio  # noqa: E402
@@ -50,6 +51,7 @@ from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
@@ -75,11 +77,14 @@ class LoopbackSwarm:
     def __init__(self, home: Path, spans: list[str], dtype: str = "bf16", rtt: float = 0.0,
                  timeout: float = 240.0):
         self.tmp = Path(tempfile.mkdtemp(prefix="diffuse-swarm-"))
+        self.swarm_key = SwarmKey.generate()  # a private swarm of its own (the default mode)
+        write_key(self.tmp / "swarm.key", self.swarm_key)
+        key = ["--swarm-key", str(self.tmp / "swarm.key")]
         self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
         self.relay: RelayProcess | None = None
         try:
-            sentinel = self._start("sentinel", "--identity", str(self.tmp / "sentinel.key"), "--listen", LOCAL)
+            sentinel = self._start("sentinel", "--identity", str(self.tmp / "sentinel.key"), "--listen", LOCAL, *key)
             self.boot = self._line(sentinel, timeout)
             ports = [free_port() for _ in spans]
             self.relay = RelayProcess([("127.0.0.1", p) for p in ports], rtt)
@@ -87,7 +92,7 @@ class LoopbackSwarm:
             self.proc = [self._start("join", "--identity", str(self.tmp / f"peer{i}.key"), "--bootstrap", self.boot,
                                      "--listen", f"/ip4/127.0.0.1/tcp/{port}",
                                      "--announce", f"/ip4/127.0.0.1/tcp/{rport}", "--blocks", span,
-                                     "--dtype", dtype, "--heartbeat", "2", "--ttl", "30")
+                                     "--dtype", dtype, "--heartbeat", "2", "--ttl", "30", *key)
                          for i, (span, port, rport) in enumerate(zip(spans, ports, self.relay.ports))]
             for p in self.proc:
                 while not self._line(p, timeout).startswith("serving"):
@@ -182,7 +187,8 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
     with LoopbackSwarm(home, args.spans, dtype) as swarm:
         async def bench() -> None:
             nonlocal mismatches
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False) as node:
+            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                 swarm_key=swarm.swarm_key) as node:
                 model_dir = models_dir(home) / DEFAULT_MODEL
                 client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
                 while not await client.covered():

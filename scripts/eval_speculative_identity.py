@@ -303,7 +303,7 @@ def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions]
     with LoopbackSwarm(home, ["1:15", "15:30"], dtype) as net:
         async def remote():
             async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
-                                 server=False) as node:
+                                 server=False, swarm_key=net.swarm_key) as node:
                 options = SwarmOptions(dtype=parse_dtype(dtype), exact=exact, trust=None)
                 client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, options)
                 with trio.fail_after(120):

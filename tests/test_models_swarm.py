@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -180,6 +182,11 @@ def test_an_unservable_model_is_answered_by_the_best_other_and_says_so(both, swa
     except openai.APIError as e:
         raise AssertionError("\n".join(api.stderr[-30:])) from e
     assert answer.model == DEFAULT_MODEL and answer.choices[0].message.content
+    # Through the swarm the API speculates by default: after a plain first step it sends a tree.
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    steps = {m: float(v) for m, v in re.findall(rf'^diffuse_decode_steps_total{{mode="(\w+)",model="{DEFAULT_MODEL}"}} '
+                                                r'(\S+)$', metrics, re.M)}
+    assert steps.get("plain", 0) >= 1 and (steps.get("tree", 0) >= 1 or answer.usage.completion_tokens <= 2), steps
     listed = {m.id: m.model_extra["servable"] for m in client.models.list().data}
     assert listed == {GEMMA: False, DEFAULT_MODEL: True}
 

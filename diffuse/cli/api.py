@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="answer length when a request gives no max_tokens (default 256)")
     add_fallback_option(p, "the other --model models, largest first")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
+                   help="answers through the swarm send guessed continuations with each step where they pay "
+                        "(default: on; with --local never: a step there is no round trip)")
     add_hole_punch_option(p, default=False)
     draft_trainer.add_option(p)
     p.set_defaults(func=cmd_api)
@@ -94,7 +97,7 @@ def swarm_backend(args):
     boot = _bootstrap_addrs(args, required=False)
     return open_swarm_backend(data_home(args.home), args.model or [None], boot, swarm_options(args, access),
                               args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot),
-                              hole_punch=args.hole_punch)
+                              hole_punch=args.hole_punch, speculate=args.speculate)
 
 
 def open_backend(args):
