@@ -335,7 +335,7 @@ def client_home(tmp_path, model_dir):
     return home, models_dir(home) / model_dir.name
 
 
-async def obtain_through(boot: str, home, model_dir, said: list[str]):
+async def obtain_through(boot: str, home, model_dir, said: list[str], wait: float = 30.0):
     """What a client of the swarm gets: its SwarmClient's records, then obtain_draft_head."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -347,7 +347,7 @@ async def obtain_through(boot: str, home, model_dir, said: list[str]):
     async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
                          swarm_key=swarm_key()) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, trust=None))
-        with trio.fail_after(30):
+        with trio.fail_after(wait):
             records = await client.records()
             while not any(announced(r) for r in records):
                 await trio.sleep(0.25)
@@ -399,6 +399,33 @@ def test_a_head_that_no_longer_matches_its_announced_hash_is_refused(swarm, tmp_
     assert hashlib.sha256(data).hexdigest() in said[0]
     folder = draft_head.path(home, "tiny").parent
     assert not folder.exists() or list(folder.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_head_trained_after_the_peer_started_is_offered_without_a_restart(tmp_path):
+    """join checks for a head that appeared since it started (a background training finished)
+    and amends its announcement: no tombstone, no restart."""
+    from control_helpers import Procs
+    from diffuse.client import draft_head
+    from diffuse.home import models_dir
+    from tiny import make_tiny
+
+    home = tmp_path / "peer"
+    model_dir = make_tiny(models_dir(home) / "tiny")
+    with Procs(home) as procs:
+        boot = procs.start("sentinel", "--identity", str(home / "s.key"), "--listen", LOCAL).readline(timeout=60)
+        peer = procs.start("join", "--model", "tiny", "--blocks", "1:4", "--dtype", "fp32", "--listen", LOCAL,
+                           "--identity", str(home / "p.key"), "--bootstrap", boot, "--heartbeat", "2", "--ttl", "30")
+        peer.read_until("serving", timeout=60)
+        head = draft_head.DraftHead(64, 170, torch.arange(0, 300, 3))
+        draft_head.save(head, draft_head.path(home, "tiny"), {"made": "after the peer started"})
+        client, mine = client_home(tmp_path, model_dir)
+        said: list[str] = []
+        got = trio.run(obtain_through, boot, client, mine, said, 90.0)
+        assert got is not None and said == []
+        assert all(torch.equal(t, head.state_dict()[n]) for n, t in got.state_dict().items())
+        assert any("offering the draft head of" in line for line in peer.stderr)
 
 
 # ---- what a fetched file may not do ----

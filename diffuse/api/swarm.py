@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
+from diffuse.client import draft_head
 from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
@@ -69,6 +70,7 @@ class SwarmBackend:
         self.drafts = drafts or {}  # per model: the draft head its speculation drafts with
         self.home = home  # the store, where a fetched draft head that guesses poorly is dropped from
         self.judged: dict[str, SpecState] = {}  # per model: its draft head's first guesses over all answers
+        self.seen: dict[str, int] = {}  # per model: the version of its head file last tried
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
         self.trust: dict[str, dict[str, Any]] = {}  # per model: the start-up trust warm-up, for status
@@ -130,8 +132,32 @@ class SwarmBackend:
             raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly") from None
 
     def speculation(self, model_id: str) -> SpecConfig | None:
-        self._client(model_id)
-        return SpecConfig(draft=self.drafts.get(model_id)) if self.speculate else None
+        client = self._client(model_id)
+        if not self.speculate:
+            return None
+        if model_id not in self.drafts and self.home is not None:
+            self._pick_up(client)
+        return SpecConfig(draft=self.drafts.get(model_id))
+
+    def _pick_up(self, client: SwarmClient) -> None:
+        """A head that appeared in the store since the start (trained in the background,
+        cli/draft_trainer.py): loaded once per version of the file."""
+        file = draft_head.path(self.home, client.model_dir.name)
+        try:
+            version = file.stat().st_mtime_ns
+        except OSError:
+            return
+        if self.seen.get(client.model_id) == version:
+            return
+        self.seen[client.model_id] = version
+        try:
+            head = draft_head.load(file, client.cfg.hidden_size, client.cfg.vocab_size)
+        except ModelError as e:
+            log.warning("%s", e)
+            return
+        if head is not None:
+            self.drafts[client.model_id] = head
+            log.info("speculating with the draft head of %s that appeared in %s", client.model_id, file)
 
     def speculated(self, model_id: str, state: SpecState) -> None:
         """Add up how the model's draft head guessed; a fetched head that guesses poorly is dropped

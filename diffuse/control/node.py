@@ -17,6 +17,8 @@ that allow-list.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from collections import Counter
@@ -244,6 +246,12 @@ class Node:
     def _status(self) -> dict[str, Any]:
         """The data plane's live numbers, and how we are reached (ext "reach" in the record)."""
         return {**(self.status_fn() if self.status_fn else {}), "reach": self.reach.state}
+
+    def amend(self, **changes: Any) -> None:
+        """Change what the current announcement says (Serving's fields, e.g. a draft head trained
+        since it began) from its next heartbeat on: no tombstone, so no gap in which readers drop us."""
+        if self.announcer is not None and not self.announcer.withdrawn:
+            self.announcer.serving = dataclasses.replace(self.announcer.serving, **changes)
 
     async def withdraw(self) -> None:
         """Publish a tombstone for our record (idempotent); readers drop us at once."""
