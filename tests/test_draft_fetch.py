@@ -21,25 +21,7 @@ import trio.testing
 
 from diffuse.data import files as F
 from diffuse.errors import FetchError
-
-
-class MemStream:
-    """read/write/close over a trio memory stream, like a libp2p stream."""
-
-    def __init__(self, s):
-        self.s = s
-
-    async def read(self, n: int = -1) -> bytes:
-        try:
-            return await self.s.receive_some(n if n > 0 else None)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return b""
-
-    async def write(self, data: bytes) -> None:
-        await self.s.send_all(data)
-
-    async def close(self) -> None:
-        await self.s.aclose()
+from test_sessions import MemStream
 
 
 def frames(data: bytes, max_frame: int = F.HEADER_SIZE + F.MAX_CHUNK) -> list:

@@ -33,7 +33,7 @@ class MemStream:
     async def read(self, n: int = -1) -> bytes:
         try:
             return await self.s.receive_some(n if n > 0 else None)
-        except trio.ClosedResourceError:
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
             return b""
 
     async def write(self, data: bytes) -> None:
