@@ -182,11 +182,21 @@ def test_an_unservable_model_is_answered_by_the_best_other_and_says_so(both, swa
     except openai.APIError as e:
         raise AssertionError("\n".join(api.stderr[-30:])) from e
     assert answer.model == DEFAULT_MODEL and answer.choices[0].message.content
-    # Through the swarm the API speculates by default: after a plain first step it sends a tree.
+    # Through the swarm the API speculates by default: where the answer repeats its prompt, guesses
+    # copied from it are sent (a tree), after the plain first step that prices a plain one.
+    repeat = "Repeat exactly, ten times: red green blue yellow."
+    again = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": repeat}],
+                                           max_tokens=24, temperature=0)
     metrics = httpx.get(url + "/metrics", timeout=30).text
-    steps = {m: float(v) for m, v in re.findall(rf'^diffuse_decode_steps_total{{mode="(\w+)",model="{DEFAULT_MODEL}"}} '
-                                                r'(\S+)$', metrics, re.M)}
-    assert steps.get("plain", 0) >= 1 and (steps.get("tree", 0) >= 1 or answer.usage.completion_tokens <= 2), steps
+
+    def per_mode(name: str) -> dict[str, float]:
+        return {m: float(v) for m, v in re.findall(
+            rf'^diffuse_decode_{name}_total{{mode="(\w+)",model="{DEFAULT_MODEL}"}} (\S+)$', metrics, re.M)}
+
+    steps, tokens = per_mode("steps"), per_mode("step_tokens")
+    made = answer.usage.completion_tokens + again.usage.completion_tokens
+    assert set(steps) <= {"tree", "plain", "held"} and steps.get("tree", 0) >= 1, steps
+    assert made - 2 <= sum(tokens.values()) <= made  # every token after each prefill's, an end of turn at most
     listed = {m.id: m.model_extra["servable"] for m in client.models.list().data}
     assert listed == {GEMMA: False, DEFAULT_MODEL: True}
 
