@@ -220,7 +220,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         torch.set_num_threads(lend.threads)
     hooks = data_plane_hooks(args, model_dir, manifest, lend)
     held = dirs or {manifest.model_id: model_dir}
-    files, heads = draft_heads(data_home(args.home), held) if lend else (None, {})
+    files = DraftHeads(data_home(args.home), held) if lend else None
     if args.drain_timeout < 0:
         raise DiffuseError("--drain-timeout must be at least 0")
     node: Node | None = None
@@ -272,15 +272,15 @@ def cmd_join(args: argparse.Namespace) -> int:
                     model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
                     block_hashes=offer.block_hashes[start:end], dtype=args.dtype,
                     throughput=throughput, cache_tokens=lend.cache_tokens,
-                    protocols=hooks.protocols + ((files.protocol,) if files and offer.model in heads else ()),
-                    extra=heads.get(offer.model, {})))  # the draft head it offers (client/draft_fetch.py)
+                    protocols=hooks.protocols + ((files.protocol,) if files and offer.model in files.heads else ()),
+                    extra=files.heads.get(offer.model, {}) if files else {}))  # its draft head (client/draft_fetch.py)
                 if not printed:
                     printed.extend(node.full_addrs())
                     print("\n".join(printed), flush=True)
                 print(f"serving {offer.model} blocks {start}:{end} ({end - start} of {offer.num_blocks})", flush=True)
 
             if files is not None:
-                nursery.start_soon(files.watch, node, data_home(args.home), held, heads)
+                nursery.start_soon(files.watch, node)
             if auto:
                 async def leave() -> None:
                     with trio.move_on_after(5.0):
@@ -459,18 +459,21 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, l
 
 
 class DraftHeads:
-    """The files protocol serving this peer's draft heads (client/draft_fetch.py). Its handler is
-    always set (handlers go on before the host runs), so that a head trained after the start (in
-    the background, cli/draft_trainer.py) is served and announced without a restart."""
+    """The files protocol serving this peer's draft heads (client/draft_fetch.py), and per model id
+    the record fields announcing its head (`heads`; none: nothing to offer for it yet). Its handler
+    is always set (handlers go on before the host runs), so that a head trained after the start
+    (in the background, cli/draft_trainer.py) is served and announced without a restart."""
 
-    def __init__(self) -> None:
+    def __init__(self, home: Path, models: Mapping[str, Path]) -> None:
+        from diffuse.client import draft_fetch
         from diffuse.data.files import PROTOCOL_ID, FileServer
 
+        self.home, self.models = home, models
         self.server, self.protocol = FileServer(), PROTOCOL_ID
         self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {PROTOCOL_ID: self.server.handle}
+        self.heads = draft_fetch.offer(self.server, home, models)
 
-    async def watch(self, node: Any, home: Path, models: Mapping[str, Path], heads: dict[str, dict[str, Any]],
-                    every: float = 15.0) -> None:
+    async def watch(self, node: Any, every: float = 15.0) -> None:
         """Every `every` seconds, offer a head that appeared for the model being served, and
         amend the announcement to say so."""
         from diffuse.client import draft_fetch
@@ -478,24 +481,15 @@ class DraftHeads:
         while True:
             await trio.sleep(every)
             serving = node.announcer.serving if node.announcer is not None else None
-            if serving is None or serving.model in heads or serving.model not in models:
+            if serving is None or serving.model in self.heads or serving.model not in self.models:
                 continue
-            found = draft_fetch.offer(self.server, home, {serving.model: models[serving.model]})
+            found = draft_fetch.offer(self.server, self.home, {serving.model: self.models[serving.model]})
             if found:
-                heads.update(found)
+                self.heads.update(found)
                 node.amend(protocols=tuple(serving.protocols) + (self.protocol,),
                            extra=dict(serving.extra) | found[serving.model])
                 print(f"offering the draft head of {serving.model} trained since the start", file=sys.stderr,
                       flush=True)
-
-
-def draft_heads(home: Path, models: Mapping[str, Path]) -> tuple[DraftHeads, dict[str, dict[str, Any]]]:
-    """The files protocol serving this peer's draft heads, and per model id the record fields
-    announcing its head (none: nothing to offer for it yet)."""
-    from diffuse.client import draft_fetch
-
-    files = DraftHeads()
-    return files, draft_fetch.offer(files.server, home, models)
 
 
 # ---- helpers ----
