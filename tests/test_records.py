@@ -27,6 +27,7 @@ from diffuse.control.records import (
     encode_set,
     merge,
     peer_key,
+    relays_key,
     sign,
     verify,
     withdrawn,
@@ -100,6 +101,10 @@ def test_record_only_lives_under_its_own_keys():
         decode_set(raw(sr), peer_key(peer_id(KP_B).to_base58()))
     with pytest.raises(InvalidRecord, match="another model"):
         decode_set(raw(sr), blocks_key("other-model"))
+    with pytest.raises(InvalidRecord, match="serves no relay"):  # only relays are listed as relays
+        decode_set(raw(sr), relays_key())
+    relay = sign(record(KP_A, extra={"relay": True}), KP_A)
+    assert [r.peer_id for r in decode_set(raw(relay), relays_key())] == [relay.peer_id]
 
 
 def test_non_canonical_payload_is_rejected():

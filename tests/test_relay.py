@@ -15,12 +15,15 @@ from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from control_helpers import fake_hashes
 from diffuse.control import nat
+from diffuse.control.announce import Serving
 from diffuse.control.host import parse_multiaddr
 from diffuse.control.node import open_node
 from diffuse.control.swarm_key import SwarmKey
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
+MODEL = "SmolLM2-135M-Instruct"
 ECHO = "/diffuse-test/echo/1"
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,6 +86,42 @@ def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
                     assert await stream.read(64) == b"echo:through the relay"
                     assert [str(a) for a in conn.get_transport_addresses()] == [
                         f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{peer.peer_id}"]  # through the relay
+
+    trio.run(main)
+
+
+def test_a_peer_behind_nat_finds_a_relay_through_the_dht(monkeypatch):
+    """The sentinel serves no relay hops; a publicly reachable peer with relay=True lists itself
+    under the DHT's relays key (ext "relay"); a peer behind NAT, refused by the sentinel, finds
+    it there, reserves a slot and announces its /p2p-circuit address; a client reaches the peer
+    through it. A public peer without relay=True is not listed."""
+    key = SwarmKey.generate()
+    serving = Serving(MODEL, 30, 0, 30, fake_hashes(30), "bfloat16")
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=False) as sentinel:
+            boot = sentinel.full_addrs()[0]
+            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot], relay=True,
+                                 reach_check=True) as relay, \
+                    open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                              reach_check=True) as plain:
+                assert relay.reach.state == plain.reach.state == nat.PUBLIC
+                await relay.serve(serving)
+                await plain.serve(serving)
+                assert relay.record.extra["relay"] is True and "relay" not in plain.record.extra
+                assert [i.peer_id.to_base58() for i in await sentinel.relays()] == [relay.peer_id]
+                async with behind_nat(monkeypatch, key, boot) as peer:
+                    assert peer.reach.state == nat.RELAYED and peer.reach.relays == (relay.peer_id,)
+                    assert peer.addrs() == [f"{relay.addrs()[0]}/p2p/{relay.peer_id}/p2p-circuit"]
+                    async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                         server=False) as client:
+                        pid = ID.from_base58(peer.peer_id)
+                        await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                        assert nat.how_reached(client.host, peer.peer_id) == {"state": "relayed",
+                                                                              "via": relay.peer_id}
+                        stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+                        await stream.write(b"found in the DHT")
+                        assert await stream.read(64) == b"echo:found in the DHT"
 
     trio.run(main)
 

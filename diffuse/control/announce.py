@@ -30,6 +30,7 @@ from diffuse.control.records import (
     is_scalar,
     blocks_key,
     peer_key,
+    relays_key,
     sign,
     withdrawn,
 )
@@ -154,10 +155,14 @@ class Announcer:
         return await self._put(tomb)
 
     async def _put(self, signed: SignedRecord) -> int:
-        """Store under the peer key and the blocks key at once. The k closest nodes of each key
-        are looked up every LOOKUP_EVERY beats, or at once when a store failed (churn): a
-        lookup costs several round trips, more than the stores themselves."""
-        acks = [0, 0]
+        """Store under the peer key and the blocks key at once (and the relays key, for a peer
+        that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
+        beats, or at once when a store failed (churn): a lookup costs several round trips, more
+        than the stores themselves."""
+        keys = [peer_key(self.peer_id), blocks_key(signed.record.model)]
+        if signed.record.extra.get("relay") is True:
+            keys.append(relays_key())
+        acks = [0] * len(keys)
 
         async def put(i: int, key: str) -> None:
             left, targets = self._targets.get(key, (0, []))
@@ -168,8 +173,8 @@ class Announcer:
             self._targets[key] = (left - 1 if acks[i] == len(targets) else 0, targets)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(put, 0, peer_key(self.peer_id))
-            nursery.start_soon(put, 1, blocks_key(signed.record.model))
+            for i, key in enumerate(keys):
+                nursery.start_soon(put, i, key)
         return min(acks)
 
     async def run(self, *, on_lonely: Callable[[], Any] | None = None,

@@ -29,7 +29,9 @@ see control/pnet.py, `protected_conn`.)
 
 Relays: every node answers STOP (it can be reached through a relay); a sentinel, or a peer with
 `--relay`, also serves HOP with reservations bounded in count, lifetime and bytes per circuit
-(RELAY_LIMITS). A peer that AutoNAT finds unreachable reserves a slot on its relays, refreshes it
+(RELAY_LIMITS); such a peer, when publicly reachable, says so in its record (ext "relay") and is
+listed under the DHT's relays key. A peer that AutoNAT finds unreachable reserves a slot on up to
+WANT_RELAYS relays (its bootstrap peers first, then relays the DHT lists), refreshes each
 every RESERVE_EVERY_S (reconnecting and reserving again after a relay restarts), and announces
 /ip4/<relay>/tcp/<port>/p2p/<relay>/p2p-circuit addresses only: its own private addresses route
 nowhere outside its LAN, and dialing them would cost every client a timeout.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -55,6 +57,8 @@ from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.tools.anyio_service import background_trio_service
 
+from diffuse.control.records import PeerRecord
+
 log = logging.getLogger(__name__)
 
 PUBLIC, RELAYED, UNKNOWN, PRIVATE = "public", "relayed", "unknown", "private"
@@ -63,6 +67,8 @@ AUTONAT_TIMEOUT_S = 10.0
 PUNCH_WAIT_S = 3.0  # after a relayed dial, how long the dialer waits for hole punching to succeed
 HOLE_PUNCHED = "hole-punched"
 RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
+WANT_RELAYS = 2  # slots held at once: losing one relay leaves the peer reachable through another
+RETRY_REFUSED_S = 60.0  # a relay that refused a reservation is asked again after this long
 RELAY_LIMITS = RelayLimits(
     duration=2 * 3600,  # seconds one circuit may live (an inference session rarely lasts minutes)
     data=1 << 30,  # bytes one circuit may carry, both directions together
@@ -244,14 +250,25 @@ class Relaying:
 
     # ---- reservations ----
 
-    async def keep_reservations(self, relays: Sequence[PeerInfo], on_change) -> None:
-        """Hold a slot on each relay that serves HOP: reserve, refresh every RESERVE_EVERY_S,
-        reconnect and reserve again when a relay is lost; `on_change()` after each change of
-        the set of circuit addresses (the node re-announces)."""
+    async def keep_reservations(self, relays: Callable[[], Awaitable[Sequence[PeerInfo]]], on_change) -> None:
+        """Hold a slot on up to WANT_RELAYS of the relays `relays()` lists (in its order of
+        preference; asked again every round, so relays found later join): reserve, refresh every
+        RESERVE_EVERY_S, reconnect and reserve again when a relay is lost; one that refuses (no
+        HOP there) is left alone for RETRY_REFUSED_S, one that held a slot before is asked every
+        round (2 s while we hold none). `on_change()` after each change of the set
+        of circuit addresses (the node re-announces)."""
+        refused: dict[str, float] = {}  # relay -> when it last refused
         while True:
             changed = False
-            for relay in relays:
+            listed = await relays()
+            now_t = trio.current_time()
+            held = [r for r in listed if r.peer_id.to_base58() in self.circuit_addrs]
+            others = [r for r in listed if r.peer_id.to_base58() not in self.circuit_addrs
+                      and now_t - refused.get(r.peer_id.to_base58(), -RETRY_REFUSED_S) >= RETRY_REFUSED_S]
+            for relay in held + others:
                 key = relay.peer_id.to_base58()
+                if key not in self.circuit_addrs and len(self.circuit_addrs) >= WANT_RELAYS:
+                    continue
                 before = self._conn_of.get(key)
                 ok = await self._reserve(relay)
                 now = self._conn_of[key] = self._relay_conn(relay.peer_id)
@@ -270,11 +287,13 @@ class Relaying:
                     del self.circuit_addrs[key]
                     changed = True
                     log.warning("lost the slot on relay %s; retrying", key)
+                elif not ok and key not in self._held:  # never held one: likely no HOP there
+                    refused[key] = trio.current_time()
             self.reach.relays = tuple(self.circuit_addrs)
             self.reach.state = RELAYED if self.circuit_addrs else PRIVATE
             if changed:
                 await on_change()
-            await trio.sleep(RESERVE_EVERY_S if len(self.circuit_addrs) == len(relays) else 2.0)
+            await trio.sleep(RESERVE_EVERY_S if self.circuit_addrs else 2.0)
 
     def _relay_conn(self, peer: ID) -> object:
         conns = [c for c in self.host.get_network().get_connections(peer) if not getattr(c, "is_closed", False)]
@@ -294,6 +313,22 @@ class Relaying:
         except Exception as e:  # noqa: BLE001 - relay down or not a relay: no slot this round
             log.debug("reservation on %s failed: %s", relay.peer_id, e)
             return False
+
+
+def relay_infos(records: Sequence[PeerRecord], me: str) -> list[PeerInfo]:
+    """The relays among `records` (read under the relays key) that a peer behind NAT can
+    reserve on: online and fresh, serving HOP, with a direct address; not `me`; the
+    longest-serving first (a relay that has stayed up is likelier to stay)."""
+    found = []
+    for rec in sorted(records, key=lambda r: r.started):
+        direct = [a for a in rec.addrs if not is_circuit(a)]
+        if rec.peer_id == me or not rec.online or not rec.fresh() or rec.extra.get("relay") is not True or not direct:
+            continue
+        try:
+            found.append(PeerInfo(ID.from_base58(rec.peer_id), [multiaddr.Multiaddr(a) for a in direct]))
+        except Exception:  # noqa: BLE001 - a signed record with an address we cannot parse: skip it
+            continue
+    return found
 
 
 def how_reached(host: IHost, peer_id: str) -> dict[str, object]:

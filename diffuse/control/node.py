@@ -37,7 +37,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from diffuse.control.allow import AllowList
 from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
 from diffuse.control.coverage import Coverage, coverage
-from diffuse.control.dht import bootstrap, fetch_set, make_dht, put_set
+from diffuse.control.dht import QUERY_TIMEOUT_S, bootstrap, fetch_set, make_dht, put_set
 from diffuse.control.host import (
     DEFAULT_LISTEN,
     advertised_addrs,
@@ -48,9 +48,9 @@ from diffuse.control.host import (
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
-from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying
+from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
-from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key
+from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key, relays_key
 from diffuse.control.swarm_key import SwarmKey
 from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
@@ -133,6 +133,7 @@ class Node:
         self._nursery: trio.Nursery | None = None
         self._scope: trio.CancelScope | None = None
         self._stop = trio.Event()
+        self._first_slot = trio.Event()  # behind NAT: set once a relay holds a slot for us
 
     # ---- addresses ----
 
@@ -205,6 +206,9 @@ class Node:
                             await self._check_reach(tasks)
                         if self.bootstrap_peers:
                             await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
+                        if self.reach.state == PRIVATE:  # the first slot (on a bootstrap peer or a relay
+                            with trio.move_on_after(self.bootstrap_timeout * 2):  # the DHT lists), so our
+                                await self._first_slot.wait()  # first record is already routable
                         if self.mdns:
                             from diffuse.control.mdns import LanDiscovery
 
@@ -244,8 +248,11 @@ class Node:
             await announcer.run(on_lonely=self._rebootstrap, task_status=_Started(task_status, scope))
 
     def _status(self) -> dict[str, Any]:
-        """The data plane's live numbers, and how we are reached (ext "reach" in the record)."""
-        return {**(self.status_fn() if self.status_fn else {}), "reach": self.reach.state}
+        """The data plane's live numbers, how we are reached (ext "reach" in the record), and
+        whether we serve relay hops to peers behind NAT (ext "relay": only once AutoNAT found
+        us publicly reachable, so no one reserves on a relay they could not dial)."""
+        relay = {"relay": True} if self.relaying.hop and self.reach.state == PUBLIC else {}
+        return {**(self.status_fn() if self.status_fn else {}), "reach": self.reach.state, **relay}
 
     def amend(self, **changes: Any) -> None:
         """Change what the current announcement says (Serving's fields, e.g. a draft head trained
@@ -261,7 +268,8 @@ class Node:
     async def _check_reach(self, tasks: trio.Nursery) -> None:
         """Before joining the DHT: connect to the bootstrap peers and ask them (AutoNAT) to
         dial us back. Unreachable, become a DHT client (no one could dial us for queries) and
-        hold relay slots on them; our records then carry /p2p-circuit addresses only."""
+        hold relay slots on them or on relays the DHT lists (`relays`); our records then carry
+        /p2p-circuit addresses only."""
         reached: list[PeerInfo] = []
 
         async def one(info: PeerInfo) -> None:
@@ -289,25 +297,35 @@ class Node:
         if state == PRIVATE:
             self.dht.mode = DHTMode.CLIENT  # as switch_mode, without emptying the routing table
             self.host.remove_stream_handler(KAD_PROTOCOL_ID)
-            await tasks.start(self._hold_relays, reached)
+            tasks.start_soon(self._hold_relays, list(self.bootstrap_peers))
         log.info("reachability: %s", self.reach.describe())
 
-    async def _hold_relays(self, relays: list[PeerInfo], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        first = trio.Event()
-
+    async def _hold_relays(self, bootstrap: list[PeerInfo]) -> None:
         async def changed() -> None:
-            first.set()
+            self._first_slot.set()
             if self.announcer is not None:
                 try:
                     await self.announcer.publish()
                 except Exception as e:  # noqa: BLE001 - the next heartbeat tries again
                     log.warning("re-announcement failed: %s", e)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.relaying.keep_reservations, relays, changed)
-            with trio.move_on_after(self.bootstrap_timeout * 2):
-                await first.wait()  # the first slot, so our first record is already routable
-            task_status.started()
+        async def relays() -> list[PeerInfo]:
+            return bootstrap + [r for r in await self.relays() if r.peer_id not in {b.peer_id for b in bootstrap}]
+
+        await self.relaying.keep_reservations(relays, changed)
+
+    async def relays(self) -> list[PeerInfo]:
+        """Peers the DHT lists as relays (publicly reachable, serving HOP), longest-serving
+        first; none while the DHT has no one to ask, or the read fails."""
+        if self.dht.get_routing_table_size() == 0:
+            return []
+        try:
+            with trio.move_on_after(QUERY_TIMEOUT_S * 2):
+                found, _ = await fetch_set(self.dht, relays_key())
+                return relay_infos([s.record for s in found], self.peer_id)
+        except Exception as e:  # noqa: BLE001 - the DHT is not ours: no relays found this round
+            log.debug("reading the relays key failed: %s", e)
+        return []
 
     async def _lan_peer(self, info: PeerInfo) -> None:
         """A node mDNS found: dial it as a bootstrap peer; one of another swarm (or another

@@ -34,6 +34,7 @@ SIG_DOMAIN = b"diffuse/peer-record/v1\x00"
 NAMESPACE = "diffuse"
 PEER_PREFIX = f"/{NAMESPACE}/peer/"
 BLOCKS_PREFIX = f"/{NAMESPACE}/blocks/"
+RELAYS_PREFIX = f"/{NAMESPACE}/relays/"
 ONLINE, OFFLINE = "online", "offline"
 
 MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
@@ -196,14 +197,23 @@ def blocks_key(model: str) -> str:
     return BLOCKS_PREFIX + tag("model:" + model)
 
 
+def relays_key() -> str:
+    """Where peers that serve circuit relay hops to the swarm are listed (ext "relay")."""
+    return RELAYS_PREFIX + tag("relays")
+
+
 def check_key(key: str, rec: PeerRecord) -> None:
-    """A record may only be stored under its own peer key or its own model's blocks key."""
+    """A record may only be stored under its own peer key, its own model's blocks key, or,
+    if it says it serves relay hops, the relays key."""
     if key.startswith(PEER_PREFIX):
         if key != peer_key(rec.peer_id):
             raise InvalidRecord(f"record of {rec.peer_id} stored under another peer's key")
     elif key.startswith(BLOCKS_PREFIX):
         if key != blocks_key(rec.model):
             raise InvalidRecord(f"record for model {rec.model!r} stored under another model's key")
+    elif key.startswith(RELAYS_PREFIX):
+        if key != relays_key() or rec.extra.get("relay") is not True:
+            raise InvalidRecord(f"record of {rec.peer_id}, which serves no relay, stored under the relays key")
     else:
         raise InvalidRecord(f"unknown Diffuse key {key!r}")
 
@@ -295,7 +305,8 @@ class SetCodecs:
     fills it in: peer and blocks keys always, and what upper planes store (trust's evidence)."""
 
     def __init__(self, extra: Mapping[str, SetCodec] | None = None) -> None:
-        self.by_prefix: dict[str, SetCodec] = {PEER_PREFIX: RECORD_SETS, BLOCKS_PREFIX: RECORD_SETS, **(extra or {})}
+        self.by_prefix: dict[str, SetCodec] = {PEER_PREFIX: RECORD_SETS, BLOCKS_PREFIX: RECORD_SETS,
+                                               RELAYS_PREFIX: RECORD_SETS, **(extra or {})}
         self.invalid: tuple[type[Exception], ...] = tuple({c.invalid for c in self.by_prefix.values()})
 
     def allowing(self, allowed: Callable[[], Set[str]]) -> "SetCodecs":
