@@ -115,7 +115,6 @@ def ping_main(boot: str, peer: str, rounds: int, hole_punch: bool) -> int:
 
     from diffuse.control.host import parse_multiaddr
     from diffuse.control.modes import resolve
-    from diffuse.control.nat import how_reached
     from diffuse.control.node import open_node
     from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 
@@ -144,7 +143,7 @@ def ping_main(boot: str, peer: str, rounds: int, hole_punch: bool) -> int:
                 if i >= 5:  # warm-up
                     rtts.append(time.perf_counter() - t0)
             await stream.close()
-            print(json.dumps({"rtt_ms": [r * 1000 for r in rtts], "reached": how_reached(node.host, peer)}))
+            print(json.dumps({"rtt_ms": [r * 1000 for r in rtts], "reached": node.relaying.reached(peer)}))
 
     trio.run(run)
     return 0

@@ -264,11 +264,12 @@ def sentinel_and_peer(net: Internet, base: list[str], tmp_path, children: list[C
 
 
 def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, key_env, internet, reference):
-    """A sentinel on the internet; a peer serving every remote block behind one home router, a
-    client behind another (MASQUERADE, unsolicited inbound dropped; the client's router with
-    --random-fully, a new source port per flow, as symmetric NATs do). The peer finds itself
-    unreachable, reserves a slot on the sentinel's relay and announces only its /p2p-circuit
-    address; the client's greedy answer through the relay is the in-process one."""
+    """Relay only (hole punching off on both ends): a sentinel on the internet; a peer serving
+    every remote block behind one home router, a client behind another (MASQUERADE, unsolicited
+    inbound dropped; the client's router with --random-fully, a new source port per flow, as
+    symmetric NATs do). The peer finds itself unreachable, reserves a slot on the sentinel's
+    relay and announces only its /p2p-circuit address; the client's greedy answer through the
+    relay is the in-process one, and `status` reaches the peer through the relay too."""
     net = internet
     net.public("sentinel", "10.97.0.1")
     net.home("peer", "10.97.0.11", 1)
@@ -282,22 +283,20 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
     base = ["--home", str(home)]
     children: list[Child] = []
     try:
-        sentinel, peer, boot, relay_id = sentinel_and_peer(net, base, tmp_path, children)
+        sentinel, peer, boot, relay_id = sentinel_and_peer(net, base, tmp_path, children, "--no-hole-punch")
         addr = peer.wait_for("/ip4/", 180)
         assert addr.startswith(f"{boot}/p2p-circuit/p2p/"), addr  # only the relayed address
         peer_id = addr.rsplit("/", 1)[1]
         peer.wait_for("serving ", 180)
         assert "behind NAT, reachable through relay" in (tmp_path / "peer.log").read_text()
-        got = ask_json(net, "client", base, boot)
+        got = ask_json(net, "client", base, boot, "--no-hole-punch")
         assert got["token_ids"] == reference
         assert [(h["peer"], h["blocks"]) for h in got["route"]] == [(peer_id, [1, 30])]
         assert [h["reached"] for h in got["route"]] == [{"state": "relayed", "via": relay_id}]
         assert not got["failovers"]
-        out = subprocess.run(net.prefix("client") + CLI + base + ["status", "--bootstrap", boot, "--json"],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        [shown] = json.loads(out.stdout)["models"][0]["peers"]
-        assert shown["reach"] == {"state": "relayed", "via": [relay_id]}, shown
+        [shown] = status_json(net, "client", base, boot, "--no-hole-punch")["models"][0]["peers"]
+        assert shown["reach"] == {"state": "relayed", "via": [relay_id]}, shown  # what its record says
+        assert shown["reached"] == {"state": "relayed", "via": relay_id}, shown  # what a dial from here found
         # The relay restarts (SIGKILL, then the same identity and address): the peer loses its
         # slot, reserves again, re-announces, and answers through the relay as before.
         sentinel.p.kill()
@@ -315,7 +314,7 @@ def test_peer_behind_nat_is_reached_through_the_sentinels_relay(home, tmp_path, 
         while not re.search(r"holds a slot for us again|reserved again on relay", log.read_text()):
             assert time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.5)
-        again = ask_json(net, "client", base, boot)
+        again = ask_json(net, "client", base, boot, "--no-hole-punch")
         assert again["token_ids"] == reference
         assert [h["reached"] for h in again["route"]] == [{"state": "relayed", "via": relay_id}]
     finally:
@@ -357,11 +356,19 @@ def test_peer_behind_a_upnp_router_maps_its_port_and_is_reached_directly(home, t
             child.stop()
 
 
-def ask_json(net: Internet, name: str, base: list[str], boot: str) -> dict:
+def ask_json(net: Internet, name: str, base: list[str], boot: str, *args: str) -> dict:
     """`ask --json` from `name`'s namespace through the swarm at `boot`, greedy and plain."""
     out = subprocess.run(net.prefix(name) + CLI + base + [
         "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-        "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
+        "--no-speculate", *args, QUESTION], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def status_json(net: Internet, name: str, base: list[str], boot: str, *args: str) -> dict:
+    """`status --json` from `name`'s namespace (it dials every peer: `reached` says how)."""
+    out = subprocess.run(net.prefix(name) + CLI + base + ["status", "--bootstrap", boot, "--json", *args],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -378,8 +385,9 @@ def sessions_open(net: Internet, name: str) -> float:
 
 def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key_env, internet, reference):
     """Two peers serving the same blocks, each behind its own home router, both reached through
-    the sentinel's relay; the one serving the client's session is SIGKILLed mid-generation: the
-    client replays into the other, through the relay too, and the answer is unchanged."""
+    the sentinel's relay (hole punching off); the one serving the client's session is SIGKILLed
+    mid-generation: the client replays into the other, through the relay too, and the answer is
+    unchanged."""
     net = internet
     net.public("sentinel", "10.97.0.1")
     net.home("peerA", "10.97.0.11", 1)
@@ -396,7 +404,8 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
         for name in ("peerA", "peerB"):
             children[name] = Child(name, base + [
                 "join", "--bootstrap", boot, "--blocks", "1:30", "--heartbeat", "5", "--metrics", "127.0.0.1:9464",
-                "--identity", str(tmp_path / f"{name}.key")], tmp_path / f"{name}.log", prefix=net.prefix(name))
+                "--no-hole-punch", "--identity", str(tmp_path / f"{name}.key")], tmp_path / f"{name}.log",
+                prefix=net.prefix(name))
         for name in ("peerA", "peerB"):
             addr = children[name].wait_for("/ip4/", 180)
             assert "/p2p-circuit/" in addr, addr
@@ -404,7 +413,7 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
             children[name].wait_for("serving ", 180)
         client = subprocess.Popen(net.prefix("client") + CLI + base + [
             "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-            "--no-speculate", "--trust", "off", "--step-timeout", "10", QUESTION],
+            "--no-speculate", "--no-hole-punch", "--trust", "off", "--step-timeout", "10", QUESTION],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             victim = None
@@ -429,33 +438,51 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
             child.stop()
 
 
-def test_hole_punching_goes_direct_except_through_a_symmetric_nat(home, tmp_path, key_env, internet, reference):
-    """A peer behind one home router (join --hole-punch); a client behind a port-preserving router
-    and another behind `MASQUERADE --random-fully` (a new port per flow: symmetric-like), both
-    asking with --hole-punch. DCUtR opens a direct connection through the first router while the
-    client dials, and the session runs on it; through the second the prediction of the client's
-    port fails and the session stays on the relay. Both answers are the in-process one."""
+def test_relays_from_the_dht_and_hole_punching_by_default(home, tmp_path, key_env, internet, reference):
+    """Everything at its defaults but the sentinel's relay, turned off: a public peer R relays
+    (`join --relay`, blocks 1:10) and so is listed under the DHT's relays key; peer A (blocks
+    10:20) behind a port-preserving home router and peer B (20:30) behind `MASQUERADE
+    --random-fully` (a new port per flow: symmetric-like) are refused by the sentinel, find R in
+    the DHT and reserve there. A client behind a third router asks: its hop to R is direct, DCUtR
+    punches a direct path to A through both routers, and the prediction of B's port fails, so
+    that hop stays relayed; `status` from the client's namespace shows the same; the answer is
+    the in-process one."""
     net = internet
     net.public("sentinel", "10.97.0.1")
-    net.home("peer", "10.97.0.11", 1)
-    net.home("cone", "10.97.0.12", 2)
-    net.home("symmetric", "10.97.0.13", 3, random_fully=True)
+    net.public("relay", "10.97.0.2")
+    net.home("peerA", "10.97.0.11", 1)
+    net.home("peerB", "10.97.0.12", 2, random_fully=True)
+    net.home("client", "10.97.0.13", 3)
     base = ["--home", str(home)]
     children: list[Child] = []
     try:
-        _, peer, boot, relay_id = sentinel_and_peer(net, base, tmp_path, children, "--hole-punch")
-        peer_id = peer.wait_for("/ip4/", 180).rsplit("/", 1)[1]
-        peer.wait_for("serving ", 180)
-        for client, expect in (("cone", {"state": "hole-punched", "via": relay_id}),
-                               ("symmetric", {"state": "relayed", "via": relay_id})):
-            out = subprocess.run(net.prefix(client) + CLI + base + [
-                "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-                "--no-speculate", "--hole-punch", QUESTION], capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stderr
-            got = json.loads(out.stdout)
-            assert got["token_ids"] == reference, client
-            assert [(h["peer"], h["reached"]) for h in got["route"]] == [(peer_id, expect)], client
-            assert not got["failovers"], client
+        sentinel = Child("sentinel", base + ["sentinel", "--no-relay", "--identity", str(tmp_path / "s.key"),
+                                             "--listen", "/ip4/10.97.0.1/tcp/0"],
+                         tmp_path / "sentinel.log", prefix=net.prefix("sentinel"))
+        children.append(sentinel)
+        boot = sentinel.wait_for("/ip4/", 120)
+        addrs = {}
+        for name, blocks in (("relay", "1:10"), ("peerA", "10:20"), ("peerB", "20:30")):
+            extra = ["--relay"] if name == "relay" else []
+            child = Child(name, base + ["join", "--bootstrap", boot, "--blocks", blocks, "--heartbeat", "5", *extra,
+                                        "--identity", str(tmp_path / f"{name}.key")],
+                          tmp_path / f"{name}.log", prefix=net.prefix(name))
+            children.append(child)
+            addrs[name] = child.wait_for("/ip4/", 180)
+            child.wait_for("serving ", 180)
+        ids = {name: addr.rsplit("/", 1)[1] for name, addr in addrs.items()}
+        relay = ids["relay"]
+        for name in ("peerA", "peerB"):  # announced only at the relay the DHT listed
+            assert addrs[name] == f"{addrs['relay']}/p2p-circuit/p2p/{ids[name]}", addrs
+        got = ask_json(net, "client", base, boot)
+        assert got["token_ids"] == reference
+        expect = [(relay, [1, 10], {"state": "direct", "via": None}),
+                  (ids["peerA"], [10, 20], {"state": "hole-punched", "via": relay}),
+                  (ids["peerB"], [20, 30], {"state": "relayed", "via": relay})]
+        assert [(h["peer"], h["blocks"], h["reached"]) for h in got["route"]] == expect
+        assert not got["failovers"]
+        shown = {p["peer_id"]: p["reached"] for p in status_json(net, "client", base, boot)["models"][0]["peers"]}
+        assert shown == {peer: reached for peer, _, reached in expect}, shown
     finally:
         for child in reversed(children):
             child.stop()

@@ -117,7 +117,7 @@ def test_a_peer_behind_nat_finds_a_relay_through_the_dht(monkeypatch):
                                          server=False) as client:
                         pid = ID.from_base58(peer.peer_id)
                         await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
-                        assert nat.how_reached(client.host, peer.peer_id) == {"state": "relayed",
+                        assert client.relaying.reached(peer.peer_id) == {"state": "relayed",
                                                                               "via": relay.peer_id}
                         stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
                         await stream.write(b"found in the DHT")
@@ -139,7 +139,7 @@ def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
                                      server=False, hole_punch=True) as client:
                     pid = ID.from_base58(peer.peer_id)
                     await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
-                    assert nat.how_reached(client.host, peer.peer_id) == {"state": "hole-punched",
+                    assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched",
                                                                           "via": relay.peer_id}
                     stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
                     [carrier] = [c for c in client.host.get_network().get_connections(pid)

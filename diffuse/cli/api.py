@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
                    help="answers through the swarm send guessed continuations with each step where they pay "
                         "(default: on; with --local never: a step there is no round trip)")
-    add_hole_punch_option(p, default=False)
+    add_hole_punch_option(p)
     draft_trainer.add_option(p)
     p.set_defaults(func=cmd_api)
 

@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
-    add_hole_punch_option(p, default=False)
+    add_hole_punch_option(p)
     add_fallback_option(p, "every other model in the store, largest first; with no swarm reachable, "
                            "answer in this process")
     p.set_defaults(func=cmd_ask)
@@ -255,7 +255,6 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
     from diffuse.client.generate import complete, session_length
     from diffuse.client.speculative import SpecState
     from diffuse.client.swarm import remote_of
-    from diffuse.control.nat import how_reached
     from diffuse.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(client.model_dir)
@@ -276,7 +275,7 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
                         f"{state.draft_trials} first tokens right: dropped, and not fetched again")
         return result
     finally:
-        route = [dict(h) | {"reached": how_reached(node.host, h["peer"])} if isinstance(h, dict) else h
+        route = [dict(h) | {"reached": node.relaying.reached(h["peer"])} if isinstance(h, dict) else h
                  for h in remote.route_taken]
         info.update(mode="swarm", model=client.model_id, route=route, failovers=remote.stats.failovers,
                     finished_here_from=remote_rescue(pipeline), local_blocks=list(client.opts.local_blocks),

@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from diffuse.cli.reach import (
-    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
+    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, client_listen, use_mdns,
 )
 from diffuse.cli import draft_trainer
 from diffuse.cli.swarm import add_swarm_options, swarm_access
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
     add_swarm_options(p)
     add_relay_options(p, default=False)
-    add_hole_punch_option(p, default=False)
+    add_hole_punch_option(p)
     add_upnp_option(p)
     p.add_argument("--model", help="model in the store (default: the embedded default model); auto: the model "
                    "the swarm needs most, re-planned as peers come and go (control/ladder.py)")
@@ -109,8 +109,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="poll until every model is servable or SECONDS pass")
+    p.add_argument("--reach", action=argparse.BooleanOptionalAction, default=True,
+                   help="connect to every peer listed and say how this machine reaches it: direct, relayed via a "
+                        "relay, hole-punched, or unreachable (default: on; --no-reach reads the records only)")
     add_swarm_options(p)
     add_discovery_options(p)
+    add_hole_punch_option(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -368,9 +372,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=boot, server=False,
+        async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
                              codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
-                             mdns=mdns) as node:
+                             mdns=mdns, hole_punch=args.hole_punch) as node:
             if mdns and not boot:  # the swarm is whoever answers on the LAN: give them a moment
                 with trio.move_on_after(max(args.wait, MDNS_WAIT_S)):
                     while not node.lan_peers:
@@ -381,7 +385,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if all(c.servable for c in covs) or trio.current_time() >= deadline:
                     break
                 await trio.sleep(0.5)
-            result.extend([replace(c, evidence=await _evidence(node, c.peers)) for c in covs])
+            reached = await node.reach_peers([r for c in covs for r in c.peers.values()]) if args.reach else {}
+            result.extend([replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs])
             lan.extend(node.lan_peers)
 
     _trio_run(main)

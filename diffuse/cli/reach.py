@@ -30,11 +30,11 @@ def add_relay_options(p: argparse.ArgumentParser, default: bool) -> None:
                         f"(default: {'on' if default else 'off'})")
 
 
-def add_hole_punch_option(p: argparse.ArgumentParser, default: bool) -> None:
-    p.add_argument("--hole-punch", action=argparse.BooleanOptionalAction, default=default,
-                   help="over a relayed connection, try DCUtR hole punching to open a direct one (both ends "
-                        "must; a client then listens on every interface; new, so off by default: "
-                        f"{'on' if default else 'off'})")
+def add_hole_punch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hole-punch", action=argparse.BooleanOptionalAction, default=True,
+                   help="over a relayed connection, try DCUtR hole punching to open a direct one through both "
+                        "routers (both ends must; a client then listens on every interface, as its dials must "
+                        "leave from a port its router maps; default: on)")
 
 
 def add_upnp_option(p: argparse.ArgumentParser) -> None:

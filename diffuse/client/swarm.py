@@ -19,12 +19,11 @@ import torch
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
 from diffuse.client import privacy
 from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
 from diffuse.client.rescue import Rescuable
-from diffuse.control.host import parse_multiaddr
+from diffuse.control.host import connect_at, parse_multiaddr
 from diffuse.control.node import Node
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute, plan_route
@@ -50,7 +49,6 @@ PROBE_REPLICAS = 2  # stop pinging once every block has this many reachable peer
 # so replacing a dead peer needs no DHT lookup (1.5 s on a loaded box, up to the query timeout per
 # dead node on a WAN). A route they cannot give fetches fresh ones.
 RECORDS_TTL_S = 30.0
-PEERSTORE_TTL_S = 600
 
 
 @dataclass
@@ -249,13 +247,8 @@ class SwarmClient:
             return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
 
     async def _connect(self, peer: ID, addrs: list) -> None:
-        """Dial `addrs` afresh. A restarted peer comes back on new ports: forget the old
-        addresses, and the dialer's memory that they failed, or py-libp2p refuses it for a while."""
-        host = self.node.host
-        host.get_peerstore().clear_addrs(peer)
-        host.get_peerstore().add_addrs(peer, addrs, PEERSTORE_TTL_S)
-        host.get_network().unblock_peer(peer)
-        await host.connect(PeerInfo(peer, addrs))
+        """Dial `addrs` afresh: a restarted peer comes back on new ports (control/host.py)."""
+        await connect_at(self.node.host, peer, addrs)
 
     async def session(self, max_len: int, batch: int = 1, exact: bool | None = None) -> Pipeline:
         """Open a session: local front blocks, the swarm's route, local back blocks; exact (default

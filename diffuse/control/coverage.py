@@ -23,6 +23,7 @@ class Coverage:
     excluded: dict[str, str] = field(default_factory=dict)  # peer id -> why it does not count
     now: float = 0.0
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # peer id -> reports against it
+    reached: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer id -> how we reached it (reach_peers)
 
     @property
     def replicas(self) -> list[int]:
@@ -46,7 +47,8 @@ class Coverage:
             "missing": self.missing,
             "min_replicas": min(self.replicas, default=0),
             "blocks": [{"block": i, "replicas": len(p), "peers": p} for i, p in enumerate(self.blocks)],
-            "peers": [_peer_dict(r, self.now) for r in sorted(self.peers.values(), key=lambda r: r.start)],
+            "peers": [_peer_dict(r, self.now) | ({"reached": self.reached[r.peer_id]} if r.peer_id in self.reached
+                                                 else {}) for r in sorted(self.peers.values(), key=lambda r: r.start)],
             "excluded": self.excluded,
             "evidence": self.evidence,
         }
@@ -148,7 +150,8 @@ def format_text(cov: Coverage) -> str:
         span = f"[{r.start},{r.end})"
         lines.append(
             f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
-            f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  {_reached(d['reach'])}"
+            f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  "
+            f"{_reached(cov.reached.get(r.peer_id, d['reach']))}"
             f"  {' '.join(r.addrs)}"
         )
     for pid, why in cov.excluded.items():
@@ -174,8 +177,12 @@ def _ranges(blocks: list[int]) -> str:
 
 
 def _reached(reach: dict[str, Any]) -> str:
-    if reach["state"] == "relayed":
-        return "relayed via " + ", ".join(_short(p) for p in reach["via"])
+    """`reach` (from a record: via lists the relays) or `reached` (from a dial: via names one)."""
+    via = reach["via"] if isinstance(reach["via"], list) else [reach["via"]] if reach["via"] else []
+    if reach["state"] in ("relayed", "hole-punched"):
+        return f"{reach['state']} via " + ", ".join(_short(p) for p in via)
+    if reach["state"] == "unreachable":
+        return f"UNREACHABLE from here ({reach.get('error', '')[:60]})"
     return "direct "
 
 

@@ -38,6 +38,7 @@ from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import DiffuseError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
+PEERSTORE_TTL_S = 600  # how long addresses a dial was given stay in the peerstore
 LOG_ENV = "DIFFUSE_LIBP2P_LOG"  # e.g. DIFFUSE_LIBP2P_LOG=DEBUG to see py-libp2p's own logs
 
 
@@ -176,3 +177,16 @@ def advertised_addrs(host: IHost, announce: Iterable[str] = (), towards: Iterabl
 def full_addrs(host: IHost, announce: Iterable[str] = ()) -> list[str]:
     """`advertised_addrs` with /p2p/PEERID appended: what a sentinel prints for operators."""
     return [f"{a}/p2p/{host.get_id()}" for a in advertised_addrs(host, announce)]
+
+
+async def connect_at(host: IHost, peer: ID, addrs: Sequence[multiaddr.Multiaddr]) -> None:
+    """Connect to `peer` at `addrs` (those of its signed record, or a bootstrap address) and at
+    nothing else. py-libp2p dials one TCP address of the peerstore's, the first, and the
+    peerstore also holds what the DHT and identify learned: a departed run's ports, or the
+    source port a peer dialled us from. One such dial failing marks the peer failed for a while
+    (its negative cache), which would refuse our dial too. So: forget the old addresses and the
+    failure first."""
+    host.get_peerstore().clear_addrs(peer)
+    host.get_peerstore().add_addrs(peer, list(addrs), PEERSTORE_TTL_S)
+    host.get_network().unblock_peer(peer)
+    await host.connect(PeerInfo(peer, list(addrs)))

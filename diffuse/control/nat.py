@@ -18,14 +18,16 @@ with four defects of that version worked around here (a fifth is in control/pnet
 4. The relay books circuits by one peer id each and, when a circuit ends, closes whatever is
    booked under that id: a client's other circuits too (`Relay`).
 
-Hole punching: with `hole_punch`, py-libp2p's DCUtR runs on the host (both ends must): over
-a relayed connection the two exchange their predicted public addresses and dial each other at
-once from their listen ports (TCP simultaneous open), which port-preserving NATs let through.
-A dialer waits up to PUNCH_WAIT_S after a relayed dial for the direct connection, so its first
-streams already use it; through a symmetric NAT the prediction fails and streams stay relayed.
-Off by default until it has more runs behind it (DESIGN.md, "Peers behind NAT").
-(The responder's side of that dial met another defect, the private-network layer applied twice:
-see control/pnet.py, `protected_conn`.)
+Hole punching: with `hole_punch` (every node's default), py-libp2p's DCUtR runs on the host
+(both ends must): over a relayed connection the two exchange their predicted public addresses
+and dial each other at once from their listen ports (TCP simultaneous open), which
+port-preserving NATs let through. A dialer waits up to PUNCH_WAIT_S after a relayed dial for the
+direct connection, so its first streams already use it; through a symmetric NAT the prediction
+fails and streams stay relayed. `Punch` closes a relayed connection, once a punched one is up,
+only when no stream runs on it (py-libp2p's closes it a minute later whatever it carries): a
+session is bound to its stream and finishes where it started. (The responder's side of the
+punch met another defect, the private-network layer applied twice: control/pnet.py,
+`protected_conn`.)
 
 Relays: every node answers STOP (it can be reached through a relay); a sentinel, or a peer with
 `--relay`, also serves HOP with reservations bounded in count, lifetime and bytes per circuit
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -54,9 +57,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, RelayLimits
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.tools.anyio_service import background_trio_service
 
+from diffuse.control.host import connect_at
 from diffuse.control.records import PeerRecord
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,7 @@ AUTONAT_TIMEOUT_S = 10.0
 PUNCH_WAIT_S = 3.0  # after a relayed dial, how long the dialer waits for hole punching to succeed
 HOLE_PUNCHED = "hole-punched"
 RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
+IDLE_CHECK_S = 5.0  # after a punch, how often a relayed connection still carrying streams is looked at
 WANT_RELAYS = 2  # slots held at once: losing one relay leaves the peer reachable through another
 RETRY_REFUSED_S = 60.0  # a relay that refused a reservation is asked again after this long
 RELAY_LIMITS = RelayLimits(
@@ -101,6 +107,52 @@ class Relay(CircuitV2Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._active_relays = _Unbooked()
+
+
+def _relay_of(conn: object) -> str | None:
+    """The relay a connection runs through (its peer id), None for a direct one."""
+    try:
+        addrs = [str(a) for a in conn.get_transport_addresses()]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a connection without address info counts as direct
+        addrs = []
+    circuit = next((a for a in addrs if is_circuit(a)), None)
+    return None if circuit is None else circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
+
+
+class Punch(DCUtRProtocol):
+    """py-libp2p's DCUtR that remembers which direct connections it punched (and through which
+    relay), so a hop stays `hole-punched` once its relayed connection is gone, and that closes a
+    relayed connection after a punch only when no stream runs on it."""
+
+    def __init__(self, host: IHost) -> None:
+        super().__init__(host)
+        self.punched: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
+
+    def _open(self, peer: ID) -> list:
+        return [c for c in self.host.get_network().get_connections(peer) if not getattr(c, "is_closed", False)]
+
+    async def _perform_hole_punch(self, peer_id: ID, addrs, as_responder: bool = False) -> bool:
+        relays = [r for r in map(_relay_of, self._open(peer_id)) if r is not None]
+        ok = await super()._perform_hole_punch(peer_id, addrs, as_responder)
+        if ok:
+            for conn in self._open(peer_id):
+                if _relay_of(conn) is None:
+                    self.punched.setdefault(conn, relays[0] if relays else None)
+        return ok
+
+    async def _close_relayed_conns_after_grace(self, peer_id: ID, grace: float = RELAY_CLOSE_GRACE_PERIOD) -> None:
+        await trio.sleep(grace)
+        while True:
+            conns = self._open(peer_id)
+            relayed = [c for c in conns if _relay_of(c) is not None]
+            if not relayed or len(relayed) == len(conns):  # nothing to close, or no direct path left
+                return
+            for conn in relayed:
+                if not conn.get_streams():
+                    log.info("closing the relayed connection to %s: it carries no stream, a direct one is up",
+                             peer_id)
+                    await conn.close()
+            await trio.sleep(IDLE_CHECK_S)
 
 
 class DialBack(AutoNATService):
@@ -160,13 +212,12 @@ class Relaying:
         self._held: set[str] = set()  # relays that ever held a slot for us
         self._conn_of: dict[str, object] = {}  # relay -> the connection our slot was made on
         self._nursery: trio.Nursery | None = None
+        self.punch = Punch(host) if hole_punch else None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.protocol), AsyncExitStack() as stack:
-            if self.hole_punch:
-                from libp2p.relay.circuit_v2 import DCUtRProtocol
-
-                await stack.enter_async_context(background_trio_service(DCUtRProtocol(self.host)))
+            if self.punch is not None:
+                await stack.enter_async_context(background_trio_service(self.punch))
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
@@ -180,7 +231,7 @@ class Relaying:
 
         async def connect(info: PeerInfo) -> None:
             circuits = [a for a in info.addrs if is_circuit(a)]
-            if not circuits or self._connected(info.peer_id):
+            if not circuits or self.connected(info.peer_id):
                 return await direct_connect(PeerInfo(info.peer_id, [a for a in info.addrs if not is_circuit(a)])
                                             if circuits else info)
             direct = [a for a in info.addrs if not is_circuit(a)]
@@ -198,14 +249,14 @@ class Relaying:
                     continue
                 if self.hole_punch:  # DCUtR starts on the new circuit: give it a moment, so the
                     with trio.move_on_after(PUNCH_WAIT_S):  # first streams already go direct
-                        while how_reached(self.host, info.peer_id.to_base58())["state"] != HOLE_PUNCHED:
+                        while self.reached(info.peer_id.to_base58())["state"] != HOLE_PUNCHED:
                             await trio.sleep(0.05)
                 return None
             raise SwarmException(f"no address of {info.peer_id} worked: " + "; ".join(errors))
 
         self.host.connect = connect  # type: ignore[method-assign]
 
-    def _connected(self, peer: ID) -> bool:
+    def connected(self, peer: ID) -> bool:
         return any(not getattr(c, "is_closed", False) for c in self.host.get_network().get_connections(peer))
 
     async def dial(self, peer: ID, addr: multiaddr.Multiaddr) -> None:
@@ -214,6 +265,8 @@ class Relaying:
         relay_id = ID.from_base58(relay_part.value_for_protocol("p2p"))
         relay_addr = relay_part.decapsulate(multiaddr.Multiaddr(f"/p2p/{relay_id}"))
         relay = PeerInfo(relay_id, [relay_addr] if str(relay_addr) else [])
+        if relay.addrs and not self.connected(relay_id):  # at the relay's address in `addr`: the
+            await connect_at(self.host, relay_id, relay.addrs)  # transport would dial the peerstore's
         raw = await self.transport.dial_peer_info(PeerInfo(peer, [addr]), relay_info=relay)
         psk = getattr(self.host.get_network(), "psk", None)
         if psk is not None:  # defect 3: the listening side unwraps the private-network layer
@@ -221,6 +274,25 @@ class Relaying:
 
             raw = swarm.new_protected_conn(raw, psk)
         await self.host.upgrade_outbound_connection(raw, peer)
+
+    def reached(self, peer_id: str) -> dict[str, object]:
+        """How this host reaches `peer_id` now, as new streams go (a direct connection first):
+        {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}.
+        Hole-punched: a direct connection DCUtR opened over a relayed one."""
+        try:
+            conns = [c for c in self.host.get_network().get_connections(ID.from_base58(peer_id))
+                     if not getattr(c, "is_closed", False)]
+        except Exception:  # noqa: BLE001 - a malformed id: not connected
+            conns = []
+        punched = self.punch.punched if self.punch is not None else {}
+        direct = [c for c in conns if _relay_of(c) is None]
+        relays = [r for r in map(_relay_of, conns) if r is not None]
+        hole = next((c for c in direct if c in punched), None)
+        if hole is not None:
+            return {"state": HOLE_PUNCHED, "via": punched[hole] or (relays[0] if relays else None)}
+        if direct:
+            return {"state": HOLE_PUNCHED if relays else "direct", "via": relays[0] if relays else None}
+        return {"state": "relayed", "via": relays[0]} if relays else {"state": "none", "via": None}
 
     # ---- reachability ----
 
@@ -302,9 +374,8 @@ class Relaying:
     async def _reserve(self, relay: PeerInfo) -> bool:
         try:
             with trio.fail_after(AUTONAT_TIMEOUT_S):
-                if not self._connected(relay.peer_id):
-                    self.host.get_network().unblock_peer(relay.peer_id)
-                    await self.host.connect(relay)
+                if not self.connected(relay.peer_id):
+                    await connect_at(self.host, relay.peer_id, relay.addrs)
                 stream = await self.host.new_stream(relay.peer_id, [HOP_PROTOCOL_ID])
                 try:
                     return await self.transport._make_reservation(stream, relay.peer_id)
@@ -329,30 +400,3 @@ def relay_infos(records: Sequence[PeerRecord], me: str) -> list[PeerInfo]:
         except Exception:  # noqa: BLE001 - a signed record with an address we cannot parse: skip it
             continue
     return found
-
-
-def how_reached(host: IHost, peer_id: str) -> dict[str, object]:
-    """How this host reaches `peer_id` now, as new streams go (a direct connection first):
-    {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}.
-    Hole-punched: a direct connection next to a relayed one (DCUtR opened it over the circuit;
-    the relayed one closes a minute later)."""
-    try:
-        conns = host.get_network().get_connections(ID.from_base58(peer_id))
-    except Exception:  # noqa: BLE001 - a malformed id: not connected
-        conns = []
-    direct, relay = False, None
-    for conn in conns:
-        if getattr(conn, "is_closed", False):
-            continue
-        try:
-            addrs = [str(a) for a in conn.get_transport_addresses()]
-        except Exception:  # noqa: BLE001 - connection without address info
-            addrs = []
-        circuit = next((a for a in addrs if is_circuit(a)), None)
-        if circuit is None:
-            direct = True
-        else:
-            relay = circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1]
-    if direct:
-        return {"state": HOLE_PUNCHED if relay else "direct", "via": relay}
-    return {"state": "relayed", "via": relay} if relay else {"state": "none", "via": None}

@@ -31,6 +31,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import PROTOCOL_ID as KAD_PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -41,6 +42,7 @@ from diffuse.control.dht import QUERY_TIMEOUT_S, bootstrap, fetch_set, make_dht,
 from diffuse.control.host import (
     DEFAULT_LISTEN,
     advertised_addrs,
+    connect_at,
     make_host,
     parse_multiaddr,
     parse_peer_addr,
@@ -65,6 +67,8 @@ class ListenError(DiffuseError):
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 WITHDRAW_TIMEOUT_S = 5.0  # the tombstone must get out even from a starved process
 STOP_TIMEOUT_S = WITHDRAW_TIMEOUT_S + 2.0  # withdraw, then close connections
+REACH_TIMEOUT_S = 10.0  # `reach_peers`: a dial (and a hole punch) to one peer, at most
+REACH_AT_ONCE = 16  # `reach_peers`: peers dialled at once
 
 
 class Node:
@@ -391,6 +395,37 @@ class Node:
         """The block map of `model`, judged against its manifest (block count and hashes), so
         records that claim another model shape or other weights cannot distort it."""
         return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+
+    async def reach_peers(self, records: Sequence[PeerRecord],
+                          timeout: float = REACH_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+        """How this node reaches each peer of `records` now, as a client's dial would: direct
+        addresses first, then through its relays, waiting for a hole punch where both ends
+        run DCUtR. {peer id: Relaying.reached's answer, or {"state": "unreachable", "via":
+        None, "error": why}}; at most REACH_AT_ONCE dials at a time, each within `timeout`."""
+        found: dict[str, dict[str, Any]] = {}
+        limit = trio.CapacityLimiter(REACH_AT_ONCE)
+
+        async def one(rec: PeerRecord) -> None:
+            async with limit:
+                error = "announces no address"
+                with trio.move_on_after(timeout) as scope:
+                    try:
+                        if rec.addrs:
+                            if not self.relaying.connected(ID.from_base58(rec.peer_id)):
+                                await connect_at(self.host, ID.from_base58(rec.peer_id),
+                                                 [parse_multiaddr(a) for a in rec.addrs])
+                            found[rec.peer_id] = self.relaying.reached(rec.peer_id)
+                            return
+                    except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures: say which
+                        error = str(e) or type(e).__name__
+                if scope.cancelled_caught:
+                    error = f"no connection within {timeout:.0f} s"
+                found[rec.peer_id] = {"state": "unreachable", "via": None, "error": error}
+
+        async with trio.open_nursery() as nursery:
+            for rec in {r.peer_id: r for r in records}.values():
+                nursery.start_soon(one, rec)
+        return found
 
 
 class _Started:

@@ -27,9 +27,8 @@ from typing import Any, BinaryIO, Union
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
-from diffuse.control.host import parse_multiaddr
+from diffuse.control.host import connect_at, parse_multiaddr
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 from diffuse.errors import FetchError, ProtocolError
 
@@ -46,7 +45,6 @@ MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for
 MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
 REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
 STALL_TIMEOUT_S = 30.0  # no byte through in this long, either way: the transfer is given up
-PEERSTORE_TTL_S = 600
 
 _HEADER = struct.Struct(">2sBBBB")  # magic, major, minor, type, reserved
 HEADER_SIZE = _HEADER.size  # 6
@@ -494,10 +492,8 @@ async def _connect(host: Any, peer: ID, addrs: Sequence[str]) -> None:
     """Dial the peer at its announced addresses unless a connection to it is open."""
     if not addrs or any(not c.is_closed for c in host.get_network().get_connections(peer)):
         return
-    maddrs = [parse_multiaddr(a) for a in addrs]
-    host.get_peerstore().add_addrs(peer, maddrs, PEERSTORE_TTL_S)
     try:
-        await host.connect(PeerInfo(peer, maddrs))
+        await connect_at(host, peer, [parse_multiaddr(a) for a in addrs])
     except Exception as e:  # noqa: BLE001 - py-libp2p fails dials in many types of its own
         raise FetchError(f"cannot reach peer {peer.to_base58()}: {e}") from None
 
