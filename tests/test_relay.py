@@ -126,6 +126,30 @@ def test_a_peer_behind_nat_finds_a_relay_through_the_dht(monkeypatch):
     trio.run(main)
 
 
+def test_a_circuit_ends_for_both_sides_when_one_side_goes(monkeypatch):
+    """When a client that reached a peer through the relay goes away, the relay ends the circuit
+    on the peer's side too: the peer's relayed connection to it closes, instead of staying open
+    and forwarding nothing (where every request waited out its timeout)."""
+    key = SwarmKey.generate()
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+            boot = relay.full_addrs()[0]
+            async with behind_nat(monkeypatch, key, boot) as peer:
+                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                     server=False) as client:
+                    pid, cid = ID.from_base58(peer.peer_id), ID.from_base58(client.peer_id)
+                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                    with trio.fail_after(5):
+                        while not peer.relaying.connected(cid):
+                            await trio.sleep(0.05)
+                with trio.fail_after(5):  # the client is gone
+                    while peer.relaying.connected(cid):
+                        await trio.sleep(0.05)
+
+    trio.run(main)
+
+
 def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
     """DCUtR between two hole-punching nodes of a private swarm (on loopback every punch
     succeeds): the dialer's connect returns once the direct connection is up, and streams use it."""
@@ -147,5 +171,36 @@ def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
                     assert not any("/p2p-circuit" in str(a) for a in carrier.get_transport_addresses())
                     await stream.write(b"punched")
                     assert await stream.read(64) == b"echo:punched"
+
+    trio.run(main)
+
+
+def test_after_a_punch_the_relayed_connection_closes_only_once_no_stream_runs_on_it(monkeypatch):
+    """py-libp2p's DCUtR closes the relayed connection a minute after a punch, whatever runs on
+    it; a session bound to a stream there would break. `Punch` waits until it carries no stream,
+    and the hop still reads as hole-punched (via its relay) once it is gone."""
+    key = SwarmKey.generate()
+    monkeypatch.setattr(nat, "IDLE_CHECK_S", 0.05)
+
+    async def main():
+        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+            boot = relay.full_addrs()[0]
+            async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
+                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                     server=False, hole_punch=True) as client:
+                    pid = ID.from_base58(peer.peer_id)
+                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                    conns = client.host.get_network().get_connections(pid)
+                    [relayed] = [c for c in conns if "/p2p-circuit" in str(c.get_transport_addresses()[0])]
+                    stream = await relayed.new_stream()  # a session that started before the punch
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(client.relaying.punch._close_relayed_conns_after_grace, pid, 0.0)
+                        await trio.sleep(0.5)
+                        assert not relayed.is_closed  # it carries a stream
+                        await stream.reset()
+                        with trio.fail_after(5):
+                            while not relayed.is_closed:
+                                await trio.sleep(0.05)
+                    assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched", "via": relay.peer_id}
 
     trio.run(main)

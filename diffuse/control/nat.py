@@ -41,6 +41,7 @@ nowhere outside its LAN, and dialing them would cost every client a timeout.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 import weakref
@@ -50,13 +51,15 @@ from dataclasses import dataclass
 
 import multiaddr
 import trio
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.relay.circuit_v2 import CircuitV2Protocol, CircuitV2Transport, RelayLimits
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS as MAX_ATTEMPTS
 from libp2p.relay.circuit_v2.dcutr import RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.tools.anyio_service import background_trio_service
@@ -72,6 +75,7 @@ AUTONAT_TIMEOUT_S = 10.0
 PUNCH_WAIT_S = 3.0  # after a relayed dial, how long the dialer waits for hole punching to succeed
 HOLE_PUNCHED = "hole-punched"
 RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
+UNILATERAL_PRIVATE_S = 1.0  # DCUtR's first, plain dial, when the other side announces only private addresses
 IDLE_CHECK_S = 5.0  # after a punch, how often a relayed connection still carrying streams is looked at
 WANT_RELAYS = 2  # slots held at once: losing one relay leaves the peer reachable through another
 RETRY_REFUSED_S = 60.0  # a relay that refused a reservation is asked again after this long
@@ -102,11 +106,35 @@ class Relay(CircuitV2Protocol):
     and the end of any circuit closes the streams booked under its key. A client with circuits
     to two peers (a route and its replica) has both booked under its own id, so when one peer
     dies, the relay closes the client's circuit to the other: the failover fails. Nothing else
-    reads the book; each circuit's two relaying tasks end when either side closes."""
+    reads the book. Without it, the end of one side must still end the circuit: when either
+    relaying task stops (its source closed or reset, its destination failed, a limit hit), both
+    of the circuit's streams are reset, so the other side sees its connection end at once
+    rather than writing into a circuit that forwards nothing (each request on it then waited
+    out a 10 s negotiation timeout: a peer's heartbeats stalled past its record's expiry)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._active_relays = _Unbooked()
+
+    async def _relay_data(self, src_stream, dst_stream, *args, **kwargs) -> None:
+        try:
+            await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
+        finally:
+            with trio.CancelScope(shield=True):
+                for stream in (src_stream, dst_stream):
+                    with trio.move_on_after(1.0):
+                        try:
+                            await stream.reset()
+                        except Exception:  # noqa: BLE001 - already closed or reset: nothing to end
+                            pass
+
+
+def _private(addr: multiaddr.Multiaddr) -> bool:
+    """An address that routes only inside its own network: loopback, RFC 1918, link-local, unspecified."""
+    try:
+        return ipaddress.ip_address(addr.value_for_protocol("ip4")).is_private
+    except Exception:  # noqa: BLE001 - not /ip4: not judged private
+        return False
 
 
 def _relay_of(conn: object) -> str | None:
@@ -120,25 +148,60 @@ def _relay_of(conn: object) -> str | None:
 
 
 class Punch(DCUtRProtocol):
-    """py-libp2p's DCUtR that remembers which direct connections it punched (and through which
-    relay), so a hop stays `hole-punched` once its relayed connection is gone, and that closes a
-    relayed connection after a punch only when no stream runs on it."""
+    """py-libp2p's DCUtR with the roles of the spec, and what a session bound to its stream needs.
+
+    1. Only the side that *accepted* a relayed connection starts DCUtR on it (the spec's B), at
+       once when it opens and again every 2 s while no direct path exists; py-libp2p's loop has
+       both sides start, and two sessions crossing each other sometimes left neither connection
+       up. The dialer waits for the punch (`Relaying.install`, PUNCH_WAIT_S).
+    2. The first step, a plain dial of the other side's announced addresses, waits at most
+       UNILATERAL_PRIVATE_S for private ones (a LAN answers in milliseconds; another home's
+       192.168.x address never answers), not 10 s, before the punch proper.
+    3. A direct connection that opens next to a relayed one is remembered as punched, with its
+       relay, so the hop reads `hole-punched` after the relayed connection is gone.
+    4. After a punch the relayed connection is closed only when no stream runs on it.
+    """
 
     def __init__(self, host: IHost) -> None:
         super().__init__(host)
         self.punched: weakref.WeakKeyDictionary[object, str | None] = weakref.WeakKeyDictionary()
+        host.get_network().register_notifee(_Upgrades(self))
 
     def _open(self, peer: ID) -> list:
         return [c for c in self.host.get_network().get_connections(peer) if not getattr(c, "is_closed", False)]
 
-    async def _perform_hole_punch(self, peer_id: ID, addrs, as_responder: bool = False) -> bool:
-        relays = [r for r in map(_relay_of, self._open(peer_id)) if r is not None]
-        ok = await super()._perform_hole_punch(peer_id, addrs, as_responder)
-        if ok:
-            for conn in self._open(peer_id):
-                if _relay_of(conn) is None:
-                    self.punched.setdefault(conn, relays[0] if relays else None)
-        return ok
+    def accepted_relayed(self, conn: object) -> bool:
+        """A relayed connection the other side dialled (we are the spec's B: we start DCUtR)."""
+        secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+        return _relay_of(conn) is not None and getattr(secured, "is_initiator", True) is False
+
+    def start(self, peer: ID) -> None:
+        if self._nursery is not None and peer not in self._in_progress:
+            self._nursery.start_soon(self.initiate_hole_punch, peer)
+
+    async def _auto_drive_loop(self) -> None:
+        while True:
+            await trio.sleep(2.0)
+            for peer, conns in list(self.host.get_network().connections.items()):
+                if (peer in self._direct_connections or self._hole_punch_attempts.get(peer, 0) >= MAX_ATTEMPTS
+                        or not any(self.accepted_relayed(c) for c in conns if not c.is_closed)
+                        or any(_relay_of(c) is None for c in conns if not c.is_closed)):
+                    continue
+                self.start(peer)
+
+    async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
+        try:
+            addrs = [a for a in self.host.get_peerstore().addrs(peer_id) if not is_circuit(a)]
+        except PeerStoreError:  # nothing known of it but the relayed connection
+            return False
+        if not addrs:
+            return False
+        wait = self.dial_timeout if any(not _private(a) for a in addrs) else UNILATERAL_PRIVATE_S
+        with trio.move_on_after(wait):
+            async with trio.open_nursery() as nursery:
+                for addr in addrs:
+                    nursery.start_soon(self._dial_peer, peer_id, addr)
+        return await self._verify_direct_connection(peer_id)
 
     async def _close_relayed_conns_after_grace(self, peer_id: ID, grace: float = RELAY_CLOSE_GRACE_PERIOD) -> None:
         await trio.sleep(grace)
@@ -153,6 +216,38 @@ class Punch(DCUtRProtocol):
                              peer_id)
                     await conn.close()
             await trio.sleep(IDLE_CHECK_S)
+
+
+class _Upgrades(INotifee):
+    """Marks a direct connection that opens while a relayed one to the same peer is up (DCUtR
+    upgraded it: a hole punch, or its direct dial first, whichever side started it), and starts
+    DCUtR on a relayed connection the other side dialled."""
+
+    def __init__(self, punch: Punch) -> None:
+        self.punch = punch
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        relays = [r for r in map(_relay_of, self.punch._open(peer)) if r is not None]
+        if relays and _relay_of(conn) is None:
+            self.punch.punched[conn] = relays[0]
+        elif self.punch.accepted_relayed(conn):
+            self.punch.start(peer)
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        return None
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        return None
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        return None
 
 
 class DialBack(AutoNATService):
@@ -278,7 +373,7 @@ class Relaying:
     def reached(self, peer_id: str) -> dict[str, object]:
         """How this host reaches `peer_id` now, as new streams go (a direct connection first):
         {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}.
-        Hole-punched: a direct connection DCUtR opened over a relayed one."""
+        Hole-punched: a direct connection DCUtR opened next to a relayed one (`Punch`)."""
         try:
             conns = [c for c in self.host.get_network().get_connections(ID.from_base58(peer_id))
                      if not getattr(c, "is_closed", False)]
@@ -289,9 +384,9 @@ class Relaying:
         relays = [r for r in map(_relay_of, conns) if r is not None]
         hole = next((c for c in direct if c in punched), None)
         if hole is not None:
-            return {"state": HOLE_PUNCHED, "via": punched[hole] or (relays[0] if relays else None)}
+            return {"state": HOLE_PUNCHED, "via": punched[hole]}
         if direct:
-            return {"state": HOLE_PUNCHED if relays else "direct", "via": relays[0] if relays else None}
+            return {"state": "direct", "via": None}
         return {"state": "relayed", "via": relays[0]} if relays else {"state": "none", "via": None}
 
     # ---- reachability ----
