@@ -9,7 +9,8 @@ An "internet" bridge holds a sentinel (10.97.0.1, the relay) and a public peer (
 second peer sits behind a home router (MASQUERADE, unsolicited inbound dropped), and the client
 behind another. Both peers serve every remote block (1..29; the client keeps block 0 and the
 head), so each answer crosses one hop: direct to the public peer; client -> relay -> peer behind
-NAT; or, with `ask --hole-punch`, directly to that peer through both routers. Repeats alternate
+NAT; or, as `ask` does by default, directly to that peer through both routers (hole punching; the
+first two paths ask with `--no-hole-punch`). Repeats alternate
 the three (the client's --allow-peers names the one peer to use), so machine noise hits all
 alike; each cell is the median over repeats. Reported: decode tokens/s, time per token (one round
 trip through the hop per token), first-token time, PING/PONG round trips on an inference stream
@@ -181,14 +182,15 @@ def main() -> int:
         ids = {}
         for name in ("direct", "natted"):
             children.append(Child(name, [*home, "join", "--bootstrap", boot, "--blocks", "1:30", "--dtype",
-                                         args.dtype, "--hole-punch", "--identity", str(tmp / f"{name}.key")],
+                                         args.dtype, "--identity", str(tmp / f"{name}.key")],
                                   tmp / f"{name}.log", prefix=net.prefix(name)))
         for child in children[1:]:
             ids[child.name] = child.wait_for("/ip4/", 180).rsplit("/p2p/", 1)[1]
             child.wait_for("serving ", 300)
         for name, pid in ids.items():
             (tmp / f"{name}.allow").write_text(pid + "\n")
-        paths = {"direct": ("direct", []), "natted": ("natted", []), "punched": ("natted", ["--hole-punch"])}
+        paths = {"direct": ("direct", ["--no-hole-punch"]), "natted": ("natted", ["--no-hole-punch"]),
+                 "punched": ("natted", [])}
         runs: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(args.repeats):
             for name, (target, extra) in paths.items():
@@ -206,7 +208,7 @@ def main() -> int:
         for _ in range(args.repeats):
             for name, (target, extra) in paths.items():
                 out = subprocess.run(net.prefix("client") + [sys.executable, __file__, "--ping", boot, ids[target],
-                                                             str(args.pings), "1" if extra else "0"],
+                                                             str(args.pings), "0" if extra else "1"],
                                      capture_output=True, text=True, timeout=300)
                 if out.returncode != 0:
                     raise RuntimeError(f"ping via {name} failed: {out.stderr[-2000:]}")
