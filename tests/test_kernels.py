@@ -53,7 +53,10 @@ def test_linear_module_keeps_nn_linear_state_dict():
 def test_padded_rows_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX2)  # multiples of eight from seven rows
     assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]
-    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # multiples of sixteen from four
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # reordered weights: no padding
+    monkeypatch.setattr(kernels, "reorders", lambda: True)
+    assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 4, 15, 16, 17, 33]
+    monkeypatch.setattr(kernels, "reorders", lambda: False)  # without oneDNN: multiples of sixteen from four
     assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 16, 16, 16, 32, 48]
     # An exact session's products run in blocks of sixteen rows.
     assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25, 33)] == [16, 16, 16, 32, 32, 48]
@@ -75,3 +78,19 @@ def test_profile_is_chosen_by_the_cpu():
     cap = torch.backends.cpu.get_cpu_capability()
     assert kernels.profile() is (kernels.AVX512 if cap.startswith("AVX512") else kernels.AVX2)
     assert kernels.describe().startswith(kernels.profile().name)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_reordered_weight_follows_changes_to_its_weight(monkeypatch):
+    """The oneDNN copy of a weight is made once and redone after the weight changes in place (a
+    canary's permutation, a test's tampering): a product never uses stale weights."""
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)
+    lin = Linear(64, 96)
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+    first = kernels.reordered(lin.weight)
+    assert kernels.reordered(lin.weight) is first  # kept, not redone
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+    assert kernels.reordered(lin.weight) is not first

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+
+from diffuse.model import kernels
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -73,6 +75,8 @@ def test_memory_budget_in_blocks():
     cfg = ModelConfig(**SMOLLM2_CONFIG)
     # SmolLM2-135M: q/o 576x576, k/v 576x192, MLP 3x576x1536, two norms: 3,540,096 parameters.
     assert block_bytes(cfg, "bfloat16") == 3_540_096 * 2
+    # fp32 weights, and where batched products keep a reordered copy of them, that copy too.
+    assert block_bytes(cfg, "float32") == 3_540_096 * 4 * (2 if kernels.reorders() else 1)
     assert blocks_for_budget(100 * 2**20, cfg, "bfloat16") == 14
     assert blocks_for_budget(10**12, cfg, "float32") == 30
     with pytest.raises(PlacementError):

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from diffuse.errors import DiffuseError
 from diffuse.model.config import ModelConfig
 from diffuse.model.engine import block_parameters
+from diffuse.model.kernels import reorders
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
@@ -86,8 +87,10 @@ def parse_size(text: str) -> int:
 
 def block_bytes(cfg: ModelConfig, dtype: str) -> int:
     """Weight bytes of the model's largest transformer block in `dtype` (every expert of a
-    mixture included: a peer holds whole blocks)."""
-    return max(block_parameters(cfg, layer) for layer in range(cfg.num_layers)) * DTYPE_BYTES.get(dtype, 4)
+    mixture included: a peer holds whole blocks), twice that for fp32 where batched products keep
+    a reordered copy of each weight (model/kernels.py, `reorders`)."""
+    per = DTYPE_BYTES.get(dtype, 4) * (2 if DTYPE_BYTES.get(dtype, 4) == 4 and reorders() else 1)
+    return max(block_parameters(cfg, layer) for layer in range(cfg.num_layers)) * per
 
 
 def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str) -> int:

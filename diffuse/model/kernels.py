@@ -39,8 +39,25 @@ and per matrix, one row, two threads (ms): doubling a row costs 2-2.4x in fp32 h
 threaded GEMV is fast), x @ W.T and torch.mv are equal in fp32, and in bf16 torch.mv (a GEMV
 kernel) beats oneDNN's GEMM for one row: 0.10 vs 0.16-0.31 for the blocks' matrices, 4.5 vs 6.2
 for SmolLM2's 49152x576 head, 27.5 vs 36 for Gemma 3's 262144x640, with the same bits. So on
-AVX-512 fp32 uses x @ W.T up to three rows and (W @ x.T).T padded to a multiple of 16 from four
-to 64, and a single bf16 row uses torch.mv where the CPU has native bf16.
+AVX-512 fp32 uses x @ W.T up to three rows, and a single bf16 row uses torch.mv where the CPU has
+native bf16. From four rows, fp32 products there go through oneDNN with the weight reordered once
+into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, kept beside the weight and
+redone if the weight changes): MKL's GEMM repacks the weight on every call, which is most of the
+cost of a few rows (the wide form above, padded to 16 rows, was the best MKL did). us per product,
+2 threads, torch 2.13 (MKL path / reordered oneDNN):
+
+    rows      wqkv 960x576   wo 576x576   gate_up 3072x576   down 576x1536   head 49152x576
+    1            38 /  56      23 /  52       192 /  214        77 / 201      3169 /  3196
+    3            37 /  61      24 /  42       194 /  218        75 / 119      4563 /  4010
+    4           161 /  66     107 /  44       415 /  222       240 / 119     10222 /  4122
+    8           147 /  85     109 /  60       431 /  274       238 / 160      9776 /  4759
+    16          138 / 115      97 /  75       423 /  341       261 / 201     11682 /  7554
+    64          493 / 352     319 / 230      1301 /  891       662 / 514     34565 / 17042
+
+The reordered copy costs the weight's memory again, so it is made only for weights that a product
+of four rows or more meets (batches, speculation trees, prefill chunks), and a peer's memory budget
+counts it for fp32 spans (`reorders`). (In bf16 the reordered weight is faster at every row count,
+1.5-2x, but bf16 spans would then pay the copy on every peer: not done.)
 
 `padded_rows` says how many rows a product really costs, so that a caller choosing how many
 rows to send (the speculation planner) can fill the padding with useful ones.
@@ -57,6 +74,7 @@ and greedy speculation, plain decoding and a replay chunk produce the same token
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -79,10 +97,12 @@ class Profile:
     pad_from: int  # from this many rows, fp32 products are padded with zero rows to a multiple of pad_to
     pad_to: int
     bf16_gemv: bool  # one bf16 row by torch.mv (where the CPU has native bf16)
+    reorder_from: int | None = None  # fp32 products of this many rows and more: oneDNN, weight reordered once
 
 
 AVX2 = Profile("avx2", wide_from=2, double_one_row=True, pad_from=7, pad_to=8, bf16_gemv=False)
-AVX512 = Profile("avx512", wide_from=4, double_one_row=False, pad_from=4, pad_to=16, bf16_gemv=True)
+AVX512 = Profile("avx512", wide_from=4, double_one_row=False, pad_from=4, pad_to=16, bf16_gemv=True,
+                 reorder_from=4)
 
 
 @functools.cache
@@ -100,9 +120,19 @@ def native_bf16() -> bool:
         return False
 
 
+def reorders() -> bool:
+    """Whether fp32 products of several rows here keep a reordered copy of their weight (and so
+    an fp32 span's weights cost twice their size once it batches)."""
+    return profile().reorder_from is not None and torch.backends.mkldnn.is_available()
+
+
 def describe() -> str:
     """One line on the chosen paths, for benchmarks' headers."""
     p = profile()
+    if reorders():
+        return (f"{p.name}: fp32 x @ W.T up to {p.reorder_from - 1} rows, oneDNN with reordered weights from "
+                f"{p.reorder_from}; " + ("native bf16, one row by GEMV" if native_bf16() else
+                                          f"bf16 widened to fp32 from {WIDEN_FROM_ROWS} rows"))
     bf16 = "native bf16" + (", one row by GEMV" if p.bf16_gemv else "") if native_bf16() else \
         f"bf16 widened to fp32 from {WIDEN_FROM_ROWS} rows"
     return (f"{p.name}: fp32 (W @ x.T).T for {p.wide_from}-{FP32_UP_TO_ROWS} rows padded to multiples of "
@@ -115,7 +145,9 @@ def padded_rows(rows: int, exact: bool = False) -> int:
     if exact:
         return max(1, -(-rows // EXACT_ROWS)) * EXACT_ROWS
     p = profile()
-    return rows if rows < p.pad_from else -(-rows // p.pad_to) * p.pad_to
+    if rows < p.pad_from or reorders():
+        return rows
+    return -(-rows // p.pad_to) * p.pad_to
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -125,6 +157,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     p = profile()
     flat = x.reshape(rows, x.shape[-1])
+    if weight.dtype == torch.float32 and p.reorder_from is not None and rows >= p.reorder_from and reorders():
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), reordered(weight),
+                                                 bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype == torch.float32 and rows == 1 and p.double_one_row and torch.get_num_threads() > 1:
         out = (weight @ torch.cat([flat, flat]).t())[:, :1].t()  # a threaded GEMM beats MKL's threaded GEMV
     elif weight.dtype == torch.float32 and p.wide_from <= rows <= FP32_UP_TO_ROWS:
@@ -138,6 +174,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+_REORDERING = threading.Lock()  # batches compute on worker threads
+
+
+def reordered(weight: Tensor) -> Tensor:
+    """`weight` in oneDNN's blocked layout, kept on the weight itself (it lives as long), made
+    once and again whenever the weight changes in place (its version counter: a load, a canary's
+    permutation, a test's tampering)."""
+    with _REORDERING:
+        hit = getattr(weight, "_diffuse_reordered", None)
+        if hit is None or hit[0] != weight._version:
+            hit = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
+            weight._diffuse_reordered = hit  # type: ignore[attr-defined]
+        return hit[1]
 
 
 def _padded(flat: Tensor) -> Tensor:

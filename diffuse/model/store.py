@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 from diffuse.errors import ModelError
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.config import ModelConfig
+from diffuse.model.kernels import reorders
 from diffuse.model.packages import PACKAGED, PackagedModel
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest, write_manifest
 
@@ -67,12 +68,13 @@ class ModelInfo:
 
     def as_dict(self) -> dict:
         per = {"fp32": 4, "bf16": 2, "fp16": 2}
+        served = {"fp32": 8 if reorders() else 4, "bf16": 2, "fp16": 2}  # with fp32's reordered copy, if kept
         cfg = self.config
         return {"name": self.name, "path": str(self.path), "arch": cfg.arch,
                 "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                 "rope": cfg.rope_description, "attention": self.attention,
                 "experts": f"{cfg.num_experts_per_tok} of {cfg.num_experts}" if cfg.num_experts else None,
-                "block_bytes": {d: self.block_params * n for d, n in per.items()},
+                "block_bytes": {d: self.block_params * n for d, n in served.items()},
                 "kv_bytes_per_token_per_block": {d: self.kv_numbers_per_token * n for d, n in per.items()},
                 "licence": self.licence,
                 "dtype": self.manifest.dtype, "size_bytes": self.size_bytes,
