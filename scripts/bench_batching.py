@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_batching.py [--dtypes fp32,bf16] [--sessions 1,4,8,16] [--tokens 48]
                                                [--exact] [--no-api] [--threads N]
     .venv/bin/python scripts/bench_batching.py --pipeline [--dtypes fp32] [--sessions 1,8,16]
+    .venv/bin/python scripts/bench_batching.py --fixed-threads [--no-api] ...
 
 Per dtype, a sentinel and one `diffuse join --blocks 1:30` process; this process is the load
 generator: a SwarmClient that runs block 0 and the LM head itself, batched across its sessions as
@@ -19,6 +20,8 @@ of ~23-token prompts, and time to first token: p50 and max of 16 concurrent requ
 one lone request's, and against prefilling all 16 prompts back to back (16 requests of one token
 in a row). --exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to
 fast ones. The peer's batch counters (/metrics) say how many steps shared a forward pass.
+--fixed-threads adds the peer's table with every batch on the configured thread count
+(DIFFUSE_THREADS=fixed in the peer and this process) and the ratio of the measured choice to it.
 --pipeline compares two peers of half the blocks each, on a core each, with one peer of all the
 blocks on one core: while one group of sessions computes at one peer, another can at the other.
 """
@@ -54,6 +57,7 @@ from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
 from diffuse.control.swarm_key import read_key  # noqa: E402
+from diffuse.data.scheduler import THREADS_ENV  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
@@ -230,6 +234,24 @@ def pipeline_bench(home, model: str | None, dtype: str, sizes: list[int], tokens
               f"{results['split'][n] / results['one'][n]:.2f}x |", flush=True)
 
 
+def fixed_threads_bench(base, ident, boot, key, dtype, model_arg, home, args, sizes) -> dict[int, dict]:
+    """The fast-session peer round again, with a new peer on blocks 1:30 (the first has left)
+    and this client both computing every batch on the configured thread count."""
+    os.environ[THREADS_ENV] = "fixed"
+    port = free_port()
+    peer = start_server([*base, "join", "--identity", f"{ident}/q.key", "--bootstrap", boot, *LISTEN, *key,
+                         "--blocks", "1:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                         "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving ")
+    try:
+        got = peer_bench(home, args.model, dtype, boot, f"{ident}/swarm.key", sizes, args.tokens, [False],
+                         f"http://127.0.0.1:{port}/metrics")
+        return {n: got[False, n] for n in sizes}
+    finally:
+        del os.environ[THREADS_ENV]
+        peer[0].terminate()
+        peer[0].wait(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")
@@ -240,6 +262,9 @@ def main() -> None:
     ap.add_argument("--exact", action="store_true", help="also exact sessions, as a ratio to fast ones")
     ap.add_argument("--no-api", action="store_true", help="the peer only")
     ap.add_argument("--threads", type=int, help="OpenMP threads per process")
+    ap.add_argument("--fixed-threads", action="store_true",
+                    help="also the peer and this client with every batch on the configured thread count "
+                         "(DIFFUSE_THREADS=fixed), as a baseline for the measured choice")
     ap.add_argument("--pipeline", action="store_true",
                     help="instead: two peers 1:15 and 15:30 on a core each against one peer 1:30 on one core")
     args = ap.parse_args()
@@ -277,6 +302,7 @@ def main() -> None:
             if args.exact:
                 print(f"\nexact / fast aggregate, {dtype}: "
                       + ", ".join(f"{n} sessions {got[True, n]['agg'] / got[False, n]['agg']:.2f}x" for n in sizes))
+
             if not args.no_api:
                 servers.append(start_server([*base, "api", "--bootstrap", boot, *key, "--listen", "127.0.0.1:0",
                                              "--dtype", dtype, "--no-trust", "--wait", "60", "--max-sessions",
@@ -288,6 +314,16 @@ def main() -> None:
                       f"max {ttft['max']:.2f} s "
                       f"= {ttft['max'] / ttft['back_to_back']:.2f}x 16 prefills back to back "
                       f"({ttft['back_to_back']:.2f} s)", flush=True)
+            if args.fixed_threads:
+                for proc, _ in reversed(servers[1:]):  # the peer (and the API): a fixed-thread peer takes over
+                    proc.terminate()
+                    proc.wait(30)
+                del servers[1:]
+                fixed = fixed_threads_bench(base, ident, boot, key, dtype, model_arg, home, args, sizes)
+                print_rates(f"peer, {dtype}, fast sessions, every batch on {torch.get_num_threads()} threads", {
+                    n: (fixed[n]["agg"], fixed[n]["per"]) for n in sizes})
+                print(f"\nthreads chosen per batch / fixed, aggregate, {dtype}: "
+                      + ", ".join(f"{n} sessions {got[False, n]['agg'] / fixed[n]['agg']:.2f}x" for n in sizes))
         finally:
             for proc, _ in reversed(servers):
                 proc.terminate()

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from control_helpers import Procs, swarm_key
@@ -297,3 +298,56 @@ def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
     late = sizes[len(sizes) // 2:]
     assert late.count(2) >= len(late) - 1, sizes  # in step once their rhythm is known
     assert sum(sizes) == 24
+
+
+def test_threads_are_chosen_by_what_batches_of_a_size_cost(monkeypatch):
+    """Each thread count is tried once per size of batch, the cheaper per row is kept, every
+    EXPLORE-th batch tries the other (a change of load shows), exact batches keep the configured
+    count, and DIFFUSE_THREADS=fixed keeps it for all."""
+    from diffuse.data.scheduler import THREADS_ENV, Threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    t = Threads(most=2)
+    assert [t.choose(8) for _ in range(2)] == [1, 1]  # untried: 1 first, until a cost is recorded
+    t.record(8, 1, 0.080)
+    assert t.choose(8) == 2
+    t.record(8, 2, 0.160)  # two threads cost twice as much per row here (the other core is busy)
+    picks = [t.choose(9) for _ in range(t.EXPLORE)]  # 9 rows: the same size class as 8 (its 4th batch on)
+    assert [i for i, p in enumerate(picks) if p == 2] == [t.EXPLORE - 4]  # the EXPLORE-th batch tries 2
+    t.record(12, 2, 0.010)  # the load went away: two threads now win for this size
+    t.record(12, 2, 0.010)
+    t.record(12, 2, 0.010)
+    t.record(12, 2, 0.010)
+    assert t.choose(10) == 2
+    assert t.choose(300) == 1  # another size class: tried afresh
+    assert t.choose(8, fixed=True) == 2  # exact batches: their kernels were checked for this count
+    monkeypatch.setenv(THREADS_ENV, "fixed")
+    assert Threads(most=2).choose(8) == 2
+    assert Threads(most=1).choose(8) == 1
+
+
+def test_prompts_queued_together_share_wider_batches_unless_a_short_step_waits():
+    """Only long steps waiting (prompts that arrived together): batches up to burst_rows. A short
+    step (a decode step) waiting: batches stay within max_rows, so it is not held back."""
+    from diffuse.data.scheduler import Batcher
+
+    calls: list[list[int]] = []
+
+    def compute(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        return items
+
+    batcher = Batcher(compute, max_rows=64, burst_rows=256)
+
+    async def burst(rows: list[int]) -> None:
+        async with trio.open_nursery() as nursery:
+            async with batcher.turn:  # a batch in progress: everyone queues behind it
+                for r in rows:
+                    nursery.start_soon(batcher.run, "k", r, r)
+                await trio.testing.wait_all_tasks_blocked()
+
+    trio.run(burst, [23] * 16)  # 16 prompts of 23 rows: 11 fit in 256 rows, then the other 5
+    assert sorted(len(c) for c in calls) == [5, 11]
+    calls.clear()
+    trio.run(burst, [23] * 8 + [1])  # a decode step waits too: 64 rows at most while it does (it rides
+    assert calls == [[23, 23, 1], [23] * 6]  # in the first batch), then the rest of the prompts at once

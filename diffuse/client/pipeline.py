@@ -33,7 +33,7 @@ def head_batcher(head: Head, lane: trio.CapacityLimiter | None = None, max_rows:
         out = head.logits(torch.cat(rows) if len(rows) > 1 else rows[0], items[0][1])
         return [o.view(*h.shape[:-1], -1) for o, (h, _) in zip(out.split([r.shape[0] for r in rows]), items)]
 
-    return Batcher(logits, max_rows, lane)
+    return Batcher(logits, max_rows, lane, fixed=lambda exact: exact)
 
 
 class Stage(Protocol):
