@@ -308,10 +308,10 @@ def test_threads_are_chosen_by_what_batches_of_a_size_cost(monkeypatch):
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
     t = Threads(most=2)
-    assert [t.choose(8) for _ in range(2)] == [1, 1]  # untried: 1 first, until a cost is recorded
-    t.record(8, 1, 0.080)
-    assert t.choose(8) == 2
-    t.record(8, 2, 0.160)  # two threads cost twice as much per row here (the other core is busy)
+    assert [t.choose(8) for _ in range(2)] == [2, 2]  # untried: the configured count first
+    t.record(8, 2, 0.160)
+    assert t.choose(8) == 1
+    t.record(8, 1, 0.080)  # two threads cost twice as much per row here (the other core is busy)
     picks = [t.choose(9) for _ in range(t.EXPLORE)]  # 9 rows: the same size class as 8 (its 4th batch on)
     assert [i for i, p in enumerate(picks) if p == 2] == [t.EXPLORE - 4]  # the EXPLORE-th batch tries 2
     t.record(12, 2, 0.010)  # the load went away: two threads now win for this size
@@ -319,7 +319,8 @@ def test_threads_are_chosen_by_what_batches_of_a_size_cost(monkeypatch):
     t.record(12, 2, 0.010)
     t.record(12, 2, 0.010)
     assert t.choose(10) == 2
-    assert t.choose(300) == 1  # another size class: tried afresh
+    assert t.choose(40) == 2  # another size class: tried afresh
+    assert t.choose(300) == 2  # a long batch (prompts): the configured count
     assert t.choose(8, fixed=True) == 2  # exact batches: their kernels were checked for this count
     monkeypatch.setenv(THREADS_ENV, "fixed")
     assert Threads(most=2).choose(8) == 2

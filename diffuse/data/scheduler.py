@@ -54,13 +54,17 @@ class Threads:
     busy with anything else (the client's own work on a shared machine, its owner's programs on a
     lent one) stretches every wait: 16 sessions' one-token step through 29 SmolLM2 blocks in fp32
     took 94 ms with 2 threads and 123 ms with 1 on an idle 2-core machine, but 191 ms and 126 ms
-    with the other core busy a quarter of the time. So a batch takes the count whose recent
-    seconds per row, among batches of about its size (rows within a power of two), are lowest;
-    every EXPLORE-th batch of a size tries another count, so a change of load is noticed. Batches
-    whose kernels were checked for one thread count (exact sessions) keep the configured count,
+    with the other core busy a quarter of the time. So a batch of fewer than CHOOSE_BELOW rows
+    (decode steps, trees: many short parallel regions) takes the count whose recent seconds per
+    row, among batches of about its size (rows within a power of two), are lowest;
+    every EXPLORE-th batch of a size tries another count, so a change of load is noticed. Longer
+    batches (prompts: long products, which threads do speed up; a burst of 11 prompts once took
+    565 ms on one thread after the choice had learnt from few such batches) and batches whose
+    kernels were checked for one thread count (exact sessions) keep the configured count,
     and so does every batch with DIFFUSE_THREADS=fixed (for before/after comparisons)."""
 
     EXPLORE = 16
+    CHOOSE_BELOW = 64  # rows from which a batch is long products (prompts) that every thread speeds up
     SMOOTHING = 0.3  # weight of the newest batch in a count's seconds per row
 
     def __init__(self, most: int | None = None) -> None:
@@ -70,12 +74,12 @@ class Threads:
         self.seen: dict[int, int] = {}  # size class -> batches computed
 
     def choose(self, rows: int, fixed: bool = False) -> int:
-        if fixed or len(self.choices) == 1:
+        if fixed or len(self.choices) == 1 or rows >= self.CHOOSE_BELOW:
             return self.most
         size = rows.bit_length()
         n = self.seen[size] = self.seen.get(size, 0) + 1
-        untried = [t for t in self.choices if (size, t) not in self.cost]
-        if untried:
+        untried = [t for t in self.choices[::-1] if (size, t) not in self.cost]
+        if untried:  # the configured count first
             return untried[0]
         ranked = sorted(self.choices, key=lambda t: self.cost[(size, t)])
         return ranked[(n // self.EXPLORE) % (len(ranked) - 1) + 1] if n % self.EXPLORE == 0 else ranked[0]
