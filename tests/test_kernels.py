@@ -94,3 +94,13 @@ def test_a_reordered_weight_follows_changes_to_its_weight(monkeypatch):
         lin.weight.mul_(-2.0)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
     assert kernels.reordered(lin.weight) is not first
+
+
+def test_products_that_need_gradients_keep_torch_s_path(monkeypatch):
+    """oneDNN's product with a reordered weight has no autograd: a training step (the draft head's)
+    must get gradients for its weights."""
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)
+    lin = Linear(64, 96)
+    with torch.enable_grad():
+        lin(torch.randn(8, 64)).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0

@@ -408,7 +408,8 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
     assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
     assert modes[:4] == [TREE] * 4 and modes[4] == HELD  # held after one window of losing trees
     assert modes[:40].count(HELD) >= 24  # holds of 4, 8, 16 steps between windows of 4 trees
-    assert set(modes) <= {TREE, PLAIN, HELD} and modes[-8:] == [TREE] * 8  # back once it pays
+    # Back once it pays (the very last step may be plain: with one token left a tree has nothing to win).
+    assert set(modes) <= {TREE, PLAIN, HELD} and modes[-9:-1] == [TREE] * 8
 
 
 def test_widest_steps_fit_the_kv_headroom():

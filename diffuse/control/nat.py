@@ -1,7 +1,8 @@
 """Peers behind NATs: reachability (AutoNAT), circuit relay v2, dialing through relays, DCUtR.
 
 All of it is py-libp2p 0.8.1's own protocols (`libp2p.host.autonat`, `libp2p.relay.circuit_v2`),
-with four defects of that version worked around here (a fifth is in control/pnet.py):
+with six defects of that version worked around here (others are in control/pnet.py and
+control/host.py, `connect_at`):
 
 1. AutoNAT's server dials the requester back with `host.connect`, which returns at once when a
    connection to that peer exists, and one always does: the request came over it. So every
@@ -17,6 +18,10 @@ with four defects of that version worked around here (a fifth is in control/pnet
    circuit in the same layer (control/pnet.py) before Noise.
 4. The relay books circuits by one peer id each and, when a circuit ends, closes whatever is
    booked under that id: a client's other circuits too (`Relay`).
+5. Without that book, the end of one side of a circuit no longer ended the other side's stream,
+   which then forwarded nothing (`Relay._relay_data` resets both).
+6. DCUtR starts from both ends of a relayed connection at once, and the crossing sessions
+   sometimes punch nothing; the spec has the side that accepted the connection start (`Punch`).
 
 Hole punching: with `hole_punch` (every node's default), py-libp2p's DCUtR runs on the host
 (both ends must): over a relayed connection the two exchange their predicted public addresses

@@ -157,7 +157,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     p = profile()
     flat = x.reshape(rows, x.shape[-1])
-    if weight.dtype == torch.float32 and p.reorder_from is not None and rows >= p.reorder_from and reorders():
+    if (weight.dtype == torch.float32 and p.reorder_from is not None and rows >= p.reorder_from and reorders()
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):  # no autograd there
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), reordered(weight),
                                                  bias, "none", [], "")
         return out.reshape(*x.shape[:-1], weight.shape[0])
