@@ -150,27 +150,35 @@ def test_a_circuit_ends_for_both_sides_when_one_side_goes(monkeypatch):
     trio.run(main)
 
 
+@asynccontextmanager
+async def punched(monkeypatch, key: SwarmKey) -> AsyncIterator:
+    """A relay, a hole-punching peer behind it, and a hole-punching client that has connected to
+    the peer through the relay (on loopback every punch succeeds): (relay, peer, client)."""
+    async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+        boot = relay.full_addrs()[0]
+        async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
+            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                 server=False, hole_punch=True) as client:
+                pid = ID.from_base58(peer.peer_id)
+                await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+                yield relay, peer, client
+
+
 def test_hole_punching_over_the_relay_opens_a_direct_connection(monkeypatch):
     """DCUtR between two hole-punching nodes of a private swarm (on loopback every punch
     succeeds): the dialer's connect returns once the direct connection is up, and streams use it."""
     key = SwarmKey.generate()
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
-            boot = relay.full_addrs()[0]
-            async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
-                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                     server=False, hole_punch=True) as client:
-                    pid = ID.from_base58(peer.peer_id)
-                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
-                    assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched",
-                                                                          "via": relay.peer_id}
-                    stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
-                    [carrier] = [c for c in client.host.get_network().get_connections(pid)
-                                 if c.muxed_conn is stream.muxed_conn]
-                    assert not any("/p2p-circuit" in str(a) for a in carrier.get_transport_addresses())
-                    await stream.write(b"punched")
-                    assert await stream.read(64) == b"echo:punched"
+        async with punched(monkeypatch, key) as (relay, peer, client):
+            pid = ID.from_base58(peer.peer_id)
+            assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched", "via": relay.peer_id}
+            stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+            [carrier] = [c for c in client.host.get_network().get_connections(pid)
+                         if c.muxed_conn is stream.muxed_conn]
+            assert not any("/p2p-circuit" in str(a) for a in carrier.get_transport_addresses())
+            await stream.write(b"punched")
+            assert await stream.read(64) == b"echo:punched"
 
     trio.run(main)
 
@@ -183,24 +191,19 @@ def test_after_a_punch_the_relayed_connection_closes_only_once_no_stream_runs_on
     monkeypatch.setattr(nat, "IDLE_CHECK_S", 0.05)
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
-            boot = relay.full_addrs()[0]
-            async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
-                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                     server=False, hole_punch=True) as client:
-                    pid = ID.from_base58(peer.peer_id)
-                    await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
-                    conns = client.host.get_network().get_connections(pid)
-                    [relayed] = [c for c in conns if "/p2p-circuit" in str(c.get_transport_addresses()[0])]
-                    stream = await relayed.new_stream()  # a session that started before the punch
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(client.relaying.punch._close_relayed_conns_after_grace, pid, 0.0)
-                        await trio.sleep(0.5)
-                        assert not relayed.is_closed  # it carries a stream
-                        await stream.reset()
-                        with trio.fail_after(5):
-                            while not relayed.is_closed:
-                                await trio.sleep(0.05)
-                    assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched", "via": relay.peer_id}
+        async with punched(monkeypatch, key) as (relay, peer, client):
+            pid = ID.from_base58(peer.peer_id)
+            conns = client.host.get_network().get_connections(pid)
+            [relayed] = [c for c in conns if "/p2p-circuit" in str(c.get_transport_addresses()[0])]
+            stream = await relayed.new_stream()  # a session that started before the punch
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.relaying.punch._close_relayed_conns_after_grace, pid, 0.0)
+                await trio.sleep(0.5)
+                assert not relayed.is_closed  # it carries a stream
+                await stream.reset()
+                with trio.fail_after(5):
+                    while not relayed.is_closed:
+                        await trio.sleep(0.05)
+            assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched", "via": relay.peer_id}
 
     trio.run(main)

@@ -406,14 +406,13 @@ class Node:
         limit = trio.CapacityLimiter(REACH_AT_ONCE)
 
         async def one(rec: PeerRecord) -> None:
+            pid, error = ID.from_base58(rec.peer_id), "announces no address"
             async with limit:
-                error = "announces no address"
                 with trio.move_on_after(timeout) as scope:
                     try:
                         if rec.addrs:
-                            if not self.relaying.connected(ID.from_base58(rec.peer_id)):
-                                await connect_at(self.host, ID.from_base58(rec.peer_id),
-                                                 [parse_multiaddr(a) for a in rec.addrs])
+                            if not self.relaying.connected(pid):
+                                await connect_at(self.host, pid, [parse_multiaddr(a) for a in rec.addrs])
                             found[rec.peer_id] = self.relaying.reached(rec.peer_id)
                             return
                     except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures: say which

@@ -47,6 +47,9 @@ class _Job(Generic[Item, Out]):
     done: bool = False
 
 
+THREADS_ENV = "DIFFUSE_THREADS"  # "fixed": every batch on the configured thread count
+
+
 class Threads:
     """How many torch threads compute a batch fastest now, learned from the batches themselves.
 
@@ -82,7 +85,7 @@ class Threads:
         if untried:  # the configured count first
             return untried[0]
         ranked = sorted(self.choices, key=lambda t: self.cost[(size, t)])
-        return ranked[(n // self.EXPLORE) % (len(ranked) - 1) + 1] if n % self.EXPLORE == 0 else ranked[0]
+        return ranked[-1] if n % self.EXPLORE == 0 else ranked[0]
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         key, per_row = (rows.bit_length(), threads), seconds / max(rows, 1)
@@ -105,7 +108,6 @@ class BatchStats:
 
 
 GATHER = 1.5  # a session queued behind a batch arrives one batch late, plus the jitter of its trip
-THREADS_ENV = "DIFFUSE_THREADS"  # "fixed": every batch on the configured thread count
 SMALL_ROWS = 16  # a step this short (decoding, a speculation tree) keeps batches at max_rows
 
 
