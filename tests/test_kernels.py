@@ -54,9 +54,9 @@ def test_padded_rows_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX2)  # multiples of eight from seven rows
     assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]
     monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # reordered weights: no padding
-    monkeypatch.setattr(kernels, "reorders", lambda: True)
+    monkeypatch.setattr(kernels, "reorders", lambda dtype=None: True)
     assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 4, 15, 16, 17, 33]
-    monkeypatch.setattr(kernels, "reorders", lambda: False)  # without oneDNN: multiples of sixteen from four
+    monkeypatch.setattr(kernels, "reorders", lambda dtype=None: False)  # without oneDNN: multiples of sixteen from four
     assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 16, 16, 16, 32, 48]
     # An exact session's products run in blocks of sixteen rows.
     assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25, 33)] == [16, 16, 16, 32, 32, 48]
@@ -74,9 +74,25 @@ def test_bf16_paths_match_f_linear(rows, profile):
     assert ((out.float() - want).abs() <= want.abs() * 2 ** -7 + 2 ** -7).all()
 
 
+@pytest.mark.skipif(not kernels.reorders(torch.bfloat16), reason="no native bf16 with oneDNN here")
+def test_bf16_products_through_reordered_weights_keep_torch_s_bits():
+    """bf16 products take oneDNN with the weight reordered once at every row count: the same
+    kernel torch's own bf16 product runs after reordering the weight on each call, so the bits
+    (and every answer) are those of F.linear, and of torch.mv for one row."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((960, 576), (576, 1536), (4100, 64)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        for rows in (*range(1, 20), 33, 64, 130):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            want = torch.mv(w, x[0])[None] if rows == 1 else F.linear(x, w)
+            assert torch.equal(linear(x, w), want), (n, k, rows)
+        assert hasattr(w, "_diffuse_reordered")  # the reordered copy is kept on the weight
+
+
 def test_profile_is_chosen_by_the_cpu():
     cap = torch.backends.cpu.get_cpu_capability()
-    assert kernels.profile() is (kernels.AVX512 if cap.startswith("AVX512") else kernels.AVX2)
+    avx512 = kernels.AVX512_AMD if kernels.cpu_vendor() == "AuthenticAMD" else kernels.AVX512
+    assert kernels.profile() is (avx512 if cap.startswith("AVX512") else kernels.AVX2)
     assert kernels.describe().startswith(kernels.profile().name)
 
 

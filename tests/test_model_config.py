@@ -138,8 +138,9 @@ def test_model_list_and_info_show_architecture_rope_and_memory(tmp_path, capsys)
     assert main(["--home", str(tmp_path), "model", "info", "tiny-gemma3", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     params = block_parameters(ModelConfig.load(models_dir(tmp_path) / "tiny-gemma3"), 0)
-    fp32 = (8 if kernels.reorders() else 4) * params  # with the reordered copy batched products keep
-    assert d["block_bytes"] == {"fp32": fp32, "bf16": 2 * params, "fp16": 2 * params}
+    fp32 = (8 if kernels.reorders() else 4) * params  # with the reordered copy products keep
+    bf16 = (4 if kernels.reorders(torch.bfloat16) else 2) * params
+    assert d["block_bytes"] == {"fp32": fp32, "bf16": bf16, "fp16": 2 * params}
     assert d["kv_bytes_per_token_per_block"]["bf16"] == 2 * 2 * 32 * 2  # k and v, 2 heads of 32, 2 bytes
     assert d["rope"] == "theta 50000, linear (factor 4); sliding layers theta 1000"
     assert d["attention"] == "sliding window 8 in 2 of 4 layers" and d["experts"] is None

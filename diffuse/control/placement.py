@@ -12,6 +12,8 @@ import os
 import re
 from collections.abc import Sequence
 
+import torch
+
 from diffuse.errors import DiffuseError
 from diffuse.model.config import ModelConfig
 from diffuse.model.engine import block_parameters
@@ -87,9 +89,9 @@ def parse_size(text: str) -> int:
 
 def block_bytes(cfg: ModelConfig, dtype: str) -> int:
     """Weight bytes of the model's largest transformer block in `dtype` (every expert of a
-    mixture included: a peer holds whole blocks), twice that for fp32 where batched products keep
-    a reordered copy of each weight (model/kernels.py, `reorders`)."""
-    per = DTYPE_BYTES.get(dtype, 4) * (2 if DTYPE_BYTES.get(dtype, 4) == 4 and reorders() else 1)
+    mixture included: a peer holds whole blocks), twice that where products keep a reordered copy
+    of each weight (model/kernels.py, `reorders`: fp32, and bf16 on CPUs with native bf16)."""
+    per = DTYPE_BYTES.get(dtype, 4) * (2 if reorders(getattr(torch, dtype, torch.float32)) else 1)
     return max(block_parameters(cfg, layer) for layer in range(cfg.num_layers)) * per
 
 

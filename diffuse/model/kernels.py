@@ -55,9 +55,34 @@ cost of a few rows (the wide form above, padded to 16 rows, was the best MKL did
     64          493 / 352     319 / 230      1301 /  891       662 / 514     34565 / 17042
 
 The reordered copy costs the weight's memory again, so it is made only for weights that a product
-of four rows or more meets (batches, speculation trees, prefill chunks), and a peer's memory budget
-counts it for fp32 spans (`reorders`). (In bf16 the reordered weight is faster at every row count,
-1.5-2x, but bf16 spans would then pay the copy on every peer: not done.)
+it serves meets, and a peer's memory budget counts it (`reorders`, placement, `model info`).
+
+On an AMD EPYC (AVX-512 with AVX512-BF16, no AMX; torch 2.13, us per product, 2 threads, MKL or
+torch's bf16 path / reordered oneDNN) MKL's few-row fp32 products are slow, the head's worst at
+two and three rows, so there fp32 takes the reordered weight at every row count (AVX512_AMD):
+
+    fp32 rows   wqkv        wo          gate_up      down        head
+    1           44 /  37    27 /  30    135 /  70    59 /  47    11743 / 5697
+    2           86 /  38    55 /  29    276 /  77   127 /  49    28491 / 6467
+    3          207 /  60   125 /  54    435 /  95   191 /  57    43247 / 4680
+    8          157 /  75    95 /  53    543 / 206   259 / 107    26026 / 6092
+
+and in bf16, where the CPU has native bf16 instructions, the reordered weight wins at every row
+count on both CPUs (torch's own bf16 product reorders the weight on every call, and one row by
+torch.mv is slower still), with the very same bits as torch.mv and F.linear (same oneDNN kernel;
+checked by a test). So bf16 products always take it, and bf16 spans there count their weights
+twice, as fp32 ones do:
+
+    bf16 rows   wqkv        wo          gate_up      down        head
+    1           89 /  34    65 /  30    201 /  64   115 /  49     6875 / 3232
+    4           64 /  40    52 /  35    145 /  77    85 /  55     5935 / 2401
+    16         108 /  87    72 /  64    321 / 184   152 / 114     7328 / 3887
+    64         257 / 207   161 / 140    703 / 650   345 / 289    13504 / 10645
+
+A step through SmolLM2's blocks 1-29 and its head (one process, 100 tokens of context, median of
+7, ms, before / after): bf16 at 1 / 4 / 16 / 64 rows 74.5 / 44.5, 69.1 / 45.8, 80.0 / 57.6,
+158.5 / 122.0; fp32 on the EPYC at 1 / 2 / 3 / 4 rows 87.9 / 54.8, 140.5 / 58.5, 185.3 / 51.1,
+52.9 / 53.4.
 
 `padded_rows` says how many rows a product really costs, so that a caller choosing how many
 rows to send (the speculation planner) can fill the padding with useful ones.
@@ -103,12 +128,27 @@ class Profile:
 AVX2 = Profile("avx2", wide_from=2, double_one_row=True, pad_from=7, pad_to=8, bf16_gemv=False)
 AVX512 = Profile("avx512", wide_from=4, double_one_row=False, pad_from=4, pad_to=16, bf16_gemv=True,
                  reorder_from=4)
+AVX512_AMD = Profile("avx512-amd", wide_from=4, double_one_row=False, pad_from=4, pad_to=16, bf16_gemv=True,
+                     reorder_from=1)
 
 
 @functools.cache
 def profile() -> Profile:
-    """The paths for this CPU: AVX512 where torch's kernels run AVX-512, else AVX2's."""
-    return AVX512 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else AVX2
+    """The paths for this CPU: AVX512 where torch's kernels run AVX-512 (AVX512_AMD on AMD's CPUs,
+    where MKL's few-row products are slow), else AVX2's."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return AVX2
+    return AVX512_AMD if cpu_vendor() == "AuthenticAMD" else AVX512
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD), from /proc/cpuinfo; '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 @functools.cache
@@ -120,18 +160,22 @@ def native_bf16() -> bool:
         return False
 
 
-def reorders() -> bool:
-    """Whether fp32 products of several rows here keep a reordered copy of their weight (and so
-    an fp32 span's weights cost twice their size once it batches)."""
-    return profile().reorder_from is not None and torch.backends.mkldnn.is_available()
+def reorders(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether products of `dtype` weights here keep a reordered copy of their weight, so that a
+    span's weights cost twice their size: fp32 products from four rows, and every bf16 product
+    where the CPU has native bf16 (see the module docstring)."""
+    if profile().reorder_from is None or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
 def describe() -> str:
     """One line on the chosen paths, for benchmarks' headers."""
     p = profile()
     if reorders():
-        return (f"{p.name}: fp32 x @ W.T up to {p.reorder_from - 1} rows, oneDNN with reordered weights from "
-                f"{p.reorder_from}; " + ("native bf16, one row by GEMV" if native_bf16() else
+        fp32 = (f"fp32 x @ W.T up to {p.reorder_from - 1} rows, oneDNN with reordered weights from "
+                f"{p.reorder_from}" if p.reorder_from > 1 else "fp32 oneDNN with reordered weights")
+        return (f"{p.name}: {fp32}; " + ("native bf16, oneDNN with reordered weights" if native_bf16() else
                                           f"bf16 widened to fp32 from {WIDEN_FROM_ROWS} rows"))
     bf16 = "native bf16" + (", one row by GEMV" if p.bf16_gemv else "") if native_bf16() else \
         f"bf16 widened to fp32 from {WIDEN_FROM_ROWS} rows"
@@ -157,10 +201,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     p = profile()
     flat = x.reshape(rows, x.shape[-1])
-    if (weight.dtype == torch.float32 and p.reorder_from is not None and rows >= p.reorder_from and reorders()
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):  # no autograd there
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]).contiguous(), reordered(weight),
-                                                 bias, "none", [], "")
+    if (not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))  # no autograd there
+            and _takes_reordered(weight, rows)):
+        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), reordered(weight), bias, "none", [], "")
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype == torch.float32 and rows == 1 and p.double_one_row and torch.get_num_threads() > 1:
         out = (weight @ torch.cat([flat, flat]).t())[:, :1].t()  # a threaded GEMM beats MKL's threaded GEMV
@@ -175,6 +218,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _takes_reordered(weight: Tensor, rows: int) -> bool:
+    """Whether a product of `rows` rows with `weight` takes oneDNN with the weight reordered."""
+    if weight.dtype == torch.bfloat16:
+        return reorders(torch.bfloat16)
+    return weight.dtype == torch.float32 and reorders() and rows >= profile().reorder_from
 
 
 _REORDERING = threading.Lock()  # batches compute on worker threads

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
+
 from diffuse.errors import ModelError
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.config import ModelConfig
@@ -68,7 +70,8 @@ class ModelInfo:
 
     def as_dict(self) -> dict:
         per = {"fp32": 4, "bf16": 2, "fp16": 2}
-        served = {"fp32": 8 if reorders() else 4, "bf16": 2, "fp16": 2}  # with fp32's reordered copy, if kept
+        served = {"fp32": 8 if reorders() else 4, "bf16": 4 if reorders(torch.bfloat16) else 2,
+                  "fp16": 2}  # with the reordered copy of each weight, where products keep one
         cfg = self.config
         return {"name": self.name, "path": str(self.path), "arch": cfg.arch,
                 "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
