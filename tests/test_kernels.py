@@ -112,6 +112,18 @@ def test_a_reordered_weight_follows_changes_to_its_weight(monkeypatch):
     assert kernels.reordered(lin.weight) is not first
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_made_in_inference_mode_take_torch_s_path(dtype):
+    """A tensor made in inference mode has no version counter, so no reordered copy could tell
+    that it went stale: its products take torch's path, and still compute."""
+    with torch.inference_mode():
+        lin = Linear(64, 96).to(dtype)
+        x = torch.randn(5, 64).to(dtype)
+        assert lin.weight.is_inference()
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert not hasattr(lin.weight, "_diffuse_reordered")
+
+
 def test_products_that_need_gradients_keep_torch_s_path(monkeypatch):
     """oneDNN's product with a reordered weight has no autograd: a training step (the draft head's)
     must get gradients for its weights."""

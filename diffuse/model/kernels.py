@@ -221,7 +221,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _takes_reordered(weight: Tensor, rows: int) -> bool:
-    """Whether a product of `rows` rows with `weight` takes oneDNN with the weight reordered."""
+    """Whether a product of `rows` rows with `weight` takes oneDNN with the weight reordered (not
+    for a tensor made in inference mode: it has no version counter to tell a stale copy by)."""
+    if weight.is_inference():
+        return False
     if weight.dtype == torch.bfloat16:
         return reorders(torch.bfloat16)
     return weight.dtype == torch.float32 and reorders() and rows >= profile().reorder_from
