@@ -13,7 +13,8 @@ from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalModel
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import (
-    Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator, StepCost,
+    PLAIN, TREE, Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator,
+    StepCost,
     best_size,
     kv_headroom, speculative_tokens, tree_inputs, verify,
 )
@@ -225,6 +226,21 @@ def test_plan_fills_the_rows_the_kernels_pad(avx2):
     assert step.tokens[:9] == [3] + list(range(10, 18)) and step.tokens[9:14] == list(range(20, 25))
 
 
+def test_positions_are_priced_for_every_session_in_the_batch():
+    """Batched with 15 others, a position costs each of them what it costs this session: guesses
+    worth their own slope alone stop being worth it."""
+    cfg = SpecConfig(lookahead_gain=0.0)
+    spec = Speculator(cfg, SpecState(cost=Fixed(Cost(0.1, 0.1, 0.004))), [1, 2, 3])
+    spec.acceptance = Acceptance({"fair": 0.5})
+    draft = Draft(3, cfg.max_nodes, cfg.max_depth)
+    for t in range(20, 26):
+        draft.add([t], "fair")
+    spec.draft = lambda depth, fit: draft
+    alone, crowded = spec.plan(cfg.max_depth), spec.plan(cfg.max_depth, company=16)
+    assert len(alone.tokens) == 7 and alone.mode == TREE  # 0.5 a guess for 4 ms: all six
+    assert crowded.tokens == [3] and crowded.mode == PLAIN  # 0.5 a guess for 64 ms: none
+
+
 def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows(avx2):
     # There one position costs what sixteen do: plain decoding never pays, and every step is
     # filled to sixteen positions with the best guesses, however unlikely.
@@ -251,6 +267,7 @@ class MarkovPipe:
     branch, read through the tree mask: it checks the loop's masks, positions and commits."""
 
     head, exact, hidden = None, False, None  # no LM head or final states for a draft head to read
+    company = 1  # no other sessions batched with it
 
     def __init__(self, vocab: int = 5, seed: int = 0, max_len: int = 1 << 20):
         self.table = torch.randn(vocab, vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 2

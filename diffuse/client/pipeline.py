@@ -99,6 +99,12 @@ class Pipeline:
         self.pending = 0  # candidate tokens of the last forward(commit=False)
         self.hidden: Tensor | None = None  # final hidden states of the rows the last forward returned
 
+    @property
+    def company(self) -> int:
+        """Sessions of this model stepping through its shared LM head now, this one included (1 when
+        it has none): every row a session adds to a shared batch, the others wait for too."""
+        return max(1, self.logits.company()) if self.logits is not None else 1
+
     async def forward(self, ids: Tensor, positions: Tensor | None = None, tree_mask: Tensor | None = None,
                 commit: bool = True, rows: Tensor | slice | None = None) -> Tensor:
         """Logits [B, T', V] for ids [B, T]; `rows` picks which of the T positions need logits

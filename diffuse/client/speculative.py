@@ -495,14 +495,22 @@ class Speculator:
         self.waiting.append((draft, len(self.text) - 1))
         return draft
 
-    def plan(self, max_depth: int) -> StepTree:
+    def plan(self, max_depth: int, company: int = 1) -> StepTree:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
         the tokens it is expected to add (through the pool, later) are worth its positions, and
         then the next-best guesses in the rows the kernels would pad with zeros anyway. The root
         alone while the gate holds speculation off (drafting still runs, to keep learning, but
         the draft head only every fourth held step: its levels cost client time) and for the
-        first step, which measures what a plain step costs."""
+        first step, which measures what a plain step costs.
+
+        `company`: sessions batched with this one. A position then costs each of them what it
+        costs this session, so it is priced `company` times its fitted slope: a session's own
+        timing sees only its own rows' share, and sessions that each judged positions cheap
+        filled the batches (16 API requests with a draft head: 21.9 tokens/s in all against
+        39.8 without it)."""
         fit = self.cost.fit()
+        if fit is not None and company > 1:
+            fit = Cost(fit.plain, fit.a, fit.b * company)
         if not self.gate.open or (fit is None and not self.cost.plain and not self.exact):
             self.draft(max_depth, fit, head=self.gate.held % 4 == 0)
             return StepTree([self.text[-1]], [-1], False, HELD if not self.gate.open else PLAIN)
@@ -574,7 +582,7 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         if produced == sampler.p.max_tokens:
             return
         depth = min(cfg.max_depth, sampler.p.max_tokens - produced - 1)
-        step = spec.plan(depth)
+        step = spec.plan(depth, pipeline.company)
         ids, positions, mask = tree_inputs(step.tokens, step.parents, pipeline.length)
         if len(step.tokens) == 1:  # a plain step: the causal path plain decoding takes, the same bits
             mask = None

@@ -153,6 +153,12 @@ class Batcher(Generic[Item, Out]):
             raise job.error
         return job.out, seconds  # type: ignore[return-value]
 
+    def company(self) -> int:
+        """Sessions stepping through this computation now: those that queued a step lately and
+        have not missed three of their own intervals since."""
+        now = trio.current_time()
+        return sum(not r.gone(now) for r in self.rhythm.values())
+
     async def _gather(self, first: _Job[Item, Out]) -> None:
         """Wait, for at most GATHER batches' compute time, for the sessions in a steady rhythm
         whose next step is due by then. Sessions drift into groups that alternate here, each
