@@ -39,10 +39,11 @@ and per matrix, one row, two threads (ms): doubling a row costs 2-2.4x in fp32 h
 threaded GEMV is fast), x @ W.T and torch.mv are equal in fp32, and in bf16 torch.mv (a GEMV
 kernel) beats oneDNN's GEMM for one row: 0.10 vs 0.16-0.31 for the blocks' matrices, 4.5 vs 6.2
 for SmolLM2's 49152x576 head, 27.5 vs 36 for Gemma 3's 262144x640, with the same bits. So on
-AVX-512 fp32 uses x @ W.T up to three rows, and a single bf16 row uses torch.mv where the CPU has
-native bf16. From four rows, fp32 products there go through oneDNN with the weight reordered once
-into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, kept beside the weight and
-redone if the weight changes): MKL's GEMM repacks the weight on every call, which is most of the
+AVX-512 fp32 uses x @ W.T up to three rows (not on AMD's CPUs: below), and a single bf16 row used
+torch.mv, until bf16 products took reordered weights (below). From four rows, fp32 products there
+go through oneDNN with the weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, kept beside the weight and redone if the weight
+changes): MKL's GEMM repacks the weight on every call, which is most of the
 cost of a few rows (the wide form above, padded to 16 rows, was the best MKL did). us per product,
 2 threads, torch 2.13 (MKL path / reordered oneDNN):
 
@@ -162,8 +163,8 @@ def native_bf16() -> bool:
 
 def reorders(dtype: torch.dtype = torch.float32) -> bool:
     """Whether products of `dtype` weights here keep a reordered copy of their weight, so that a
-    span's weights cost twice their size: fp32 products from four rows, and every bf16 product
-    where the CPU has native bf16 (see the module docstring)."""
+    span's weights cost twice their size: fp32 products from `reorder_from` rows, and every bf16
+    product where the CPU has native bf16 (see the module docstring)."""
     if profile().reorder_from is None or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
