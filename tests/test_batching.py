@@ -268,6 +268,27 @@ def test_the_batcher_batches_what_queued_and_lets_a_lone_step_run_at_once():
     assert any(-1 in c and len(c) > 1 for c in calls) and [-1] in calls  # a failing batch is retried one by one
 
 
+def test_company_counts_the_sessions_stepping_until_they_leave_or_lapse():
+    """What speculation prices a position by: sessions that stepped lately, not those that closed
+    or stopped stepping."""
+    from diffuse.data.scheduler import Batcher
+
+    batcher = Batcher(lambda items: items)
+
+    async def main():
+        for _ in range(3):  # a rhythm of ~10 ms each
+            for who in ("a", "b", "c"):
+                await batcher.run("k", 1, 0, who)
+            await trio.sleep(0.01)
+        stepping = batcher.company()
+        batcher.leave("b")
+        left = batcher.company()
+        await trio.sleep(1.2)  # three of their intervals and a second without a step
+        return stepping, left, batcher.company()
+
+    assert trio.run(main) == (3, 2, 0)
+
+
 def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
     """Two sessions with the same pace, B queueing just after A's batch began: without waiting
     they alternate forever (each computes while the other is elsewhere); a step waits up to one

@@ -77,6 +77,8 @@ class LocalStage:
 
     async def close(self) -> None:
         self.cache.wipe()
+        if self.batcher is not None:
+            self.batcher.leave(id(self.cache))
 
     def defer_checks(self) -> None:
         return None
@@ -141,6 +143,8 @@ class Pipeline:
         self.length, self.pending = length, 0
 
     async def close(self) -> None:
+        if self.logits is not None:
+            self.logits.leave(id(self))
         for stage in self.stages:
             await stage.close()
 

@@ -159,6 +159,10 @@ class Batcher(Generic[Item, Out]):
         now = trio.current_time()
         return sum(not r.gone(now) for r in self.rhythm.values())
 
+    def leave(self, who: Hashable) -> None:
+        """`who` (a session) has closed: nobody waits for its next step, nor counts it as company."""
+        self.rhythm.pop(who, None)
+
     async def _gather(self, first: _Job[Item, Out]) -> None:
         """Wait, for at most GATHER batches' compute time, for the sessions in a steady rhythm
         whose next step is due by then. Sessions drift into groups that alternate here, each

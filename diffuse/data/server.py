@@ -312,6 +312,7 @@ class _Conn:
         self.buffered = 0
         if self.cache is not None:
             self.cache.wipe()
+            srv.batcher.leave(id(self.cache))
             self.cache = None
         if self.counted:
             srv.tokens_reserved -= self.reserved
