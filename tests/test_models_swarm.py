@@ -224,7 +224,9 @@ def test_with_no_swarm_reachable_ask_and_the_api_answer_in_process(both, swarm, 
 def test_auto_peers_climb_the_ladder_and_replan_when_one_dies(both, tmp_path_factory):
     """Peers with `join --model auto` join an empty swarm one at a time (each budget holds a whole
     model): SmolLM2 (the smaller) servable, then Gemma servable, then Gemma's second replica, then
-    SmolLM2's second. One Gemma peer is killed: a SmolLM2 peer re-plans and takes its place."""
+    SmolLM2's second. One Gemma peer is killed: a SmolLM2 peer re-plans and takes its place.
+    Re-planning every 6 s: the next peer in turn looks again 9 s after the first, which must see
+    the first one's withdrawal by then (3 s was too little once under CI load: both moved)."""
     tmp = tmp_path_factory.mktemp("auto")
     with Procs(both) as procs:
         boot = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL).readline(120)
@@ -233,7 +235,7 @@ def test_auto_peers_climb_the_ladder_and_replan_when_one_dies(both, tmp_path_fac
             name = f"P{i + 1}"
             peers[name] = procs.start("join", "--model", "auto", "--identity", str(tmp / f"{name}.key"),
                                       "--bootstrap", boot, "--listen", LOCAL, "--heartbeat", "1", "--ttl", "4",
-                                      "--replan", "3", "--max-memory", "2GiB")
+                                      "--replan", "6", "--max-memory", "2GiB")
             line = peers[name].read_until("serving", timeout=300)[-1]
             chosen.append((name, line.split()[1], line.split()[3]))
         print("ladder:", chosen)
