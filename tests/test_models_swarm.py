@@ -225,8 +225,8 @@ def test_auto_peers_climb_the_ladder_and_replan_when_one_dies(both, tmp_path_fac
     """Peers with `join --model auto` join an empty swarm one at a time (each budget holds a whole
     model): SmolLM2 (the smaller) servable, then Gemma servable, then Gemma's second replica, then
     SmolLM2's second. One Gemma peer is killed: a SmolLM2 peer re-plans and takes its place.
-    Re-planning every 6 s: the next peer in turn looks again 9 s after the first, which must see
-    the first one's withdrawal by then (3 s was too little once under CI load: both moved)."""
+    Re-planning every 6 s: the next peer in turn looks again 6 s after the first moved, and must
+    see that one's withdrawal by then (3 s was too little once under CI load: both moved)."""
     tmp = tmp_path_factory.mktemp("auto")
     with Procs(both) as procs:
         boot = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL).readline(120)
