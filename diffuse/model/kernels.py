@@ -55,8 +55,8 @@ cost of a few rows (the wide form above, padded to 16 rows, was the best MKL did
     16          138 / 115      97 /  75       423 /  341       261 / 201     11682 /  7554
     64          493 / 352     319 / 230      1301 /  891       662 / 514     34565 / 17042
 
-The reordered copy costs the weight's memory again, so it is made only for weights that a product
-it serves meets, and a peer's memory budget counts it (`reorders`, placement, `model info`).
+The reordered copy costs the weight's memory again, so it is made only when a product first uses
+the weight, and a peer's memory budget counts it (`reorders`, placement, `model info`).
 
 On an AMD EPYC (AVX-512 with AVX512-BF16, no AMX; torch 2.13, us per product, 2 threads, MKL or
 torch's bf16 path / reordered oneDNN) MKL's few-row fp32 products are slow, the head's worst at
