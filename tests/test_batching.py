@@ -373,3 +373,88 @@ def test_prompts_queued_together_share_wider_batches_unless_a_short_step_waits()
     calls.clear()
     trio.run(burst, [23] * 8 + [1])  # a decode step waits too: 64 rows at most while it does (it rides
     assert [sorted(c) for c in calls] == [[1, 23, 23], [23] * 6]  # in the first batch), then the rest at once
+
+
+def test_long_batches_leave_a_core_to_what_other_programs_use(monkeypatch):
+    """A batch too long to learn from takes every configured thread while the machine is free,
+    and one thread less per core's worth of other programs' load past SPARE."""
+    from diffuse.data.scheduler import THREADS_ENV, Threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+
+    class Load:
+        ncpus, value = 2, 0.0
+
+        def cores(self) -> float:
+            return self.value
+
+    load = Load()
+    t = Threads(most=2, others=load)
+    picks = {}
+    for value in (0.0, 0.15, 0.3, 1.0):
+        load.value = value
+        picks[value] = t.choose(300)
+    assert picks == {0.0: 2, 0.15: 2, 0.3: 1, 1.0: 1}
+    assert t.choose(300, fixed=True) == 2  # exact batches keep the checked count whatever the load
+    load.ncpus, load.value = 8, 2.5
+    assert Threads(most=8, others=load).choose(300) == 5
+    assert Threads(most=4, others=load).choose(300) == 4  # a contribution level's share fits beside it
+
+
+def test_other_load_counts_busy_cpu_time_less_this_process_s_own(tmp_path, monkeypatch):
+    """From two samples of /proc/stat (ticks per CPU) and of this process's CPU time: others' load
+    is the busy time of this process's CPUs less its own, per second of wall time."""
+    from diffuse.data import cpu_share
+
+    stat = tmp_path / "stat"
+    clock = {"wall": 100.0, "own": 5.0}
+    monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(cpu_share.time, "process_time", lambda: clock["own"])
+
+    def write(busy0: int, busy1: int, idle: int) -> None:  # user ticks per CPU, the rest idle
+        stat.write_text(f"cpu  {busy0 + busy1} 0 0 {2 * idle} 0 0 0 0 0 0\n"
+                        f"cpu0 {busy0} 0 0 {idle} 0 0 0 0 0 0\ncpu1 {busy1} 0 0 {idle} 0 0 0 0 0 0\n"
+                        "intr 1 2 3\n")
+
+    write(1000, 1000, 5000)
+    load = cpu_share.OtherLoad(str(stat))
+    load.cpus, load.ncpus = {"cpu0", "cpu1"}, 2
+    assert load.cores() == 0.0  # one sample: nothing to tell yet
+    clock["wall"] += 1.0  # one second: CPU 0 busy all of it, CPU 1 half; this process used 0.5 s
+    clock["own"] += 0.5
+    write(1000 + cpu_share.CLOCK_TICK, 1000 + cpu_share.CLOCK_TICK // 2, 5000 + cpu_share.CLOCK_TICK // 2)
+    assert load.cores() == pytest.approx(cpu_share.SMOOTHING * 1.0)  # 1.5 busy - 0.5 own, smoothed
+    clock["wall"] += 0.05  # too soon for a new window: the same value
+    assert load.cores() == pytest.approx(cpu_share.SMOOTHING * 1.0)
+    pinned = cpu_share.OtherLoad(str(stat))  # a process pinned to CPU 1 (taskset) counts CPU 1 only
+    pinned.cpus = {"cpu1"}
+    pinned.cores()
+    clock["wall"] += 1.0  # CPU 0 busy all the second, CPU 1 idle; this process used nothing
+    write(1000 + 2 * cpu_share.CLOCK_TICK, 1000 + cpu_share.CLOCK_TICK // 2, 5000 + 2 * cpu_share.CLOCK_TICK)
+    assert pinned.cores() == 0.0
+    assert load.cores() == pytest.approx(cpu_share.SMOOTHING * 1.0 * (1 - cpu_share.SMOOTHING)
+                                         + cpu_share.SMOOTHING * 1.0 / 1.05)  # CPU 0's second, over 1.05 s
+
+
+def test_other_load_sees_another_process_busy(tmp_path):
+    """On this machine's real /proc/stat: a child process spinning for a second shows as at
+    least half a core of other programs' load (the test process itself sleeps)."""
+    import subprocess
+    import sys
+    import time
+
+    from diffuse.data.cpu_share import OtherLoad
+
+    load = OtherLoad()
+    if load._sample() is None:
+        pytest.skip("no /proc/stat here")
+    load.cores()
+    spin = subprocess.Popen([sys.executable, "-c",
+                             "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.0)
+        seen = load.cores() / 0.5  # one window, smoothed from 0 by SMOOTHING = 0.5
+    finally:
+        spin.kill()
+        spin.wait(10)
+    assert seen >= 0.5

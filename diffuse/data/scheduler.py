@@ -20,6 +20,7 @@ How many threads a batch computes with is measured, not assumed (`Threads`).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -30,6 +31,7 @@ import torch
 import trio
 from torch import Tensor
 
+from diffuse.data.cpu_share import OtherLoad
 from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache, SpanStep
 
 Item = TypeVar("Item")
@@ -62,23 +64,33 @@ class Threads:
     row, among batches of about its size (rows within a power of two), are lowest;
     every EXPLORE-th batch of a size tries another count, so a change of load is noticed. Longer
     batches (prompts: long products, which threads do speed up; a burst of 11 prompts once took
-    565 ms on one thread after the choice had learnt from few such batches) and batches whose
-    kernels were checked for one thread count (exact sessions) keep the configured count,
-    and so does every batch with DIFFUSE_THREADS=fixed (for before/after comparisons)."""
+    565 ms on one thread after the choice had learnt from few such batches) are too rare to learn
+    from: they leave a core to what other programs use of the machine now (`OtherLoad`) once that
+    passes SPARE of a core, about where one thread less starts to win on a 2-core machine (3
+    prompts of 21 tokens through 29 SmolLM2 blocks, fp32, with the other core busy 10% / 20% of
+    the time: 99 / 120 ms on 2 threads, 116 / 121 ms on 1; 12 such prompts at 30%: 488 against
+    400 ms). Batches whose kernels were checked for one thread
+    count (exact sessions) keep the configured count, and so does every batch with
+    DIFFUSE_THREADS=fixed (for before/after comparisons)."""
 
     EXPLORE = 16
     CHOOSE_BELOW = 64  # rows from which a batch is long products (prompts) that every thread speeds up
     SMOOTHING = 0.3  # weight of the newest batch in a count's seconds per row
+    SPARE = 0.2  # cores' worth of other programs' load that a long batch still computes beside
 
-    def __init__(self, most: int | None = None) -> None:
+    def __init__(self, most: int | None = None, others: OtherLoad | None = None) -> None:
         self.most = most or torch.get_num_threads()
         self.choices = [self.most] if os.environ.get(THREADS_ENV) == "fixed" else sorted({1, self.most})
         self.cost: dict[tuple[int, int], float] = {}  # (size class, threads) -> seconds per row
         self.seen: dict[int, int] = {}  # size class -> batches computed
+        self.others = others or OtherLoad()
 
     def choose(self, rows: int, fixed: bool = False) -> int:
-        if fixed or len(self.choices) == 1 or rows >= self.CHOOSE_BELOW:
+        others = self.others.cores()  # sampled at every batch, so that it is recent when a long one comes
+        if fixed or len(self.choices) == 1:
             return self.most
+        if rows >= self.CHOOSE_BELOW:
+            return max(1, min(self.most, self.others.ncpus - math.ceil(others - self.SPARE)))
         size = rows.bit_length()
         n = self.seen[size] = self.seen.get(size, 0) + 1
         untried = [t for t in self.choices[::-1] if (size, t) not in self.cost]
