@@ -15,6 +15,7 @@ import time
 CLOCK_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MIN_WINDOW = 0.2  # seconds between samples: /proc/stat counts in ticks (10 ms), per CPU
 SMOOTHING = 0.5  # weight of the newest window
+CPU_LINES_BYTES = 64 * 1024  # enough for ~600 CPUs' lines
 
 
 class OtherLoad:
@@ -30,29 +31,32 @@ class OtherLoad:
         self.value = 0.0
 
     def cores(self) -> float:
-        """The smoothed load of other programs, in cores, updated when MIN_WINDOW has passed."""
+        """The smoothed load of other programs, in cores, updated when MIN_WINDOW has passed
+        (/proc/stat is read only then: it is called from the event loop at every batch)."""
+        if self.last is not None and time.monotonic() - self.last[0] < MIN_WINDOW:
+            return self.value
         sample = self._sample()
         if sample is None:
             return 0.0
-        if self.last is None:
-            self.last = sample
-        elif sample[0] - self.last[0] >= MIN_WINDOW:
+        if self.last is not None:
             wall, busy, own = (a - b for a, b in zip(sample, self.last))
             now = max(0.0, (busy - own) / wall)
             self.value = (1 - SMOOTHING) * self.value + SMOOTHING * now
-            self.last = sample
+        self.last = sample
         return self.value
 
     def _sample(self) -> tuple[float, float, float] | None:
         try:
             with open(self.stat) as f:
-                lines = f.readlines()
+                head = f.read(CPU_LINES_BYTES)  # the per-CPU lines come first; the interrupt counts after are long
         except OSError:
             return None
         ticks = 0
-        for line in lines:
-            name, *fields = line.split()
-            if not name.startswith("cpu") or name == "cpu" or (self.cpus is not None and name not in self.cpus):
+        for line in head.splitlines():
+            name, *fields = line.split() or [""]
+            if not name.startswith("cpu"):
+                break
+            if name == "cpu" or (self.cpus is not None and name not in self.cpus) or len(fields) < 8:
                 continue
             n = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
             ticks += sum(n) - n[3] - n[4]
