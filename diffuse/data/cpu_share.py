@@ -2,8 +2,8 @@
 
 A parallel region waits for its slowest thread, so a torch computation on as many threads as
 cores stalls whenever another program runs on one of them: 3 prompts of 21 tokens through 29
-SmolLM2 blocks in fp32 took 82 ms on 2 threads and 119 ms on 1 on an idle 2-core machine, but
-212 ms and 145 ms while another process kept one core busy 30% of the time. Linux counts every
+SmolLM2 blocks in fp32 took 75 ms on 2 threads and 108 ms on 1 on an idle 2-core machine, but
+171 ms and 109 ms beside another process using a quarter of a core (`scripts/bench_threads.py`). Linux counts every
 CPU's busy time in /proc/stat; what this process used itself (all its threads) is subtracted.
 """
 
@@ -22,8 +22,9 @@ class OtherLoad:
     """Cores' worth of CPU time that other programs (and the hypervisor's steal) took lately on
     the CPUs this process may run on; 0 where /proc/stat cannot be read (not Linux)."""
 
-    def __init__(self, stat: str = "/proc/stat") -> None:
-        self.stat = stat
+    def __init__(self, stat: str = "/proc/stat", smoothing: float = SMOOTHING) -> None:
+        """smoothing: the weight of the newest window (1: each window's own rate, for benchmarks)."""
+        self.stat, self.smoothing = stat, smoothing
         mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.cpus = {f"cpu{i}" for i in mine} if mine is not None else None
         self.ncpus = len(mine) if mine is not None else os.cpu_count() or 1
@@ -41,7 +42,7 @@ class OtherLoad:
         if self.last is not None:
             wall, busy, own = (a - b for a, b in zip(sample, self.last))
             now = max(0.0, (busy - own) / wall)
-            self.value = (1 - SMOOTHING) * self.value + SMOOTHING * now
+            self.value = (1 - self.smoothing) * self.value + self.smoothing * now
         self.last = sample
         return self.value
 

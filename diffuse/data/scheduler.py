@@ -66,10 +66,10 @@ class Threads:
     batches (prompts: long products, which threads do speed up; a burst of 11 prompts once took
     565 ms on one thread after the choice had learnt from few such batches) are too rare to learn
     from: they leave a core to what other programs use of the machine now (`OtherLoad`) once that
-    passes SPARE of a core, about where one thread less starts to win on a 2-core machine (3
-    prompts of 21 tokens through 29 SmolLM2 blocks, fp32, with the other core busy 10% / 20% of
-    the time: 99 / 120 ms on 2 threads, 116 / 121 ms on 1; 12 such prompts at 30%: 488 against
-    400 ms). Batches whose kernels were checked for one thread
+    passes SPARE of a core, about where one thread less starts to win on a 2-core machine
+    (`scripts/bench_threads.py`: 3 / 12 prompts of 21 tokens through 29 SmolLM2 blocks, fp32, on
+    1 thread took 1.45x / 1.48x the time of 2 on an idle machine, 1.00x / 1.13x beside another
+    process using 0.18-0.19 of a core, 0.63x / 0.91x beside 0.24-0.27). Batches whose kernels were checked for one thread
     count (exact sessions) keep the configured count, and so does every batch with
     DIFFUSE_THREADS=fixed (for before/after comparisons)."""
 
