@@ -64,7 +64,7 @@ def main() -> None:
     for prompts in [int(p) for p in args.prompts.split(",")]:
         caches = [span.new_cache(64) for _ in range(prompts)]
 
-        def batch(threads: int) -> float:
+        def batch(threads: int, caches: list = caches) -> float:
             torch.set_num_threads(threads)
             for c in caches:
                 c.wipe()
@@ -100,7 +100,8 @@ def main() -> None:
           f"| {most - 1} / {most} |")
     print("|---|---|---|---|---|---|")
     for prompts, share, others, all_, fewer in rows:
-        print(f"| {prompts} | {share:.0%} | {others:.2f} | {all_ * 1e3:.0f} | {fewer * 1e3:.0f} | {fewer / all_:.2f}x |")
+        print(f"| {prompts} | {share:.0%} | {others:.2f} | {all_ * 1e3:.0f} | {fewer * 1e3:.0f} "
+              f"| {fewer / all_:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -69,9 +69,9 @@ class Threads:
     passes SPARE of a core, about where one thread less starts to win on a 2-core machine
     (`scripts/bench_threads.py`: 3 / 12 prompts of 21 tokens through 29 SmolLM2 blocks, fp32, on
     1 thread took 1.45x / 1.48x the time of 2 on an idle machine, 1.00x / 1.13x beside another
-    process using 0.18-0.19 of a core, 0.63x / 0.91x beside 0.24-0.27). Batches whose kernels were checked for one thread
-    count (exact sessions) keep the configured count, and so does every batch with
-    DIFFUSE_THREADS=fixed (for before/after comparisons)."""
+    process using 0.18-0.19 of a core, 0.63x / 0.91x beside 0.24-0.27). Batches whose kernels
+    were checked for one thread count (exact sessions) keep the configured count, and so does
+    every batch with DIFFUSE_THREADS=fixed (for before/after comparisons)."""
 
     EXPLORE = 16
     CHOOSE_BELOW = 64  # rows from which a batch is long products (prompts) that every thread speeds up
