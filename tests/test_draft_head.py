@@ -195,3 +195,32 @@ def test_draft_head_cli_rejects_bad_arguments(tmp_path, capsys, argv):
     assert main(["--home", str(tmp_path), "model", "draft-head", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --unroll and --epochs must be >= 1") and "Traceback" not in err, err
+
+
+def test_drafting_takes_the_thread_count_measured_cheaper_and_restores_the_callers(tiny_model, monkeypatch):
+    """The configured count first, then one thread; afterwards the cheaper, timed on the calls
+    themselves; whatever it took, the calling thread (the event loop's) keeps its own count."""
+    from diffuse.data.scheduler import THREADS_ENV, Threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        draft = D.DraftHead(64, 96)
+        draft.threads = Threads(most=2)
+        used: list[int] = []
+        inner = draft._propose
+
+        def spy(*args):
+            used.append(torch.get_num_threads())
+            return inner(*args)
+
+        monkeypatch.setattr(draft, "_propose", spy)
+        for _ in range(3):
+            draft.propose(tiny_model.head, torch.randn(64), root=3, depth=2)
+            assert torch.get_num_threads() == 2
+        assert used[:2] == [2, 1]
+        cheaper = min((2, 1), key=lambda t: draft.threads.cost[(1, t)])
+        assert used[2] == cheaper
+    finally:
+        torch.set_num_threads(before)
