@@ -436,24 +436,25 @@ def test_other_load_counts_busy_cpu_time_less_this_process_s_own(tmp_path, monke
                                          + cpu_share.SMOOTHING * 1.0 / 1.05)  # CPU 0's second, over 1.05 s
 
 
-def test_other_load_sees_another_process_busy(tmp_path):
+def test_other_load_sees_another_process_busy():
     """On this machine's real /proc/stat: a child process spinning for a second shows as at
     least half a core of other programs' load (the test process itself sleeps)."""
+    import os
     import subprocess
     import sys
     import time
 
     from diffuse.data.cpu_share import OtherLoad
 
-    load = OtherLoad()
-    if load._sample() is None:
+    if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc/stat here")
+    load = OtherLoad(smoothing=1.0)  # the second below as one window
     load.cores()
     spin = subprocess.Popen([sys.executable, "-c",
                              "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass"])
     try:
         time.sleep(1.0)
-        seen = load.cores() / 0.5  # one window, smoothed from 0 by SMOOTHING = 0.5
+        seen = load.cores()
     finally:
         spin.kill()
         spin.wait(10)
