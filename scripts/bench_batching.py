@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_batching.py [--dtypes fp32,bf16] [--sessions 1,4,8,16] [--tokens 48]
                                                [--exact] [--no-api] [--threads N]
     .venv/bin/python scripts/bench_batching.py --pipeline [--dtypes fp32] [--sessions 1,8,16]
-    .venv/bin/python scripts/bench_batching.py --fixed-threads [--no-api] ...
+    .venv/bin/python scripts/bench_batching.py --fixed-threads [--own-caches] [--no-api] ...
 
 Per dtype, a sentinel and one `diffuse join --blocks 1:30` process; this process is the load
 generator: a SwarmClient that runs block 0 and the LM head itself, batched across its sessions as
@@ -22,6 +22,9 @@ in a row). --exact adds exact sessions (batch-invariant kernels everywhere) and 
 fast ones. The peer's batch counters (/metrics) say how many steps shared a forward pass.
 --fixed-threads adds the peer's table with every batch on the configured thread count
 (DIFFUSE_THREADS=fixed in the peer and this process) and the ratio of the measured choice to it.
+--own-caches adds the peer's table with every session's cache in memory of its own
+(DIFFUSE_SLABS=0: one attention call per session and layer, not one per slab) and the ratio of
+slabs to it.
 --pipeline compares two peers of half the blocks each, on a core each, with one peer of all the
 blocks on one core: while one group of sessions computes at one peer, another can at the other.
 """
@@ -60,6 +63,7 @@ from diffuse.control.swarm_key import read_key  # noqa: E402
 from diffuse.data.scheduler import THREADS_ENV  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
+from diffuse.model.engine import SLABS_ENV  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
@@ -234,12 +238,13 @@ def pipeline_bench(home, model: str | None, dtype: str, sizes: list[int], tokens
               f"{results['split'][n] / results['one'][n]:.2f}x |", flush=True)
 
 
-def fixed_threads_bench(base, ident, boot, key, dtype, model_arg, home, args, sizes) -> dict[int, dict]:
-    """The fast-session peer round again, with a new peer on blocks 1:30 (the first has left)
-    and this client both computing every batch on the configured thread count."""
-    os.environ[THREADS_ENV] = "fixed"
+def baseline_bench(env: str, value: str, base, ident, boot, key, dtype, model_arg, home, args,
+                   sizes) -> dict[int, dict]:
+    """The fast-session peer round again, with a new peer on blocks 1:30 (the one before has left)
+    and this client both run with the environment variable `env` = `value`."""
+    os.environ[env] = value
     port = free_port()
-    peer = start_server([*base, "join", "--identity", f"{ident}/q.key", "--bootstrap", boot, *LISTEN, *key,
+    peer = start_server([*base, "join", "--identity", f"{ident}/{env}.key", "--bootstrap", boot, *LISTEN, *key,
                          "--blocks", "1:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
                          "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving ")
     try:
@@ -247,7 +252,7 @@ def fixed_threads_bench(base, ident, boot, key, dtype, model_arg, home, args, si
                          f"http://127.0.0.1:{port}/metrics")
         return {n: got[False, n] for n in sizes}
     finally:
-        del os.environ[THREADS_ENV]
+        del os.environ[env]
         peer[0].terminate()
         peer[0].wait(30)
 
@@ -265,6 +270,9 @@ def main() -> None:
     ap.add_argument("--fixed-threads", action="store_true",
                     help="also the peer and this client with every batch on the configured thread count "
                          "(DIFFUSE_THREADS=fixed), as a baseline for the measured choice")
+    ap.add_argument("--own-caches", action="store_true",
+                    help="also the peer and this client with every cache in memory of its own (DIFFUSE_SLABS=0), "
+                         "as a baseline for slabs")
     ap.add_argument("--pipeline", action="store_true",
                     help="instead: two peers 1:15 and 15:30 on a core each against one peer 1:30 on one core")
     args = ap.parse_args()
@@ -314,16 +322,22 @@ def main() -> None:
                       f"max {ttft['max']:.2f} s "
                       f"= {ttft['max'] / ttft['back_to_back']:.2f}x 16 prefills back to back "
                       f"({ttft['back_to_back']:.2f} s)", flush=True)
-            if args.fixed_threads:
-                for proc, _ in reversed(servers[1:]):  # the peer (and the API): a fixed-thread peer takes over
+            for wanted, env, value, title, ratio in (
+                    (args.fixed_threads, THREADS_ENV, "fixed", f"every batch on {torch.get_num_threads()} threads",
+                     "threads chosen per batch / fixed"),
+                    (args.own_caches, SLABS_ENV, "0", "every cache its own (one attention call per session)",
+                     "slabs / own caches")):
+                if not wanted:
+                    continue
+                for proc, _ in reversed(servers[1:]):  # the peer (and the API): a peer run the other way takes over
                     proc.terminate()
                     proc.wait(30)
                 del servers[1:]
-                fixed = fixed_threads_bench(base, ident, boot, key, dtype, model_arg, home, args, sizes)
-                print_rates(f"peer, {dtype}, fast sessions, every batch on {torch.get_num_threads()} threads", {
-                    n: (fixed[n]["agg"], fixed[n]["per"]) for n in sizes})
-                print(f"\nthreads chosen per batch / fixed, aggregate, {dtype}: "
-                      + ", ".join(f"{n} sessions {got[False, n]['agg'] / fixed[n]['agg']:.2f}x" for n in sizes))
+                other = baseline_bench(env, value, base, ident, boot, key, dtype, model_arg, home, args, sizes)
+                print_rates(f"peer, {dtype}, fast sessions, {title}", {
+                    n: (other[n]["agg"], other[n]["per"]) for n in sizes})
+                print(f"\n{ratio}, aggregate, {dtype}: "
+                      + ", ".join(f"{n} sessions {got[False, n]['agg'] / other[n]['agg']:.2f}x" for n in sizes))
         finally:
             for proc, _ in reversed(servers):
                 proc.terminate()

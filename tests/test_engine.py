@@ -171,6 +171,87 @@ def test_wipe_zeroes_cache(tiny):
     assert cache.k[written].abs().sum() == 0 and cache.v[written].abs().sum() == 0 and cache.length == 0
 
 
+def test_sessions_in_a_slab_attend_together_as_they_would_apart(tiny, monkeypatch):
+    """One-token steps of sessions whose caches are slots of one slab attend in one call per block
+    (padded where closed sessions left gaps), beside a tree and a prefill chunk in the same batch,
+    and compute what each computes alone on a cache of its own; windows have slid past the start."""
+    from diffuse.model.engine import KVCache, SpanStep
+    from diffuse.model.layers import DecoderBlock
+
+    path, _ = tiny
+    span = load_span(path, 0, 4)
+    cfg, h = span.cfg, span.cfg.hidden_size
+    caches = [span.new_cache(40) for _ in range(7)]
+    own = [KVCache.empty(4, 1, cfg.num_kv_heads, cfg.head_dim, 40, torch.float32) for _ in caches]
+    shared = span.shares_attention
+    assert [c.slot for c in caches] == (list(range(7)) if shared else [-1] * 7)
+    g = torch.Generator().manual_seed(0)
+    for i, (a, b) in enumerate(zip(caches, own)):
+        n = PREFIX + i
+        x = torch.randn(1, n, h, generator=g)
+        span(x, torch.arange(n), a)
+        span(x, torch.arange(n), b)
+    del caches[1], caches[4], own[1], own[4]  # slots 1 and 4 go back: the members are 0, 2, 3, 5, 6
+    t = len(caches) - 2
+    steps = [SpanStep(torch.randn(1, 1, h, generator=g), torch.tensor([c.length]), c) for c in caches[:t]]
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    n = caches[t].length
+    steps.append(SpanStep(torch.randn(1, 3, h, generator=g), torch.tensor([n, n + 1, n + 1]), caches[t], mask,
+                          False))
+    steps.append(SpanStep(torch.randn(1, 5, h, generator=g), torch.arange(caches[-1].length,
+                                                                          caches[-1].length + 5), caches[-1]))
+    calls = []
+    together = DecoderBlock._attend_together
+    monkeypatch.setattr(DecoderBlock, "_attend_together", lambda self, q, *a: calls.append(q.shape[0])
+                        or together(self, q, *a))
+    outs = span.forward_batch(steps)
+    assert calls == ([t] * 4 if shared else [])
+    for st, out, c in zip(steps, outs, own):
+        alone = span(st.h, st.positions, c, st.tree_mask, st.commit)
+        torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)
+        assert st.cache.length == c.length and st.cache.pending == c.pending
+        end = c.length + c.pending
+        torch.testing.assert_close(st.cache.k[:, :, :, :end], c.k[:, :, :, :end], rtol=1e-5, atol=1e-5)
+
+
+def test_a_slab_hands_back_its_slots_and_pages(tiny):
+    """A closed session's slot goes to the next session; the last one gone frees the slab; a slot's
+    pages are zeroed and handed back to the OS (the process's resident memory shrinks)."""
+    import gc
+    import os
+
+    from diffuse.model.engine import release_pages
+
+    path, _ = tiny
+    span = load_span(path, 0, 4)
+    if not span.shares_attention:
+        pytest.skip("soft-capped attention: caches of their own")
+    first = [span.new_cache(16) for _ in range(3)]
+    slabs = span.slabs.slabs
+    (key, [slab]), = slabs.items()
+    assert slab.free == list(range(3, slab.k.shape[0])) and first[0].max_len == 16 and slab.k.shape[3] == 64
+    first.pop(1)
+    gc.collect()
+    again = span.new_cache(16)
+    assert again.slot == 1 and 1 not in slab.free
+    del again
+    assert 1 in slab.free
+    first.clear()
+    gc.collect()
+    assert slabs[key] == []
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    t = torch.ones(16 << 20)  # 64 MiB
+    before = resident()
+    release_pages(t)
+    assert resident() < before - (48 << 20) and not t.any()
+    t += 1
+    assert bool((t == 1).all())
+
+
 def test_altered_weights_fail_manifest_check(tmp_path):
     path = make_tiny(tmp_path / "m")
     from safetensors.torch import load_file, save_file

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from diffuse.model.config import ModelConfig
-from diffuse.model.layers import DecoderBlock, Family, RMSNorm, Segment, Weights, copy_
+from diffuse.model.layers import DecoderBlock, Family, RMSNorm, Rows, Weights, copy_
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -38,8 +38,8 @@ class Block(DecoderBlock):
         self.post_attn_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_mlp_norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, segments: list[Segment], exact: bool = False) -> Tensor:
-        h = x + self.post_attn_norm(self.attend(x, segments, exact))
+    def forward(self, x: Tensor, rows: Rows, exact: bool = False) -> Tensor:
+        h = x + self.post_attn_norm(self.attend(x, rows, exact))
         return h + self.post_mlp_norm(self.mlp(self.mlp_norm(h), exact))
 
     def norms(self) -> list[nn.Module]:

@@ -4,9 +4,10 @@ A block keeps its weights as flat attributes with the same names in every family
 `wqkv`, `wo`, `mlp_norm`, `w_gate_up`, `w_down`): the data and trust planes read them. q/k/v and
 gate/up are fused into one matmul each (on a CPU decoding one token, the number of kernel
 launches, not FLOPs, sets the speed). A block takes the rows of one or several sessions at once
-(`Segment`s of one flat input): the norms, projections and the MLP run over all rows together,
-while each session's rows are rotated, cached and attend to its own keys (selective batching,
-as Orca does).
+(`Segment`s of one flat input): the norms, projections, rotations and the MLP run over all rows
+together, while each session's rows are cached and attend to its own keys (selective batching, as
+Orca does). One-token steps of sessions whose caches are slots of one slab (`Together`) write
+and attend with one call per layer for all of them, not one per session.
 """
 
 from __future__ import annotations
@@ -46,17 +47,42 @@ class RMSNorm(nn.Module):
 @dataclass(frozen=True)
 class Segment:
     """One session's rows of a block's flat input [1, N, H]: `rows` of them, `batch` x `tokens`,
-    the rotary tables of its positions, its layer's cache, the slot its tokens go to, and which
-    cached keys they see."""
+    its layer's cache, the slot its tokens go to, and which cached keys they see."""
 
     rows: slice
     batch: int
     tokens: int
-    rot: tuple[Tensor, Tensor]
     k_cache: Tensor
     v_cache: Tensor
     start: int
     seen: "Visible"
+
+
+@dataclass(frozen=True)
+class Together:
+    """One-token steps of G sessions whose caches are slots of one slab, one row each (`rows`):
+    their layer's keys and values for the slab's slots [first, first + R) as k, v [R, KV, cap, D],
+    each member's place in that range (`at` [G], increasing; `whole`: the members are the whole
+    range), the step's slot in each one's cache (`starts` [G]), and `mask` [R, 1, 1, end] (True =
+    may attend; a slot of the range that is no member's sees its key 0)."""
+
+    rows: slice
+    k: Tensor
+    v: Tensor
+    at: Tensor
+    whole: bool
+    starts: Tensor
+    mask: Tensor
+    end: int
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What a block needs of a batch: the rotary tables of all its rows (cos, sin [N, 1, rot])
+    and its parts, in row order."""
+
+    rot: tuple[Tensor, Tensor]
+    parts: list[Segment | Together]
 
 
 @dataclass(frozen=True)
@@ -114,15 +140,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seen: Visible, scale: float, soft
     return (probs @ v).view(b, kv, g, t, -1).reshape(b, h, t, -1)
 
 
-def _row_tables(segments: list[Segment]) -> tuple[Tensor, Tensor]:
-    """cos, sin [N, 1, rot] for the flat rows of `segments` (a segment's batch rows share positions)."""
-    def rows(i: int) -> Tensor:
-        parts = [s.rot[i].repeat(s.batch, 1) if s.batch > 1 else s.rot[i] for s in segments]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts))[:, None]
-
-    return rows(0), rows(1)
-
-
 class DecoderBlock(nn.Module):
     """A pre-norm block, the Llama shape: h = x + attn(norm(x)); out = h + mlp(norm(h)).
 
@@ -152,11 +169,11 @@ class DecoderBlock(nn.Module):
             self.w_gate_up = Linear(h, 2 * cfg.intermediate_size, bias=False)
             self.w_down = Linear(cfg.intermediate_size, h, bias=False)
 
-    def forward(self, x: Tensor, segments: list[Segment], exact: bool = False) -> Tensor:
-        h = x + self.attend(x, segments, exact)
+    def forward(self, x: Tensor, rows: Rows, exact: bool = False) -> Tensor:
+        h = x + self.attend(x, rows, exact)
         return h + self.mlp(self.mlp_norm(h), exact)
 
-    def attend(self, x: Tensor, segments: list[Segment], exact: bool) -> Tensor:
+    def attend(self, x: Tensor, rows: Rows, exact: bool) -> Tensor:
         """The attention sub-block's output for x [1, N, H]: q/k/v, their norms and rotations and
         the output projection over all rows (elementwise or per row: each row's bits as alone),
         then each segment's keys and values into its own cache slots [start, start+T)."""
@@ -166,9 +183,10 @@ class DecoderBlock(nn.Module):
         q, k, v = q.view(n, self.n_heads, self.hd), k.view(n, self.n_kv, self.hd), v.view(n, self.n_kv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = _row_tables(segments)
+        cos, sin = rows.rot
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        ys = [self._attend_one(q[s.rows], k[s.rows], v[s.rows], s, exact) for s in segments]
+        ys = [self._attend_one(q[p.rows], k[p.rows], v[p.rows], p, exact) if isinstance(p, Segment)
+              else self._attend_together(q[p.rows], k[p.rows], v[p.rows], p) for p in rows.parts]
         return self.wo((ys[0] if len(ys) == 1 else torch.cat(ys))[None], exact)
 
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, s: Segment, exact: bool) -> Tensor:
@@ -181,6 +199,19 @@ class DecoderBlock(nn.Module):
         y = attention(q, s.k_cache[:, :, s.seen.lo:end], s.v_cache[:, :, s.seen.lo:end], s.seen, self.scale,
                       self.softcap, exact)
         return y.transpose(1, 2).reshape(b * t, -1)
+
+    def _attend_together(self, q: Tensor, k: Tensor, v: Tensor, s: Together) -> Tensor:
+        """G sessions' one-token attention outputs [G, heads*D] from their rows [G, heads, D]: the
+        new keys and values written into their slots and every query attended in one call."""
+        g = q.shape[0]
+        s.k[s.at, :, s.starts] = k
+        s.v[s.at, :, s.starts] = v
+        q = q[:, :, None]
+        if not s.whole:
+            q = q.new_zeros(s.k.shape[0], *q.shape[1:]).index_copy_(0, s.at, q)
+        y = F.scaled_dot_product_attention(q, s.k[:, :, :s.end], s.v[:, :, :s.end], attn_mask=s.mask,
+                                           scale=self.scale, enable_gqa=True)
+        return (y if s.whole else y[s.at]).reshape(g, -1)
 
     def mlp(self, x: Tensor, exact: bool) -> Tensor:
         gate, up = self.w_gate_up(x, exact).chunk(2, dim=-1)
