@@ -181,10 +181,14 @@ def test_sessions_in_a_slab_attend_together_as_they_would_apart(tiny, monkeypatc
     path, _ = tiny
     span = load_span(path, 0, 4)
     cfg, h = span.cfg, span.cfg.hidden_size
-    caches = [span.new_cache(40) for _ in range(7)]
-    own = [KVCache.empty(4, 1, cfg.num_kv_heads, cfg.head_dim, 40, torch.float32) for _ in caches]
+    lengths = [13, 20, 40, 40, 40, 20, 40]  # one slab's slots (64 tokens each), cut to each session's length
+    caches = [span.new_cache(n) for n in lengths]
+    own = [KVCache.empty(4, 1, cfg.num_kv_heads, cfg.head_dim, n, torch.float32) for n in lengths]
     shared = span.shares_attention
     assert [c.slot for c in caches] == (list(range(7)) if shared else [-1] * 7)
+    if shared:  # memory a slab reuses holds anything: a shared attention must read no NaN unmasked
+        caches[0].slab.k.fill_(float("nan"))
+        caches[0].slab.v.fill_(float("nan"))
     g = torch.Generator().manual_seed(0)
     for i, (a, b) in enumerate(zip(caches, own)):
         n = PREFIX + i

@@ -102,11 +102,12 @@ class KVCache:
         self.length, self.pending = length, 0
 
     def clean(self, end: int) -> None:
-        """Make slots [0, end) finite: zero those never written, for an attention that reads them
-        masked (a masked score's weight is 0, and 0 times a NaN left in fresh memory is NaN)."""
-        if self.touched < end:
-            self.k[:, :, :, self.touched:end].zero_()
-            self.v[:, :, :, self.touched:end].zero_()
+        """Make its slab slot's slots [0, end) finite, past max_len too: zero those never written,
+        for an attention that reads them masked (a masked score's weight is 0, and 0 times a NaN
+        left in reused memory is NaN)."""
+        if self.slab is not None and self.touched < end:
+            for t in (self.slab.k, self.slab.v):
+                t[self.slot, :, :, self.touched:end].zero_()
             self.touched = end
 
     def wipe(self) -> None:
