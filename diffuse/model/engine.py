@@ -334,17 +334,14 @@ class BlockSpan(nn.Module):
                              f"{self.cfg.rope_scaling.type} RoPE runs with a KV cache (see rope.py)")
 
     def _row_tables(self, steps: Sequence["SpanStep"], key: tuple) -> tuple[Tensor, Tensor]:
-        """cos, sin [N, 1, rot] of RoPE `key` for the rows of `steps` in order (each step's own
-        positions, so each row's bits are those it gets alone; a step's batch rows share them)."""
+        """cos, sin [N, 1, rot] of RoPE `key` for the rows of `steps` in order (a step's batch rows
+        share its positions), in one call: each position's bits are those it gets alone (rope.tables)."""
         inv, scale = self.freqs[key]
         device, dtype = steps[0].h.device, steps[0].h.dtype
         if inv.device != device:
             self.freqs[key] = (inv := inv.to(device), scale)
-        parts = [rope.tables(st.positions.to(device), inv, scale, dtype) for st in steps]
-        parts = [(c.repeat(st.h.shape[0], 1), s.repeat(st.h.shape[0], 1)) if st.h.shape[0] > 1 else (c, s)
-                 for st, (c, s) in zip(steps, parts)]
-        cos = parts[0][0] if len(parts) == 1 else torch.cat([c for c, _ in parts])
-        sin = parts[0][1] if len(parts) == 1 else torch.cat([s for _, s in parts])
+        rows = [st.positions.repeat(st.h.shape[0]) if st.h.shape[0] > 1 else st.positions for st in steps]
+        cos, sin = rope.tables((rows[0] if len(rows) == 1 else torch.cat(rows)).to(device), inv, scale, dtype)
         return cos[:, None], sin[:, None]
 
     def _segment(self, st: "SpanStep", first_row: int) -> "_Rows":

@@ -206,11 +206,11 @@ class DecoderBlock(nn.Module):
         g = q.shape[0]
         s.k[s.at, :, s.starts] = k
         s.v[s.at, :, s.starts] = v
-        q = q[:, :, None]
+        q = q.view(g, self.n_kv, -1, self.hd)  # the query heads of a key head as its query rows
         if not s.whole:
             q = q.new_zeros(s.k.shape[0], *q.shape[1:]).index_copy_(0, s.at, q)
         y = F.scaled_dot_product_attention(q, s.k[:, :, :s.end], s.v[:, :, :s.end], attn_mask=s.mask,
-                                           scale=self.scale, enable_gqa=True)
+                                           scale=self.scale)
         return (y if s.whole else y[s.at]).reshape(g, -1)
 
     def mlp(self, x: Tensor, exact: bool) -> Tensor:
