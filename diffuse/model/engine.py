@@ -130,8 +130,8 @@ class Slab:
     """Up to `slots` one-row caches of one span in one tensor pair [slots, layers, KV, cap, D].
 
     A batch of their sessions' one-token steps writes its keys and attends with one call per
-    layer for all of them (`layers.Together`) instead of one per session: 16 SmolLM2 sessions'
-    step through 29 blocks in fp32 took ~25% less time (`scripts/bench_batching.py --engine`).
+    layer for all of them (`layers.Together`) instead of one per session, whose Python and
+    dispatch had been ~30% of a 16-session step (`scripts/bench_slabs.py` measures both).
     A slab is allocated, not written, like any cache; a slot whose cache is gone is zeroed and
     its whole pages handed back to the OS (`release_pages`), so a slab holds what its open
     sessions touched, and the last one gone frees it.
