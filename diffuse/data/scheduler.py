@@ -13,7 +13,10 @@ A batch holds up to `max_rows` rows while any step of at most SMALL_ROWS rows (a
 speculation tree) waits for that computation, and up to `burst_rows` when only longer ones
 (prompts arriving together) wait: a wider batch is cheaper per row (16 prompts of 23 tokens
 through 29 SmolLM2 blocks in fp32: 692 ms in pairs, 377 ms in eights; half of them done at 346 vs
-192 ms), and no decode step is held back by it.
+192 ms), and no decode step is held back by it. But every prompt in a batch waits for all of them,
+and past ~100 rows a row costs no less: with 16 simultaneous API requests the median first token
+came at 0.63-0.75 s with batches of up to 128 rows, 0.77-0.90 s with 256 (alternated runs of
+`scripts/bench_batching.py --dtypes fp32 --sessions 1 --tokens 8`).
 
 How many threads a batch computes with is measured, not assumed (`Threads`).
 """
@@ -279,7 +282,7 @@ class SpanWork:
 
 
 def span_batcher(max_rows: int = 64, lane: trio.CapacityLimiter | None = None,
-                 burst_rows: int = 256) -> Batcher[SpanWork, Tensor]:
+                 burst_rows: int = 128) -> Batcher[SpanWork, Tensor]:
     """A Batcher of steps through one model's blocks: items of one batch cover the same blocks
     with the same kernels (the key says so), so any of their span views computes them all."""
     return Batcher(lambda works: works[0].span.forward_batch([w.step for w in works]), max_rows, lane, burst_rows,
