@@ -193,9 +193,9 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def release_pages(t: Tensor) -> None:
-    """Zero t (contiguous), handing the pages wholly inside it back to the OS (madvise
-    MADV_DONTNEED: read again, a private page is zero), so the memory no longer counts."""
-    if t.device.type != "cpu" or _LIBC is None:
+    """Zero t (contiguous, in CPU memory), handing the pages wholly inside it back to the OS
+    (madvise MADV_DONTNEED: read again, a private page is zero), so the memory no longer counts."""
+    if _LIBC is None:
         t.zero_()
         return
     start, size = t.data_ptr(), t.numel() * t.element_size()
@@ -247,10 +247,11 @@ class BlockSpan(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:
         """A cache for `max_len` tokens of `batch` rows: a slab's slot where its steps may attend
-        together (one row, fast kernels, no soft-capped scores), else memory of its own."""
+        together (one row, fast kernels, no soft-capped scores) and memory is taken as it is
+        touched (a CPU: a GPU would hold a whole slab at once), else memory of its own."""
         p = self.blocks[0].wo.weight
         if batch == 1 and not exact and max_len <= SLAB_MAX_LEN and self.shares_attention \
-                and os.environ.get(SLABS_ENV) != "0":
+                and p.device.type == "cpu" and os.environ.get(SLABS_ENV) != "0":
             return self.slabs.cache(self, max_len, p.dtype, p.device)
         return KVCache.empty(len(self.blocks), batch, self.cfg.num_kv_heads, self.cfg.head_dim,
                              max_len, p.dtype, p.device, exact)
