@@ -166,7 +166,9 @@ class Slabs:
     """The slabs of one model's spans, shared by the views a peer opens sessions on."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: a garbage collection while `cache` holds it may finalize a cache in a reference
+        # cycle (a traceback's frames), whose slot is given back on the same thread.
+        self.lock = threading.RLock()
         self.slabs: dict[tuple, list[Slab]] = {}
 
     def __deepcopy__(self, memo: dict) -> "Slabs":
