@@ -15,8 +15,8 @@ speculation tree) waits for that computation, and up to `burst_rows` when only l
 through 29 SmolLM2 blocks in fp32: 692 ms in pairs, 377 ms in eights; half of them done at 346 vs
 192 ms), and no decode step is held back by it. But every prompt in a batch waits for all of them,
 and past ~100 rows a row costs no less: with 16 simultaneous API requests the median first token
-came at 0.63-0.75 s with batches of up to 128 rows, 0.77-0.90 s with 256 (alternated runs of
-`scripts/bench_batching.py --dtypes fp32 --sessions 1 --tokens 8`).
+came at 0.63 and 0.63 s with batches of up to 128 rows against 0.88 and 0.77 s with 256, in two
+alternations of `scripts/bench_batching.py --dtypes fp32 --sessions 1 --tokens 8`.
 
 How many threads a batch computes with is measured, not assumed (`Threads`).
 """
