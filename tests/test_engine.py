@@ -172,9 +172,10 @@ def test_wipe_zeroes_cache(tiny):
 
 
 def test_sessions_in_a_slab_attend_together_as_they_would_apart(tiny, monkeypatch):
-    """One-token steps of sessions whose caches are slots of one slab attend in one call per block
-    (padded where closed sessions left gaps), beside a tree and a prefill chunk in the same batch,
-    and compute what each computes alone on a cache of its own; windows have slid past the start."""
+    """Steps of sessions whose caches are slots of one slab attend in one call per block and kind
+    (one-token steps; a tree with a 5-token chunk, padded to its length), padded where closed
+    sessions left gaps, and compute what each computes alone on a cache of its own; windows have
+    slid past the start."""
     from diffuse.model.engine import KVCache, SpanStep
     from diffuse.model.layers import DecoderBlock
 
@@ -209,7 +210,7 @@ def test_sessions_in_a_slab_attend_together_as_they_would_apart(tiny, monkeypatc
     monkeypatch.setattr(DecoderBlock, "_attend_together", lambda self, q, *a: calls.append(q.shape[0])
                         or together(self, q, *a))
     outs = span.forward_batch(steps)
-    assert calls == ([t] * 4 if shared else [])
+    assert calls == ([t, 3 + 5] * 4 if shared else [])  # per block: the one-token steps, then the tree and the chunk
     for st, out, c in zip(steps, outs, own):
         alone = span(st.h, st.positions, c, st.tree_mask, st.commit)
         torch.testing.assert_close(out, alone, rtol=1e-5, atol=1e-5)

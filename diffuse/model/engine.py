@@ -300,9 +300,9 @@ class BlockSpan(nn.Module):
         rows, where = 0, {}
         for g in groups:
             parts.append(self._group([steps[i] for i in g], rows))
-            for j, i in enumerate(g):
-                where[i] = slice(rows + j, rows + j + 1)
-            rows += len(g)
+            for i in g:
+                where[i] = slice(rows, rows + steps[i].h.shape[1])
+                rows = where[i].stop
         for i in order[len(grouped):]:
             parts.append(seg := self._segment(steps[i], rows))
             where[i] = seg.rows
@@ -312,7 +312,7 @@ class BlockSpan(nn.Module):
             else steps[0].h.reshape(1, -1, width)
         tables = {key: self._row_tables([steps[i] for i in order], key) for key in self.freqs}
         for i, block in enumerate(self.blocks):
-            x = block(x, Rows(tables[block.rope_key], [p.at(block, i) for p in parts]), exact)
+            x = block(x, Rows(tables[block.rope_key], [p.part(block, i) for p in parts]), exact)
         outs = [x[0, where[i]].view_as(st.h) for i, st in enumerate(steps)]
         for st in steps:
             t, start = st.h.shape[1], st.cache.length
@@ -356,37 +356,60 @@ class BlockSpan(nn.Module):
         return _Rows(slice(first_row, first_row + b * t), b, t, start, st.cache, seen)
 
     def _group(self, steps: Sequence["SpanStep"], first_row: int) -> "_Group":
-        """What every block needs of one-token steps of sessions in one slab (increasing slots):
-        the slab's slots from the first member's to the last's, the members' places among them,
-        and each window's mask over the slots they read, which are made finite first."""
+        """What every block needs of short steps of sessions in one slab (increasing slots): the
+        slab's slots from the first member's to the last's, each row's place and cache slot, each
+        window's mask over the slots they read (made finite first), padded to the longest step."""
         slab, device = steps[0].cache.slab, steps[0].h.device
         first, last = steps[0].cache.slot, steps[-1].cache.slot
-        at = torch.tensor([st.cache.slot - first for st in steps], device=device)
-        starts = torch.tensor([st.cache.length for st in steps], device=device)
-        end = int(starts.max()) + 1
+        r, t = last - first + 1, max(st.h.shape[1] for st in steps)
+        places = [st.cache.slot - first for st in steps]
+        sizes = [st.h.shape[1] for st in steps]
+        end = max(st.cache.length + n for st, n in zip(steps, sizes))
         for st in steps:
             st.cache.clean(end)
-        keys = torch.arange(end, device=device)
-        masks = {}
-        for w in {b.window for b in self.blocks}:
-            lo = [visible(st.cache.length, st.positions, None, w, False, device).lo for st in steps]
-            mask = torch.zeros(last - first + 1, 1, 1, end, dtype=torch.bool, device=device)
-            mask[:, 0, 0, 0] = True
-            mask[at, 0, 0] = (keys >= torch.tensor(lo, device=device)[:, None]) & (keys <= starts[:, None])
-            masks[w] = mask
-        return _Group(slice(first_row, first_row + len(steps)), slab, first, last + 1, at,
-                      len(steps) == last - first + 1, starts, masks, end)
+        place_rows = torch.tensor([p for p, n in zip(places, sizes) for _ in range(n)], device=device)
+        cols = torch.cat([torch.arange(st.cache.length, st.cache.length + n) for st, n in zip(steps, sizes)]).to(device)
+        at = None
+        if t > 1 or r > len(steps):
+            at = torch.cat([torch.arange(p * t, p * t + n) for p, n in zip(places, sizes)]).to(device)
+        heads = self.cfg.num_heads // self.cfg.num_kv_heads
+        masks = {w: _mask(steps, places, r, t, end, w).expand(r, heads, t, end).reshape(r, 1, heads * t, end)
+                 .to(device) for w in {b.window for b in self.blocks}}
+        return _Group(slice(first_row, first_row + len(place_rows)), slab, first, last + 1, place_rows, cols, at, t,
+                      masks, end)
+
+
+def _mask(steps: Sequence["SpanStep"], places: list[int], r: int, t: int, end: int, window: int | None) -> Tensor:
+    """[R, 1, T, end]: which slots each step's tokens see (`visible`), at their slab places; a
+    padded row sees slot 0 (all masked, a softmax row would be NaN)."""
+    mask = torch.zeros(r, 1, t, end, dtype=torch.bool)
+    mask[:, 0, :, 0] = True
+    for st, p in zip(steps, places):
+        n, start = st.h.shape[1], st.cache.length
+        seen = visible(start, st.positions, st.tree_mask, window, False, torch.device("cpu"))
+        allow = seen.allow
+        if allow is None:
+            new = torch.ones(n, n, dtype=torch.bool)
+            old = torch.ones(n, start - seen.lo, dtype=torch.bool)
+            allow = torch.cat([old, new.tril_() if seen.causal else new], 1)
+        mask[p, 0, :n] = False
+        mask[p, 0, :n, seen.lo:start + n] = allow
+    return mask
+
+
+TOGETHER_TOKENS = 16  # steps this short (decoding, speculation trees) attend together in a slab
 
 
 def _together(steps: Sequence["SpanStep"]) -> list[list[int]]:
-    """Indices of the steps that attend together, per slab, in increasing slots: one-token steps
-    without a tree of one-row sessions, at least two in a slab (a lone step keeps the bits it has
-    alone)."""
-    by_slab: dict[int, list[int]] = {}
+    """Indices of the steps that attend together, per slab and kind, in increasing slots: steps
+    of at most TOGETHER_TOKENS tokens of one-row sessions, one-token steps apart from longer ones
+    (which would pad them), at least two in a group (a lone step keeps the bits it has alone)."""
+    groups: dict[tuple[int, bool], list[int]] = {}
     for i, st in enumerate(steps):
-        if st.cache.slab is not None and st.h.shape[:2] == (1, 1) and st.tree_mask is None:
-            by_slab.setdefault(id(st.cache.slab), []).append(i)
-    return [sorted(g, key=lambda i: steps[i].cache.slot) for g in by_slab.values() if len(g) > 1]
+        b, t = st.h.shape[:2]
+        if st.cache.slab is not None and b == 1 and t <= TOGETHER_TOKENS:
+            groups.setdefault((id(st.cache.slab), t == 1), []).append(i)
+    return [sorted(g, key=lambda i: steps[i].cache.slot) for g in groups.values() if len(g) > 1]
 
 
 @dataclass(frozen=True)
@@ -411,28 +434,29 @@ class _Rows:
     cache: KVCache
     seen: dict
 
-    def at(self, block: DecoderBlock, i: int) -> Segment:
+    def part(self, block: DecoderBlock, i: int) -> Segment:
         return Segment(self.rows, self.batch, self.tokens, self.cache.k[i], self.cache.v[i], self.start,
                        self.seen[block.window])
 
 
 @dataclass(frozen=True)
 class _Group:
-    """One-token steps of sessions in one slab, slots [first, stop): what each block's Together is made of."""
+    """Short steps of sessions in one slab, slots [first, stop): what each block's Together is made of."""
 
     rows: slice
     slab: Slab
     first: int
     stop: int
     places: Tensor
-    whole: bool
-    starts: Tensor
+    cols: Tensor
+    at: Tensor | None
+    tokens: int
     masks: dict
     end: int
 
-    def at(self, block: DecoderBlock, i: int) -> Together:
+    def part(self, block: DecoderBlock, i: int) -> Together:
         return Together(self.rows, self.slab.k[self.first:self.stop, i], self.slab.v[self.first:self.stop, i],
-                        self.places, self.whole, self.starts, self.masks[block.window], self.end)
+                        self.places, self.cols, self.at, self.tokens, self.masks[block.window], self.end)
 
 
 def _freqs(cfg: ModelConfig, blocks: Sequence[DecoderBlock]) -> dict:

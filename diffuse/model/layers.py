@@ -6,8 +6,8 @@ gate/up are fused into one matmul each (on a CPU decoding one token, the number 
 launches, not FLOPs, sets the speed). A block takes the rows of one or several sessions at once
 (`Segment`s of one flat input): the norms, projections, rotations and the MLP run over all rows
 together, while each session's rows are cached and attend to its own keys (selective batching, as
-Orca does). One-token steps of sessions whose caches are slots of one slab (`Together`) write
-and attend with one call per layer for all of them, not one per session.
+Orca does). Short steps of sessions whose caches are slots of one slab (`Together`) write and
+attend with one call per layer for all of them, not one per session.
 """
 
 from __future__ import annotations
@@ -60,18 +60,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class Together:
-    """One-token steps of G sessions whose caches are slots of one slab, one row each (`rows`):
-    their layer's keys and values for the slab's slots [first, first + R) as k, v [R, KV, cap, D],
-    each member's place in that range (`at` [G], increasing; `whole`: the members are the whole
-    range), the step's slot in each one's cache (`starts` [G]), and `mask` [R, 1, 1, end] (True =
-    may attend; a slot of the range that is no member's sees its key 0)."""
+    """Steps of up to T tokens of sessions whose caches are slots of one slab (`rows`: theirs,
+    one session after another): their layer's keys and values for the slab's slots [first, first
+    + R) as k, v [R, KV, cap, D]; for each row, its session's place in that range (`places`) and
+    the cache slot its token goes to (`cols`); `at`: each row's place among the R x T query rows
+    (None: the rows are all of them, one token per slot); `mask` [R, 1, G x T, end] for the G query
+    heads of a key head by T tokens (True = may attend; a padded row sees its key 0)."""
 
     rows: slice
     k: Tensor
     v: Tensor
-    at: Tensor
-    whole: bool
-    starts: Tensor
+    places: Tensor
+    cols: Tensor
+    at: Tensor | None
+    tokens: int
     mask: Tensor
     end: int
 
@@ -201,17 +203,19 @@ class DecoderBlock(nn.Module):
         return y.transpose(1, 2).reshape(b * t, -1)
 
     def _attend_together(self, q: Tensor, k: Tensor, v: Tensor, s: Together) -> Tensor:
-        """G sessions' one-token attention outputs [G, heads*D] from their rows [G, heads, D]: the
-        new keys and values written into their slots and every query attended in one call."""
-        g = q.shape[0]
-        s.k[s.at, :, s.starts] = k
-        s.v[s.at, :, s.starts] = v
-        q = q.view(g, self.n_kv, -1, self.hd)  # the query heads of a key head as its query rows
-        if not s.whole:
-            q = q.new_zeros(s.k.shape[0], *q.shape[1:]).index_copy_(0, s.at, q)
+        """Several sessions' attention outputs [N, heads*D] from their rows [N, heads, D]: the new
+        keys and values written into their slots and every query attended in one call, the query
+        heads of a key head stacked as its query rows."""
+        r, t = s.k.shape[0], s.tokens
+        s.k[s.places, :, s.cols] = k
+        s.v[s.places, :, s.cols] = v
+        if s.at is not None:  # [R x T, heads, D], padded
+            q = q.new_zeros(r * t, *q.shape[1:]).index_copy_(0, s.at, q)
+        q = q.view(r, t, self.n_kv, -1, self.hd).permute(0, 2, 3, 1, 4).reshape(r, self.n_kv, -1, self.hd)
         y = F.scaled_dot_product_attention(q, s.k[:, :, :s.end], s.v[:, :, :s.end], attn_mask=s.mask,
                                            scale=self.scale)
-        return (y if s.whole else y[s.at]).reshape(g, -1)
+        y = y.view(r, self.n_kv, -1, t, self.hd).permute(0, 3, 1, 2, 4).reshape(r * t, -1)
+        return y if s.at is None else y[s.at]
 
     def mlp(self, x: Tensor, exact: bool) -> Tensor:
         gate, up = self.w_gate_up(x, exact).chunk(2, dim=-1)
