@@ -33,7 +33,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from diffuse.control import pnet, quick_io
+from diffuse.control import pnet, quick_io, whole_writes
 from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import DiffuseError
 
@@ -105,6 +105,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiadd
     peer ever reaches a half-configured node.
     """
     tame_libp2p_logging()
+    whole_writes.apply()
     quick_io.apply()
     if swarm_key is not None:
         pnet.install()
