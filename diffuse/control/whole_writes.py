@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from libp2p.io.exceptions import IOException
 
 SESSION = "libp2p.security.secure_session"
 WRITE_TIMEOUT_S = 30.0  # one message is at most 64 KiB: only a peer that stopped reading takes this long
@@ -29,7 +30,6 @@ MARK = "_diffuse_whole_write"
 
 def _whole(write: Callable[..., Any]) -> Callable[..., Any]:
     """`SecureSession.write` that a cancellation reaches before it encrypts, or not at all."""
-    from libp2p.io.exceptions import IOException
 
     @functools.wraps(write)
     async def write_whole(self: Any, data: bytes) -> None:
