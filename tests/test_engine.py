@@ -8,6 +8,7 @@ import torch
 
 from diffuse.client.pipeline import LocalModel
 from diffuse.errors import ModelError
+from diffuse.model.layers import Visible, attention, stacks_one_query
 from diffuse.model.load import load_head, load_span
 from tiny import BRANCHES, FAMILIES, PREFIX, Sync, load_reference, make_tiny, tree
 
@@ -309,3 +310,18 @@ def test_unsupported_architecture(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg | {"model_type": "gpt2"}))
     with pytest.raises(ModelError, match="unsupported architecture 'gpt2': Diffuse runs llama, mistral, qwen2"):
         load_span(path, 0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_query_attention_keeps_each_query_head_on_its_key_head(dtype):
+    """A decode step's attention (one query per sequence, grouped heads), on whichever path the
+    dtype takes (half precision stacks a key head's query heads as rows), matches fp64 attention
+    in which query head i reads key head i // 3, for every sequence of a batch."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, heads, t, 16, generator=g) for heads, t in ((6, 1), (2, 40), (2, 40)))
+    got = attention(q.to(dtype), k.to(dtype), v.to(dtype), Visible(0, None, causal=False), 0.25, None, False)
+    kk, vv = (x.double().repeat_interleave(3, 1) for x in (k.to(dtype), v.to(dtype)))
+    want = ((q.to(dtype).double() @ kk.transpose(-1, -2)) * 0.25).softmax(-1) @ vv
+    assert got.shape == (4, 6, 1, 16) and got.dtype == dtype
+    assert (got.double() - want).abs().max() < (2e-2 if dtype != torch.float32 else 1e-5)
+    assert stacks_one_query(q.to(dtype), k) == (dtype != torch.float32)

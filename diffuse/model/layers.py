@@ -119,11 +119,24 @@ def visible(start: int, positions: Tensor, tree_mask: Tensor | None, window: int
     return Visible(lo, allow.to(device), causal=False)
 
 
+def stacks_one_query(q: Tensor, k: Tensor) -> bool:
+    """Whether one-query attention stacks a key head's query heads as rows (see `attention`):
+    grouped heads in half precision on a CPU. fp32 keeps SDPA's GQA path (as fast there), so its
+    bits are what they were."""
+    return q.device.type == "cpu" and q.dtype != torch.float32 and k.shape[1] != q.shape[1]
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, seen: Visible, scale: float, softcap: float | None,
               exact: bool) -> Tensor:
     """softmax(scale * q k^T (soft-capped), masked) v for q [B, H, T, D], k, v [B, KV, L, D]."""
     if exact:
         return exact_attention(q, k, v, seen.allow, scale, softcap)
+    if softcap is None and q.shape[2] == 1 and seen.allow is None and stacks_one_query(q, k):
+        # One query per sequence in half precision on a CPU: SDPA's GQA path there is the math
+        # kernel with keys and values copied per query head (5-7x slower in bf16, the default
+        # dtype; scripts/bench_decode_attention.py); a key head's query heads as its rows are not.
+        b, h, _, d = q.shape
+        return F.scaled_dot_product_attention(q.reshape(b, k.shape[1], -1, d), k, v, scale=scale).view(b, h, 1, d)
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=seen.allow, is_causal=seen.causal,
                                               scale=scale, enable_gqa=True)
