@@ -16,6 +16,7 @@ faster), and whether both give the same bits.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -62,12 +63,8 @@ def main() -> None:
                            for heads, t in ((h, 1), (kv, n), (kv, n)))
                 calls = max(3, int(2000 / (b * n / 128)))
 
-                def base():
-                    return F.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, enable_gqa=True)
-
-                def engine():
-                    return attention(q, k, v, seen, d ** -0.5, None, False)
-
+                base = functools.partial(F.scaled_dot_product_attention, q, k, v, scale=d ** -0.5, enable_gqa=True)
+                engine = functools.partial(attention, q, k, v, seen, d ** -0.5, None, False)
                 times = [(per_call(base, calls), per_call(engine, calls)) for _ in range(args.repeats)]
                 tb, te = (statistics.median(t[i] for t in times) for i in (0, 1))
                 print(f"| {name} | {b} | {n} | {tb * 1e3:.3f} | {te * 1e3:.3f} | {tb / te:.2f}x | "
