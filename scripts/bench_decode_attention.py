@@ -27,9 +27,7 @@ from diffuse.home import data_home
 from diffuse.model import store
 from diffuse.model.config import ModelConfig
 from diffuse.model.layers import Visible, attention
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
+from diffuse.model.load import DTYPES
 
 def per_call(f, calls: int) -> float:
     f()
@@ -62,7 +60,6 @@ def main() -> None:
                 q, k, v = (torch.randn(b, heads, t, d, generator=g).to(DTYPES[name])
                            for heads, t in ((h, 1), (kv, n), (kv, n)))
                 calls = max(3, int(2000 / (b * n / 128)))
-
                 base = functools.partial(F.scaled_dot_product_attention, q, k, v, scale=d ** -0.5, enable_gqa=True)
                 engine = functools.partial(attention, q, k, v, seen, d ** -0.5, None, False)
                 times = [(per_call(base, calls), per_call(engine, calls)) for _ in range(args.repeats)]
