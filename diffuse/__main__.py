@@ -1,7 +1,5 @@
 """`python -m diffuse` is the `diffuse` command (used to start peers as child processes)."""
 
-import sys
+from diffuse.cli import run
 
-from diffuse.cli import main
-
-sys.exit(main())
+run()

@@ -54,7 +54,7 @@ from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"
-DIFFUSE = [sys.executable, "-c", "import sys; from diffuse.cli import main; sys.exit(main())"]
+DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
 
 
 @dataclass

@@ -18,7 +18,7 @@ from diffuse.api.backend import Overloaded, UnknownModel, Unservable
 from diffuse.model.tokenizer import Tokenizer
 
 # The CLI entry point exactly as the `diffuse` console script runs it.
-DIFFUSE = [sys.executable, "-c", "import sys; from diffuse.cli import main; sys.exit(main())"]
+DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
 
 PEER_A = "12D3KooWA1aRqSx6ZtVKZ9sKmUj1FpD8RkYb6cJqGvWm4n2hHxYz"
 PEER_B = "12D3KooWB7tQe3LnF4pPzW8yVxk9Jm2Rr5uCdS6gHh1aN3oTqEwK"

@@ -28,7 +28,7 @@ from diffuse.control.swarm_key import SwarmKey, read_key, write_key
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.config import ModelConfig
 
-DIFFUSE = [sys.executable, "-c", "import sys; from diffuse.cli import main; sys.exit(main())"]
+DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
 SMOLLM2_CONFIG = dict(arch="llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0,
                       max_position_embeddings=8192, tie_word_embeddings=True)

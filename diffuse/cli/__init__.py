@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from diffuse.errors import DiffuseError
 
@@ -40,3 +41,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def run() -> NoReturn:
+    """The `diffuse` executable: `main`, then an exit that skips the interpreter's finalisation.
+    Every command has closed its hosts, files and sessions by the time `main` returns; what
+    finalisation would still do is stop daemon threads (a draft head's trainer, a worker inside
+    torch) mid-call and run torch's static destructors, which can abort the process with
+    "terminate called without an active exception" after a correct answer."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
