@@ -27,6 +27,7 @@ from diffuse.model import gemma, llama, phi3, qwen3_moe, rope
 from diffuse.model.config import ModelConfig
 from diffuse.model.kernels import Linear
 from diffuse.model.layers import DecoderBlock, Family, Rows, Segment, Together, visible
+from diffuse.model.meta import on_meta
 
 FAMILIES: dict[str, Family] = {
     "llama": llama.FAMILY,
@@ -219,7 +220,7 @@ def block_parameters(cfg: ModelConfig, layer: int) -> int:
     """Weights (numbers) of block `layer`, counted on the meta device: all of its experts included.
     Kept per (config, layer): building the modules costs ~0.7 ms a block, which every session a
     client opens would pay (its rescue budget counts its span's weights)."""
-    with torch.device("meta"):
+    with on_meta():
         return sum(p.numel() for p in family(cfg).block(cfg, layer).parameters())
 
 
