@@ -10,12 +10,18 @@ blank lines at the start of the request, as training does; `--cache` keeps them 
 run) and reports, for each head file, the share of positions whose first guess is the model's
 choice and the share whose first 1, 2, 3 guesses all are (what a chain of guesses gets
 accepted). Minutes, not the benchmark's quarter hour: a way to compare heads before benching one.
+
+`--trees BEAM,TOP,DEPTH,NODES ...` also reports, per tree shape of `DraftHead.propose` (the
+default is 1,5,5,24), the tokens a step would yield if it sent the head's whole tree and nothing
+else (1 + the longest accepted path, at every other position of every answer): what a head can
+give at most, before the planner weighs positions against their cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +33,7 @@ from diffuse.client.local import open_local  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.config import ModelConfig  # noqa: E402
+from diffuse.model.engine import Head  # noqa: E402
 
 
 def main() -> None:
@@ -39,6 +46,8 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=17)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cache", type=Path, help="file keeping the decoded answers between runs")
+    ap.add_argument("--trees", nargs="+", default=[], metavar="BEAM,TOP,DEPTH,NODES",
+                    help="tree shapes whose tokens per step (whole tree sent) to report")
     args = ap.parse_args()
     home = data_home(args.home)
     path = store.resolve(home, args.model)
@@ -68,6 +77,27 @@ def main() -> None:
             r = draft_training.evaluate(draft, model.head, held)
             print(f"| {file.parent.name}/{file.name} | {kind} | {r.hits[0]:.2f} | "
                   f"{' / '.join(f'{c:.2f}' for c in r.chain)} |")
+        if args.trees:
+            whole_trees(draft, model.head, traces, [tuple(map(int, t.split(","))) for t in args.trees])
+
+
+def whole_trees(draft: draft_head.DraftHead, head: Head, traces: dict, shapes: list[tuple[int, ...]]) -> None:
+    print("\n| beam, top, depth, nodes | " + " | ".join(traces) + " | mixed | ms per tree |")
+    print("|---|" + "---|" * (len(traces) + 2))
+    for beam, top, depth, nodes in shapes:
+        per_class, seconds, trees = [], 0.0, 0
+        for seqs in traces.values():
+            steps = []
+            for z, choice, _ in seqs:
+                for j in range(0, len(choice) - depth - 1, 2):
+                    t0 = time.perf_counter()
+                    tree = {tuple(p) for p, _ in draft.propose(head, z[j], int(choice[j]), depth, nodes, beam, top)}
+                    seconds, trees = seconds + time.perf_counter() - t0, trees + 1
+                    real = choice[j + 1:j + 1 + depth].tolist()
+                    steps.append(1 + next((k for k in range(len(real)) if tuple(real[:k + 1]) not in tree), len(real)))
+            per_class.append(sum(steps) / len(steps))
+        print(f"| {beam}, {top}, {depth}, {nodes} | " + " | ".join(f"{t:.2f}" for t in per_class)
+              + f" | {sum(per_class) / len(per_class):.2f} | {1000 * seconds / trees:.1f} |")
 
 
 if __name__ == "__main__":
