@@ -390,21 +390,29 @@ class Misjudged(Fixed):
 def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
     from diffuse.client.speculative import HELD, PLAIN, TREE, Gate
 
-    gate = Gate(window=4, hold=4, most=16)
-    for _ in range(4):
+    gate = Gate(window=8, every=4, hold=4, most=16)
+    for _ in range(7):
         gate.observe(1, 8, 0.2, 0.1)  # 5 tokens/s against plain's 10 (its fitted cost)
+    assert gate.open  # not judged on fewer than eight steps
+    gate.observe(1, 8, 0.2, 0.1)
     assert not gate.open and gate.held == 4
     for _ in range(4):
         gate.observe(1, 1, 0.1, None)
     assert gate.open
-    for _ in range(4):
-        gate.observe(1, 8, 0.2, None)
+    for _ in range(8):
+        gate.observe(1, 8, 0.2, None)  # a new window after the hold
     assert gate.held == 8  # failed again: a longer hold
     for _ in range(8):
         gate.observe(1, 1, 0.1, None)
-    for _ in range(4):
+    for _ in range(8):
         gate.observe(3, 8, 0.2, None)  # 15 tokens/s: it pays, the hold resets
     assert gate.open and gate.hold == 4
+    for _ in range(4):
+        gate.observe(1, 8, 0.15, None)  # four losing steps (6.7 tokens/s), but with the four paying
+    assert gate.open                   # ones before them 16 tokens in 1.4 s: it pays
+    for _ in range(4):
+        gate.observe(1, 8, 0.15, None)  # eight losing steps in the sliding window: held
+    assert not gate.open
 
     # In the loop: the text repeats (guesses are right), but wide steps cost 10x a plain one
     # until the round trip grows; then trees come back. The answer is plain greedy's throughout.
@@ -423,8 +431,8 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
 
     out = trio.run(run)
     assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
-    assert modes[:4] == [TREE] * 4 and modes[4] == HELD  # held after one window of losing trees
-    assert modes[:40].count(HELD) >= 24  # holds of 4, 8, 16 steps between windows of 4 trees
+    assert modes[:8] == [TREE] * 8 and modes[8] == HELD  # held after one window of losing trees
+    assert modes[:40].count(HELD) >= 16  # holds of 4, 8, 16 steps between windows of 8 trees
     # Back once it pays (the very last step may be plain: with one token left a tree has nothing to win).
     assert set(modes) <= {TREE, PLAIN, HELD} and modes[-9:-1] == [TREE] * 8
 
