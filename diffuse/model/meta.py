@@ -15,12 +15,15 @@ _INITIALISERS = {init.uniform_, init.normal_, init.kaiming_uniform_, init.ones_,
 
 
 class _NoInit(TorchFunctionMode):
-    """Initialisers return their tensor untouched (a mode is per thread: others still initialise)."""
+    """Initialisers return a meta tensor untouched (a mode is per thread: others still initialise)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _INITIALISERS:
-            return args[0] if args else (kwargs or {})["tensor"]
-        return func(*args, **(kwargs or {}))
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 @contextmanager
