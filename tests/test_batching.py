@@ -317,7 +317,9 @@ def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
 
     trio.run(main)
     late = sizes[len(sizes) // 2:]
-    assert late.count(2) >= len(late) - 1, sizes  # in step once their rhythm is known
+    # In step once their rhythm is known (a busy machine may knock them out of it once; without the
+    # wait they alternate and every batch is single).
+    assert late.count(2) >= len(late) - 2, sizes
     assert sum(sizes) == 24
 
 
