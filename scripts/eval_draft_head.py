@@ -11,17 +11,21 @@ run) and reports, for each head file, the share of positions whose first guess i
 choice and the share whose first 1, 2, 3 guesses all are (what a chain of guesses gets
 accepted). Minutes, not the benchmark's quarter hour: a way to compare heads before benching one.
 
-`--trees BEAM,TOP,DEPTH,NODES ...` also reports, per tree shape of `DraftHead.propose` (the
-default is 1,5,5,24), the tokens a step would yield if it sent the head's whole tree and nothing
-else (1 + the longest accepted path, at every other position of every answer): what a head can
-give at most, before the planner weighs positions against their cost.
+`--sent N ...` also reports the tokens per step when every step sends the N guesses that the
+client's planner scores likeliest (the real `Speculator`: the head's tree and prompt lookup, its
+acceptance learned along each answer; `0` sends the whole draft), stepping along each answer as
+verification would ("mixed" pools the classes' steps, as the benchmark does). The pool of the
+model's own n-grams is left out: its entries come from the model's predictions at guesses off
+the answer's path, which these answers do not hold. Tokens per step count steps, not
+positions: averaging over every position would weigh the easy stretches that a step crosses at
+once as often as the hard ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from diffuse.client import draft_head, draft_training  # noqa: E402
+from diffuse.client.speculative import SpecConfig, SpecState, Speculator  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
@@ -46,8 +51,8 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=17)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--cache", type=Path, help="file keeping the decoded answers between runs")
-    ap.add_argument("--trees", nargs="+", default=[], metavar="BEAM,TOP,DEPTH,NODES",
-                    help="tree shapes whose tokens per step (whole tree sent) to report")
+    ap.add_argument("--sent", nargs="+", type=int, default=[], metavar="N",
+                    help="guesses sent per step (0: all) whose tokens per step to report")
     args = ap.parse_args()
     home = data_home(args.home)
     path = store.resolve(home, args.model)
@@ -77,27 +82,45 @@ def main() -> None:
             r = draft_training.evaluate(draft, model.head, held)
             print(f"| {file.parent.name}/{file.name} | {kind} | {r.hits[0]:.2f} | "
                   f"{' / '.join(f'{c:.2f}' for c in r.chain)} |")
-        if args.trees:
-            whole_trees(draft, model.head, traces, [tuple(map(int, t.split(","))) for t in args.trees])
+        if args.sent:
+            prompts = {kind: sorted((tok.encode_chat([{"role": "user", "content": q}]) for q in texts[:args.per_class]),
+                                    key=len) for kind, texts in CLASSES.items()}  # the order `generated` answers in
+            planned(draft, model.head, traces, prompts, args.sent)
 
 
-def whole_trees(draft: draft_head.DraftHead, head: Head, traces: dict, shapes: list[tuple[int, ...]]) -> None:
-    print("\n| beam, top, depth, nodes | " + " | ".join(traces) + " | mixed | ms per tree |")
-    print("|---|" + "---|" * (len(traces) + 2))
-    for beam, top, depth, nodes in shapes:
-        per_class, seconds, trees = [], 0.0, 0
-        for seqs in traces.values():
-            steps = []
-            for z, choice, _ in seqs:
-                for j in range(0, len(choice) - depth - 1, 2):
-                    t0 = time.perf_counter()
-                    tree = {tuple(p) for p, _ in draft.propose(head, z[j], int(choice[j]), depth, nodes, beam, top)}
-                    seconds, trees = seconds + time.perf_counter() - t0, trees + 1
-                    real = choice[j + 1:j + 1 + depth].tolist()
-                    steps.append(1 + next((k for k in range(len(real)) if tuple(real[:k + 1]) not in tree), len(real)))
+def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict, sizes: list[int]) -> None:
+    # The traces hold normalised final states; `propose` normalises the state it is given.
+    normed = SimpleNamespace(norm=torch.nn.Identity(), lm_head=head.lm_head, embed=head.embed)
+    print("\n| guesses sent | " + " | ".join(traces) + " | mixed |")
+    print("|---|" + "---|" * (len(traces) + 1))
+    for size in sizes:
+        per_class, pooled = [], []
+        for kind, seqs in traces.items():
+            steps: list[int] = []
+            for (z, choice, _), prompt in zip(seqs, prompts[kind]):
+                answer = choice.tolist()
+                spec = Speculator(SpecConfig(draft=draft), SpecState(), prompt, normed)  # type: ignore[arg-type]
+                spec.push(answer[:1])
+                at = 0
+                while at < len(answer) - 1:
+                    spec.z = z[at]
+                    tree = spec.draft(spec.cfg.max_depth)
+                    scores = spec.acceptance.scores(tree)
+                    sent = set(sorted(range(1, len(scores)), key=lambda i: (-scores[i], tree.kinds[i][1], i))
+                               [:size or None])
+                    node, accepted = 0, 0
+                    for token in answer[at + 1:-1]:  # the last token is always the model's own
+                        node = tree.children[node].get(token, -1)
+                        if node not in sent:
+                            break
+                        accepted += 1
+                    steps.append(1 + accepted)
+                    spec.push(answer[at + 1:at + 2 + accepted])
+                    at += 1 + accepted
             per_class.append(sum(steps) / len(steps))
-        print(f"| {beam}, {top}, {depth}, {nodes} | " + " | ".join(f"{t:.2f}" for t in per_class)
-              + f" | {sum(per_class) / len(per_class):.2f} | {1000 * seconds / trees:.1f} |")
+            pooled += steps
+        print(f"| {size or 'all'} | " + " | ".join(f"{t:.2f}" for t in per_class)
+              + f" | {sum(pooled) / len(pooled):.2f} |")
 
 
 if __name__ == "__main__":
