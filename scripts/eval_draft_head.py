@@ -14,7 +14,9 @@ accepted). Minutes, not the benchmark's quarter hour: a way to compare heads bef
 `--sent N ...` also reports the tokens per step when every step sends the N guesses that the
 client's planner scores likeliest (the real `Speculator`: the head's tree and prompt lookup, its
 acceptance learned along each answer; `0` sends the whole draft), stepping along each answer as
-verification would ("mixed" pools the classes' steps, as the benchmark does). The pool of the
+verification would ("mixed" pools the classes' steps, as the benchmark does); `--rates` adds
+how often each kind of guess was accepted, and `--requests` asks the last of the head's own
+training requests instead of the benchmark's prompts (where the planner's priors come from). The pool of the
 model's own n-grams is left out: its entries come from the model's predictions at guesses off
 the answer's path, which these answers do not hold. Tokens per step count steps, not
 positions: averaging over every position would weigh the easy stretches that a step crosses at
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -53,21 +56,25 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, help="file keeping the decoded answers between runs")
     ap.add_argument("--sent", nargs="+", type=int, default=[], metavar="N",
                     help="guesses sent per step (0: all) whose tokens per step to report")
+    ap.add_argument("--requests", action="store_true",
+                    help="answer the last of the draft head's own training requests instead of the benchmark's")
+    ap.add_argument("--rates", action="store_true", help="with --sent: how often each kind of guess was accepted")
     args = ap.parse_args()
+    classes = {"requests": draft_training.questions()[-3 * args.per_class:]} if args.requests else CLASSES
     home = data_home(args.home)
     path = store.resolve(home, args.model)
     name = path.name
     model, tok = open_local(home, name, "fp32")
     hidden = ModelConfig.load(path).hidden_size
     heads = args.heads or [draft_head.path(home, name)]
-    key = {"per_class": args.per_class, "tokens": args.tokens, "model": name}
+    key = {"per_class": args.per_class, "tokens": args.tokens, "model": name, "requests": args.requests}
     traces = None
     if args.cache and args.cache.exists():
         saved = torch.load(args.cache, weights_only=True)
         traces = saved["traces"] if saved["key"] == key else None
     if traces is None:
         traces = {kind: draft_training.generated(model, tok, texts[:args.per_class], 10**9, batch=args.per_class,
-                                             new=args.tokens) for kind, texts in CLASSES.items()}
+                                             new=args.tokens) for kind, texts in classes.items()}
         if args.cache:
             torch.save({"key": key, "traces": traces}, args.cache)
     print(f"{name}: greedy answers to {args.per_class} prompts per class, up to {args.tokens} tokens; "
@@ -83,18 +90,20 @@ def main() -> None:
             print(f"| {file.parent.name}/{file.name} | {kind} | {r.hits[0]:.2f} | "
                   f"{' / '.join(f'{c:.2f}' for c in r.chain)} |")
         if args.sent:
-            prompts = {kind: sorted((tok.encode_chat([{"role": "user", "content": q}]) for q in texts[:args.per_class]),
-                                    key=len) for kind, texts in CLASSES.items()}  # the order `generated` answers in
-            planned(draft, model.head, traces, prompts, args.sent)
+            chats = {kind: [tok.encode_chat([{"role": "user", "content": q}]) for q in texts[:len(traces[kind])]]
+                     for kind, texts in classes.items()}
+            prompts = {kind: sorted(p, key=len) for kind, p in chats.items()}  # the order `generated` answers in
+            planned(draft, model.head, traces, prompts, args.sent, args.rates)
 
 
-def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict, sizes: list[int]) -> None:
+def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict, sizes: list[int],
+            rates: bool = False) -> None:
     # The traces hold normalised final states; `propose` normalises the state it is given.
     normed = SimpleNamespace(norm=torch.nn.Identity(), lm_head=head.lm_head, embed=head.embed)
     print("\n| guesses sent | " + " | ".join(traces) + " | mixed |")
     print("|---|" + "---|" * (len(traces) + 1))
     for size in sizes:
-        per_class, pooled = [], []
+        per_class, pooled, hits, trials = [], [], Counter(), Counter()
         for kind, seqs in traces.items():
             steps: list[int] = []
             for (z, choice, _), prompt in zip(seqs, prompts[kind]):
@@ -117,10 +126,16 @@ def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict
                     steps.append(1 + accepted)
                     spec.push(answer[at + 1:at + 2 + accepted])
                     at += 1 + accepted
+                hits.update(spec.acceptance.hits)
+                trials.update(spec.acceptance.trials)
             per_class.append(sum(steps) / len(steps))
             pooled += steps
         print(f"| {size or 'all'} | " + " | ".join(f"{t:.2f}" for t in per_class)
               + f" | {sum(pooled) / len(pooled):.2f} |")
+        if rates:
+            print("  accepted / drafted (given the parent was), by source, depth, rank among siblings: " + ", ".join(
+                f"{src} {d} {r}: {hits[k] / trials[k]:.2f} of {trials[k]}"
+                for k in sorted(trials) if trials[k] >= 20 for src, d, r in [k]))
 
 
 if __name__ == "__main__":

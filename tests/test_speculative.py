@@ -414,10 +414,10 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
         gate.observe(1, 8, 0.15, None)  # eight losing steps in the sliding window: held
     assert not gate.open
 
-    # In the loop: the text repeats (guesses are right), but wide steps cost 10x a plain one
-    # until the round trip grows; then trees come back. The answer is plain greedy's throughout.
+    # In the loop: the text repeats (guesses are right: 9 tokens a step), but wide steps cost 20x
+    # a plain one until the round trip grows; then trees come back. The answer is plain greedy's.
     eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
-    cost = Misjudged(wide=1.0)
+    cost = Misjudged(wide=2.0)
     state, params = SpecState(cost=cost), SamplingParams(max_tokens=400)
     modes = state.stats.modes
 
