@@ -14,11 +14,11 @@ accepted). Minutes, not the benchmark's quarter hour: a way to compare heads bef
 `--sent N ...` also reports the tokens per step when every step sends the N guesses that the
 client's planner scores likeliest (the real `Speculator`: the head's tree and prompt lookup, its
 acceptance learned along each answer; `0` sends the whole draft), stepping along each answer as
-verification would ("mixed" pools the classes' steps, as the benchmark does); `--rates` adds
-how often each kind of guess was accepted, and `--requests` asks the last of the head's own
-training requests instead of the benchmark's prompts (where the planner's priors come from). The pool of the
-model's own n-grams is left out: its entries come from the model's predictions at guesses off
-the answer's path, which these answers do not hold. Tokens per step count steps, not
+verification would ("mixed" pools the classes' steps, as the benchmark does). `--rates` adds how
+often each kind of guess was accepted; `--requests` asks the last of the head's own training
+requests instead of the benchmark's prompts (where the planner's priors come from). The pool of
+the model's own n-grams is left out: its entries come from the model's predictions at guesses
+off the answer's path, which these answers do not hold. Tokens per step count steps, not
 positions: averaging over every position would weigh the easy stretches that a step crosses at
 once as often as the hard ones.
 """
