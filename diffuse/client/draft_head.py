@@ -10,8 +10,8 @@ predicts z_{t+1}, the state the model itself will reach; the model's own LM head
 a guess, whose embedding feeds the next draft step. One small residual MLP (~3.3 M numbers for
 SmolLM2), run a few times per network step on the client, where z and the LM head already are.
 It is trained by self-distillation (draft_training.py). On the model's answers to the
-benchmark prompts, which it was not trained on, the first guess is right 38% of the time on chat,
-50% on code and 31% on summaries (scripts/eval_draft_head.py; the Medusa heads: 13-24%).
+benchmark prompts, which it was not trained on, the first guess is right 39% of the time on chat,
+51% on code and 30% on summaries (scripts/eval_draft_head.py; the Medusa heads: 13-24%).
 
 The file (`<home>/drafts/<model>/draft-head.safetensors`) also carries the head's calibration:
 how often a guess of each confidence band was right on held-out answers, which the planner uses
