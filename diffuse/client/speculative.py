@@ -426,8 +426,10 @@ def _prior(source: str, depth: int, rank: int) -> float:
     lookup's are measured along the model's answers to the draft head's last training requests
     (scripts/eval_draft_head.py --requests --per-class 20 --sent 10 --rates): a copy whose first
     token was accepted goes on being accepted (0.91-0.96 at depths 2-4 after a match of 2-3
-    tokens, 0.92 after a match of one), which a generic 0.5 priced at half, so grounded answers
-    sent short copies until each had relearnt it. A sibling of another guess fares far worse."""
+    tokens; after a match of one 0.92 at depth 4, in few trials, so 0.75 is taken), which a
+    generic 0.5 priced at half, so grounded answers sent short copies until each had relearnt it.
+    A sibling of another guess fares far worse (0.46; 0.08 after a match of one), and a copy's
+    first token, rarely unshadowed by the draft head's, is given a sibling's rate."""
     if source == "copy":
         return 0.45 if depth == 1 or rank else 0.9
     if source == "copy1":
