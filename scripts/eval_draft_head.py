@@ -14,7 +14,10 @@ accepted). Minutes, not the benchmark's quarter hour: a way to compare heads bef
 `--sent N ...` also reports the tokens per step when every step sends the N guesses that the
 client's planner scores likeliest (the real `Speculator`: the head's tree and prompt lookup, its
 acceptance learned along each answer; `0` sends the whole draft), stepping along each answer as
-verification would ("mixed" pools the classes' steps, as the benchmark does). `--rates` adds how
+verification would ("mixed" pools the classes' steps, as the benchmark does). `--cost A B` adds a
+row where each step sends what the planner would if a step of T positions cost A + B * T seconds
+(`best_size`; bench_speculative.py's relay at 80 ms fits about 0.14 + 0.0025 T here, its 0 ms
+about 0.06 + 0.003 T), with the positions it sent and the tokens per second that cost implies. `--rates` adds how
 often each kind of guess was accepted; `--requests` asks the last of the head's own training
 requests instead of the benchmark's prompts (where the planner's priors come from). The pool of
 the model's own n-grams is left out: its entries come from the model's predictions at guesses
@@ -36,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from diffuse.client import draft_head, draft_training  # noqa: E402
-from diffuse.client.speculative import SpecConfig, SpecState, Speculator  # noqa: E402
+from diffuse.client.speculative import Cost, SpecConfig, SpecState, Speculator, best_size  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, help="file keeping the decoded answers between runs")
     ap.add_argument("--sent", nargs="+", type=int, default=[], metavar="N",
                     help="guesses sent per step (0: all) whose tokens per step to report")
+    ap.add_argument("--cost", nargs=2, type=float, metavar=("A", "B"),
+                    help="with --sent: also size each step as the planner would at A + B * positions seconds")
     ap.add_argument("--requests", action="store_true",
                     help="answer the last of the draft head's own training requests instead of the benchmark's")
     ap.add_argument("--rates", action="store_true", help="with --sent: how often each kind of guess was accepted")
@@ -89,21 +94,23 @@ def main() -> None:
             r = draft_training.evaluate(draft, model.head, held)
             print(f"| {file.parent.name}/{file.name} | {kind} | {r.hits[0]:.2f} | "
                   f"{' / '.join(f'{c:.2f}' for c in r.chain)} |")
-        if args.sent:
+        if args.sent or args.cost:
             chats = {kind: [tok.encode_chat([{"role": "user", "content": q}]) for q in texts[:len(traces[kind])]]
                      for kind, texts in classes.items()}
             prompts = {kind: sorted(p, key=len) for kind, p in chats.items()}  # the order `generated` answers in
-            planned(draft, model.head, traces, prompts, args.sent, args.rates)
+            planned(draft, model.head, traces, prompts, args.sent, args.rates, Cost(sum(args.cost), *args.cost)
+                    if args.cost else None)
 
 
 def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict, sizes: list[int],
-            rates: bool = False) -> None:
+            rates: bool = False, cost: Cost | None = None) -> None:
     # The traces hold normalised final states; `propose` normalises the state it is given.
     normed = SimpleNamespace(norm=torch.nn.Identity(), lm_head=head.lm_head, embed=head.embed)
     print("\n| guesses sent | " + " | ".join(traces) + " | mixed |")
     print("|---|" + "---|" * (len(traces) + 1))
-    for size in sizes:
+    for size in sizes + ([-1] if cost else []):
         per_class, pooled, hits, trials = [], [], Counter(), Counter()
+        positions: list[int] = []
         for kind, seqs in traces.items():
             steps: list[int] = []
             for (z, choice, _), prompt in zip(seqs, prompts[kind]):
@@ -115,8 +122,10 @@ def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict
                     spec.z = z[at]
                     tree = spec.draft(spec.cfg.max_depth)
                     scores = spec.acceptance.scores(tree)
-                    sent = set(sorted(range(1, len(scores)), key=lambda i: (-scores[i], tree.kinds[i][1], i))
-                               [:size or None])
+                    ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], tree.kinds[i][1], i))
+                    n = best_size([scores[i] for i in ranked], cost) if size < 0 and cost else size or None
+                    sent = set(ranked[:n])
+                    positions.append(1 + len(sent))
                     node, accepted = 0, 0
                     for token in answer[at + 1:-1]:  # the last token is always the model's own
                         node = tree.children[node].get(token, -1)
@@ -130,8 +139,11 @@ def planned(draft: draft_head.DraftHead, head: Head, traces: dict, prompts: dict
                 trials.update(spec.acceptance.trials)
             per_class.append(sum(steps) / len(steps))
             pooled += steps
-        print(f"| {size or 'all'} | " + " | ".join(f"{t:.2f}" for t in per_class)
+        print(f"| {'planner' if size < 0 else size or 'all'} | " + " | ".join(f"{t:.2f}" for t in per_class)
               + f" | {sum(pooled) / len(pooled):.2f} |")
+        if size < 0 and cost:
+            print(f"  planner at {cost.a:g} + {cost.b:g} s per position: {sum(positions) / len(positions):.1f} "
+                  f"positions per step, {sum(pooled) / sum(map(cost, positions)):.2f} tokens/s")
         if rates:
             print("  accepted / drafted (given the parent was), by source, depth, rank among siblings: " + ", ".join(
                 f"{src} {d} {r}: {hits[k] / trials[k]:.2f} of {trials[k]}"

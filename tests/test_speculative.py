@@ -15,7 +15,7 @@ from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import (
     PLAIN, TREE, Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator,
     StepCost,
-    best_size,
+    best_size, copy_source,
     kv_headroom, speculative_tokens, tree_inputs, verify,
 )
 from diffuse.model.load import load_head, load_span
@@ -135,12 +135,32 @@ def test_rejection_sampling_preserves_the_distribution():
 
 # ---- guess sources and planner ---------------------------------------------------------------
 
-def test_prompt_lookup_longest_then_most_recent():
+def test_prompt_lookup_each_occurrence_once_with_its_reach():
     lookup = PromptLookup(max_n=2)
-    lookup.extend([1, 2, 3, 7, 2, 3, 8, 9, 2, 3])
+    lookup.extend([5, 1, 2, 3, 7, 9, 2, 3, 8, 4, 3, 6, 5, 1, 2, 3])
     found = list(lookup.continuations(depth=2))
-    assert found[:2] == [(2, [8, 9]), (2, [7, 2])]  # "2 3" matched, newest first
-    assert (1, [8, 9]) in found  # then "3" alone
+    # "2 3" matched, newest first; the older one agrees four tokens back ("5 1 2 3"), beyond
+    # max_n; then "3" alone, where it is not part of "2 3"
+    assert found == [(2, [8, 4]), (4, [7, 9]), (1, [6, 5])]
+
+
+def test_a_long_copy_is_priced_above_a_short_one():
+    spec = Speculator(SpecConfig(levels=0), SpecState(), [5, 1, 2, 3, 7, 9, 2, 3, 8, 4, 3, 6, 5, 1, 2, 3])
+    draft = spec.draft(max_depth=2)
+    scores = Acceptance().scores(draft)
+    node = {tuple(draft.tokens[j] for j in _path(draft, i)): i for i in range(1, len(draft.tokens))}
+    assert [copy_source(m) for m in (1, 3, 4, 15, 16, 40)] == ["copy1", "copy2", "copy4", "copy8", "copy16", "copy16"]
+    assert draft.kinds[node[(7,)]][0] == "copy4" and draft.kinds[node[(6,)]][0] == "copy1"
+    assert scores[node[(7,)]] > scores[node[(8,)]] > scores[node[(6,)]]
+    assert scores[node[(7, 9)]] > scores[node[(8,)]]  # the long copy's tail, too
+
+
+def _path(draft, i):
+    out = []
+    while i > 0:
+        out.append(i)
+        i = draft.parents[i]
+    return out[::-1]
 
 
 def test_draft_merges_shared_prefixes_and_caps_size():

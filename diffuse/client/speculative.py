@@ -19,6 +19,7 @@ decoding, and speculates again where the text starts to repeat.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -227,14 +228,20 @@ class PromptLookup:
             for n in range(1, min(self.max_n, end) + 1):
                 self.ends.setdefault(tuple(self.text[end - n:]), []).append(end)
 
-    def continuations(self, depth: int) -> Iterator[tuple[int, list[int]]]:
-        """(match length, what followed) for earlier occurrences of the text's suffix, longest
-        match first, most recent first."""
-        end = len(self.text)
+    def continuations(self, depth: int, reach: int = 16) -> Iterator[tuple[int, list[int]]]:
+        """(match, what followed) for each earlier occurrence of the text's suffix, once: those of
+        the longest suffix first, most recent first. `match` counts the tokens before the
+        occurrence that agree with the text's end, up to `reach`: a copy twelve tokens into a
+        quoted passage is a far safer bet than one that matched a common word."""
+        end, seen = len(self.text), set()
         for n in range(min(self.max_n, end), 0, -1):
             for e in reversed(self.ends.get(tuple(self.text[end - n:]), [])):
-                if e < end:
-                    yield n, self.text[e:e + depth]
+                if e < end and e not in seen:
+                    seen.add(e)
+                    k = n
+                    while k < min(reach, e) and self.text[e - 1 - k] == self.text[end - 1 - k]:
+                        k += 1
+                    yield k, self.text[e:e + depth]
 
 
 class NGramPool:
@@ -421,19 +428,29 @@ class Acceptance:
             node = draft.children[node][tok]
 
 
+# Prompt lookup's P(accepted | parent accepted) by how far back its match reaches (at least 1, 2,
+# 4, 8, 16 tokens): (the first guess after the root, a deeper first child, a sibling of another
+# guess), measured along the model's answers to the draft head's last training requests
+# (scripts/eval_draft_head.py --requests --per-class 80 --sent 10 --cost 0.14 0.0025 --rates).
+COPY_PRIORS = {1: (0.1, 0.7, 0.1), 2: (0.68, 0.82, 0.15), 4: (0.77, 0.88, 0.3), 8: (0.9, 0.92, 0.5),
+               16: (0.97, 0.97, 0.7)}
+
+
+def copy_source(match: int) -> str:
+    """The source name of a copy whose match reaches `match` tokens back: copy1 ... copy16."""
+    return f"copy{max(b for b in COPY_PRIORS if match >= b)}"
+
+
 def _prior(source: str, depth: int, rank: int) -> float:
-    """P(accepted | parent accepted) before a generation has seen any, by kind of guess. Prompt
-    lookup's are measured along the model's answers to the draft head's last training requests
-    (scripts/eval_draft_head.py --requests --per-class 20 --sent 10 --rates): a copy whose first
-    token was accepted goes on being accepted (0.91-0.96 at depths 2-4 after a match of 2-3
-    tokens; after a match of one 0.92 at depth 4, in few trials, so 0.75 is taken), which a
-    generic 0.5 priced at half, so grounded answers sent short copies until each had relearnt it.
-    A sibling of another guess fares far worse (0.46; 0.08 after a match of one), and a copy's
-    first token, rarely unshadowed by the draft head's, is given a sibling's rate."""
-    if source == "copy":
-        return 0.45 if depth == 1 or rank else 0.9
-    if source == "copy1":
-        return 0.08 if depth == 1 else 0.2 if rank else 0.75
+    """P(accepted | parent accepted) before a generation has seen any, by kind of guess. A copy
+    whose first token was accepted goes on being accepted, the more surely the further back its
+    match reached (COPY_PRIORS; a generic 0.5 had priced a grounded answer's copies at half, so
+    it sent short ones until it had relearnt that), a copy beside another guess far less often;
+    the first token of a copy that matched one common token is rarely right (0.05 measured), of
+    one sixteen tokens into a quoted passage nearly always (0.99)."""
+    if source.startswith("copy") and source[4:].isdigit():
+        first, deeper, sibling = COPY_PRIORS[int(source[4:])]
+        return sibling if rank else first if depth == 1 else deeper
     return (0.25 if depth == 1 else 0.5) * (0.5 if rank else 1.0)
 
 
@@ -499,6 +516,10 @@ class Speculator:
     def draft(self, max_depth: int, fit: Cost | None = None, head: bool = True) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
+        copies = sorted(itertools.islice(self.lookup.continuations(max_depth), cfg.matches), key=lambda c: -c[0])
+        for match, cont in copies:  # the longest match first; one of two tokens or more outranks the head
+            if match > 1:
+                draft.add(cont, copy_source(match))
         if head and cfg.draft is not None and self.head is not None and self.z is not None and max_depth:
             # A guess is worth a position only if its chance beats one position's share of a
             # plain step (tokens per second can only fall otherwise): deeper levels stop there.
@@ -507,12 +528,9 @@ class Speculator:
             for guess, source in cfg.draft.propose(self.head, self.z, self.text[-1], depth, cfg.draft_nodes,
                                                    floor=floor):
                 draft.add(guess, source)
-        taken = 0
-        for n, cont in self.lookup.continuations(max_depth):
-            if taken == cfg.matches or draft.full:
-                break
-            draft.add(cont, "copy" if n > 1 else "copy1")
-            taken += 1
+        for match, cont in copies:
+            if match == 1:
+                draft.add(cont, copy_source(match))
         for cont in self.pool.get(self.text[-1]):
             draft.add(cont, "pool")
         self.waiting.append((draft, len(self.text) - 1))
