@@ -17,13 +17,13 @@ acceptance learned along each answer; `0` sends the whole draft), stepping along
 verification would ("mixed" pools the classes' steps, as the benchmark does). `--cost A B` adds a
 row where each step sends what the planner would if a step of T positions cost A + B * T seconds
 (`best_size`; bench_speculative.py's relay at 80 ms fits about 0.14 + 0.0025 T here, its 0 ms
-about 0.06 + 0.003 T), with the positions it sent and the tokens per second that cost implies. `--rates` adds how
-often each kind of guess was accepted; `--requests` asks the last of the head's own training
-requests instead of the benchmark's prompts (where the planner's priors come from). The pool of
-the model's own n-grams is left out: its entries come from the model's predictions at guesses
-off the answer's path, which these answers do not hold. Tokens per step count steps, not
-positions: averaging over every position would weigh the easy stretches that a step crosses at
-once as often as the hard ones.
+about 0.06 + 0.003 T), with the positions it sent and the tokens per second that cost implies.
+`--rates` adds how often each kind of guess was accepted; `--requests` asks the last of the
+head's own training requests instead of the benchmark's prompts (where the planner's priors come
+from). The pool of the model's own n-grams is left out: its entries come from the model's
+predictions at guesses off the answer's path, which these answers do not hold. Tokens per step
+count steps, not positions: averaging over every position would weigh the easy stretches that a
+step crosses at once as often as the hard ones.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--sent", nargs="+", type=int, default=[], metavar="N",
                     help="guesses sent per step (0: all) whose tokens per step to report")
     ap.add_argument("--cost", nargs=2, type=float, metavar=("A", "B"),
-                    help="with --sent: also size each step as the planner would at A + B * positions seconds")
+                    help="also size each step as the planner would at A + B * positions seconds")
     ap.add_argument("--requests", action="store_true",
                     help="answer the last of the draft head's own training requests instead of the benchmark's")
     ap.add_argument("--rates", action="store_true", help="with --sent: how often each kind of guess was accepted")
