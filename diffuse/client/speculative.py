@@ -436,6 +436,9 @@ COPY_PRIORS = {1: (0.1, 0.7, 0.1), 2: (0.68, 0.82, 0.15), 4: (0.77, 0.88, 0.3), 
                16: (0.97, 0.97, 0.7)}
 
 
+_COPY_SOURCES = {f"copy{b}": priors for b, priors in COPY_PRIORS.items()}
+
+
 def copy_source(match: int) -> str:
     """The source name of a copy whose match reaches `match` tokens back: copy1 ... copy16."""
     return f"copy{max(b for b in COPY_PRIORS if match >= b)}"
@@ -448,8 +451,8 @@ def _prior(source: str, depth: int, rank: int) -> float:
     it sent short ones until it had relearnt that), a copy beside another guess far less often;
     the first token of a copy that matched one common token is rarely right (0.05 measured), of
     one sixteen tokens into a quoted passage nearly always (0.99)."""
-    if source.startswith("copy") and source[4:].isdigit():
-        first, deeper, sibling = COPY_PRIORS[int(source[4:])]
+    if source in _COPY_SOURCES:
+        first, deeper, sibling = _COPY_SOURCES[source]
         return sibling if rank else first if depth == 1 else deeper
     return (0.25 if depth == 1 else 0.5) * (0.5 if rank else 1.0)
 
