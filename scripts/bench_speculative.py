@@ -19,7 +19,9 @@ in turn, as on machines of their own, and idle OpenMP threads spin only briefly 
 
 Reported per dtype, RTT, class and mode: tokens per round trip (decode steps after the prefill;
 plain is 1), positions per round trip, the share of steps the planner sent as trees / kept plain /
-held plain (speculation not paying, as measured), decode tokens/s and the speed-up over plain.
+held plain (speculation not paying, as measured), decode tokens/s and the speed-up over plain;
+then the mixed tokens per round trip over only the answers equal to plain's (a fast-kernel answer
+that flipped a near-tie can fall into a loop that every guess predicts).
 The model tokens/s = tokens_per_step / (RTT + c) is fitted per mode (c = fixed time per step:
 compute, transfer and client work, one least-squares constant over every cell) and its
 prediction error printed per cell.
@@ -209,7 +211,9 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
                             got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode],
                                                       args.exact and mode != "plain")
                             results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
-                        mismatches += sum(got[m]["tokens"] != got["plain"]["tokens"] for m in spec_modes)
+                        for m in spec_modes:
+                            got[m]["same"] = got[m]["tokens"] == got["plain"]["tokens"]
+                        mismatches += sum(not got[m]["same"] for m in spec_modes)
                         print(f"  {dtype} rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr,
                               flush=True)
 
@@ -256,6 +260,12 @@ def report(args, dtype: str, results: dict, mismatches: int, prompts: list, mode
                       f"| {p['tps']:.1f} | {s['tps']:.1f} | {s['tps'] / p['tps']:.2f}x "
                       f"| {model['plain']:.1f} ({err['plain']:+.0%}) | {model[m]:.1f} ({err[m]:+.0%}) |")
     print(f"\nmodel prediction error over per-class cells: mean {statistics.mean(errors):.1%}, max {max(errors):.1%}")
+    for rtt in args.rtts:
+        for m in spec_modes:
+            same = [r for k in CLASSES for r in results[(rtt, k, m)] if r["same"]]
+            if same:
+                print(f"{rtt:g} ms, {m}: {cell(same)['per_step']:.2f} tokens/step over the {len(same)} answers "
+                      f"equal to plain's")
     print(f"greedy answers differing from plain: {mismatches} of {len(prompts) * len(args.rtts) * len(spec_modes)}"
           + ("" if args.exact else " (fast kernels: near-ties may flip; scripts/eval_speculative_identity.py "
                                    "shows each one's top-2 gap)"))

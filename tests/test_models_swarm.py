@@ -183,7 +183,7 @@ def test_an_unservable_model_is_answered_by_the_best_other_and_says_so(both, swa
         raise AssertionError("\n".join(api.stderr[-30:])) from e
     assert answer.model == DEFAULT_MODEL and answer.choices[0].message.content
     # Through the swarm the API speculates by default: where the answer repeats its prompt, guesses
-    # copied from it are sent (a tree), after the plain first step that prices a plain one.
+    # copied from it are sent (a tree) from the first decode step on.
     repeat = "Repeat exactly, ten times: red green blue yellow."
     again = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": repeat}],
                                            max_tokens=24, temperature=0)

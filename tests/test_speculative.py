@@ -457,6 +457,34 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
     assert set(modes) <= {TREE, PLAIN, HELD} and modes[-9:-1] == [TREE] * 8
 
 
+def test_gate_measures_a_plain_step_only_when_its_guess_decides():
+    from diffuse.client.speculative import Gate
+
+    gate = Gate(window=8, every=4, hold=4)
+    for _ in range(8):
+        gate.observe(2, 8, 0.12, 0.1)  # 16.7 tokens/s against plain guessed at 10 (the fit's a + b)
+    assert gate.open and not gate.plain  # clearly pays: no plain step is spent on pricing one
+    gate = Gate(window=8, every=4, hold=4)
+    for _ in range(8):
+        gate.observe(1, 8, 0.09, 0.1)  # 11.1 tokens/s against a guessed 10: too close to call
+    assert gate.held == 1 and gate.hold == 4  # one plain step to measure it, not a hold
+    gate.observe(1, 1, 0.08, None)  # plain measured: 12.5 tokens/s
+    assert gate.open
+    for _ in range(4):
+        gate.observe(1, 8, 0.09, 0.1)
+    assert gate.held == 4  # judged against the measured plain step: held
+
+
+def test_a_generation_opens_with_a_tree():
+    # The step cost is learned (nothing fixed): the prompt's forward is its only timing, so the
+    # first decode step is a probe tree, not a plain step that would only price one.
+    eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
+    state, params = SpecState(), SamplingParams(max_tokens=12)
+    out = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), SpecConfig(), state)
+    assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
+    assert state.stats.modes[0] == TREE and state.stats.tokens[0] > 1
+
+
 def test_widest_steps_fit_the_kv_headroom():
     eos, max_tokens = 5, 30
     prompt = [1, 2, 3, 4, eos] * 3 + [1]

@@ -356,7 +356,15 @@ class Gate:
     Eight steps, not four: on chat at 80 ms, where trees paid ~1.4x, windows of four held 4-14% of
     steps, 51% without a draft head. With a first guess right ~40% of the time, four steps with
     every guess rejected come once in ~8 windows (0.6^4), eight once in ~60 (0.6^8).
+
+    A generation does not open with a plain step to price one: that step would add one token
+    where a tree adds two or more, and where speculation pays clearly no plain step is ever
+    needed. Until one is measured, plain costs the fit's a + b, which overstates it (one position
+    takes a faster kernel path); so a window that beats that guess by less than UNSURE buys one
+    plain step to measure it, and is judged again at the next comparison.
     """
+
+    UNSURE = 1.25  # > the one-position path's advantage over a + b (10% in bf16, ~5% behind a round trip)
 
     def __init__(self, window: int = 8, every: int = 4, hold: int = 4, most: int = 64):
         self.trees: deque[tuple[int, float]] = deque(maxlen=window)
@@ -381,9 +389,12 @@ class Gate:
         if len(self.trees) < (self.trees.maxlen or 1) or self.since < self.every or not plain:
             return
         self.since = 0
-        if sum(t for t, _ in self.trees) / sum(s for _, s in self.trees) < 1.0 / plain:
+        rate = sum(t for t, _ in self.trees) / sum(s for _, s in self.trees)
+        if rate < 1.0 / plain:
             self.held, self.hold = self.hold, min(2 * self.hold, self.most)
             self.trees.clear()
+        elif not self.plain and rate < self.UNSURE / plain:
+            self.held = 1  # one plain step: the guess was too close to call
         else:
             self.hold = self.base
 
@@ -544,8 +555,8 @@ class Speculator:
         the tokens it is expected to add (through the pool, later) are worth its positions, and
         then the next-best guesses in the rows the kernels would pad with zeros anyway. The root
         alone while the gate holds speculation off (drafting still runs, to keep learning, but
-        the draft head only every fourth held step: its levels cost client time) and for the
-        first step, which measures what a plain step costs.
+        the draft head only every fourth held step: its levels cost client time). Until the
+        cost's slope is known (the prompt's forward is one size), a step sends `probe_nodes`.
 
         `company`: sessions batched with this one. A position then costs each of them what it
         costs this session, so it is priced `company` times its fitted slope: a session's own
@@ -555,9 +566,9 @@ class Speculator:
         fit = self.cost.fit()
         if fit is not None and company > 1:
             fit = Cost(fit.plain, fit.a, fit.b * company)
-        if not self.gate.open or (fit is None and not self.cost.plain and not self.exact):
+        if not self.gate.open:
             self.draft(max_depth, fit, head=self.gate.held % 4 == 0)
-            return StepTree([self.text[-1]], [-1], False, HELD if not self.gate.open else PLAIN)
+            return StepTree([self.text[-1]], [-1], False, HELD)
         draft = self.draft(max_depth, fit)
         scores = self.acceptance.scores(draft)
         ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
