@@ -473,6 +473,17 @@ def test_gate_measures_a_plain_step_only_when_its_guess_decides():
     for _ in range(4):
         gate.observe(1, 8, 0.09, 0.1)
     assert gate.held == 4  # judged against the measured plain step: held
+    gate = Gate(window=8, every=4, hold=4)
+    for _ in range(8):
+        gate.observe(1, 8, 0.11, 0.1)  # 9.1 tokens/s against a guessed 10: too close to hold on a guess
+    assert gate.held == 1 and gate.hold == 4
+    gate.observe(1, 1, 0.125, None)  # plain measured: 8 tokens/s, slower than guessed
+    for _ in range(4):
+        gate.observe(1, 8, 0.11, 0.1)
+    assert gate.open  # trees beat the measured plain step
+    for _ in range(8):
+        gate.observe(1, 8, 0.2, 0.1)
+    assert gate.held == 4  # 5 tokens/s: held (a plain step is known now)
 
 
 def test_a_generation_opens_with_a_tree():

@@ -359,12 +359,13 @@ class Gate:
 
     A generation does not open with a plain step to price one: that step would add one token
     where a tree adds two or more, and where speculation pays clearly no plain step is ever
-    needed. Until one is measured, plain costs the fit's a + b, which overstates it (one position
-    takes a faster kernel path); so a window that beats that guess by less than UNSURE buys one
-    plain step to measure it, and is judged again at the next comparison.
+    needed. Until one is measured, plain is taken to cost the fit's a + b, which a one-position
+    step can beat (a faster kernel path: bf16 on the 2-core box) or miss (fp32's one-row path
+    there: 88 against 55 ms for two rows); so a window within a factor UNSURE of that guess, either
+    way, buys one plain step to measure it, and is judged again at the next comparison.
     """
 
-    UNSURE = 1.25  # > the one-position path's advantage over a + b (10% in bf16, ~5% behind a round trip)
+    UNSURE = 1.25  # a window's rate / the guessed plain rate that a guess's error cannot flip
 
     def __init__(self, window: int = 8, every: int = 4, hold: int = 4, most: int = 64):
         self.trees: deque[tuple[int, float]] = deque(maxlen=window)
@@ -390,11 +391,11 @@ class Gate:
             return
         self.since = 0
         rate = sum(t for t, _ in self.trees) / sum(s for _, s in self.trees)
-        if rate < 1.0 / plain:
+        if not self.plain and 1 / self.UNSURE < rate * plain < self.UNSURE:
+            self.held = 1  # one plain step: a guessed plain cost is too close to call either way
+        elif rate < 1.0 / plain:
             self.held, self.hold = self.hold, min(2 * self.hold, self.most)
             self.trees.clear()
-        elif not self.plain and rate < self.UNSURE / plain:
-            self.held = 1  # one plain step: the guess was too close to call
         else:
             self.hold = self.base
 
