@@ -18,8 +18,14 @@ turn. Baseline, measured in the same run: one session alone.
 Through the API (`diffuse api --bootstrap`, same peer): the same table for N streaming requests
 of ~23-token prompts, and time to first token: p50 and max of 16 concurrent requests against
 one lone request's, and against prefilling all 16 prompts back to back (16 requests of one token
-in a row). --exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to
-fast ones. The peer's batch counters (/metrics) say how many steps shared a forward pass.
+in a row); and, as the median's floor, the time until 8 concurrent requests all have their first
+token (median of three bursts): the median of 16 cannot have its first token before 8 prompts
+went through the model, and 8 alone go through no later than with 8 more beside them. Beside it,
+two floors of that ratio without HTTP: this process's SwarmClient giving 8 prompts their first
+token at once against one, and the compute alone (every block and the head in this process, 8
+prompts in one forward against one), the ratio no scheduler on one machine can beat.
+--exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to fast ones.
+The peer's batch counters (/metrics) say how many steps shared a forward pass.
 --fixed-threads adds the peer's table with every batch on the configured thread count
 (DIFFUSE_THREADS=fixed in the peer and this process) and the ratio of the measured choice to it.
 --own-caches adds the peer's table with every session's cache in memory of its own
@@ -56,6 +62,7 @@ from bench_api import DIFFUSE, start_server  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from diffuse.client.generate import stream_tokens  # noqa: E402
+from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.node import open_node  # noqa: E402
@@ -63,7 +70,7 @@ from diffuse.control.swarm_key import read_key  # noqa: E402
 from diffuse.data.scheduler import THREADS_ENV  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
-from diffuse.model.engine import SLABS_ENV  # noqa: E402
+from diffuse.model.engine import SLABS_ENV, SpanStep  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
@@ -93,9 +100,8 @@ def completion_prompts(n: int) -> list[str]:
             f"read. Once upon a time" for i in range(n)]
 
 
-async def peer_round(client: SwarmClient, tok: Tokenizer, n: int, tokens: int, exact: bool) -> list[tuple]:
-    """n sessions at once; per session (start, end, tokens)."""
-    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions(n)]
+async def peer_round(client: SwarmClient, prompts: list[list[int]], tokens: int, exact: bool) -> list[tuple]:
+    """The prompts as sessions at once; per session (start, end, tokens)."""
     out: list[tuple] = []
     start = time.perf_counter()
 
@@ -115,6 +121,35 @@ async def peer_round(client: SwarmClient, tok: Tokenizer, n: int, tokens: int, e
     return out
 
 
+async def prefill_floor(client: SwarmClient, tok: Tokenizer) -> tuple[float, float]:
+    """Seconds to the first token of one completion prompt alone, and of the last of 8 at once
+    (medians of three): what the API's TTFT figures cost in compute alone, without HTTP."""
+    prompts = [tok.encode(p) for p in completion_prompts(8)]
+    times = {}
+    for n in (1, 8):
+        times[n] = statistics.median([max(e for _, e, _ in got) - got[0][0]
+                                      for got in [await peer_round(client, prompts[:n], 1, False) for _ in range(3)]])
+    return times[1], times[8]
+
+
+def compute_floor(home, model: str | None, dtype: str) -> tuple[float, float]:
+    """Seconds for one completion prompt and for 8 in one forward through every block and the
+    head, in this process alone (medians of five): the ratio no scheduler of one machine beats."""
+    engine, tok = open_local(home, model, dtype)
+    head, (span,) = engine.head, engine.spans
+    prompts = [tok.encode(p) for p in completion_prompts(8)]
+
+    def once(n: int) -> float:
+        t0 = time.perf_counter()
+        steps = [SpanStep(head.embed_tokens(torch.tensor([p])), torch.arange(len(p)), span.new_cache(len(p)))
+                 for p in prompts[:n]]
+        head.logits(torch.cat([h[:, -1:] for h in span.forward_batch(steps)], 1))
+        return time.perf_counter() - t0
+
+    once(8)  # warm-up
+    return statistics.median(once(1) for _ in range(5)), statistics.median(once(8) for _ in range(5))
+
+
 def rates(sessions: list[tuple]) -> tuple[float, float]:
     """(aggregate tokens/s, mean per-session tokens/s)."""
     wall = max(e for _, e, _ in sessions) - min(s for s, _, _ in sessions)
@@ -131,8 +166,9 @@ def batch_counters(url: str) -> dict[str, float]:
 
 
 def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, sizes: list[int], tokens: int,
-               kinds: list[bool], metrics: str) -> dict[tuple[bool, int], dict]:
-    async def run() -> dict[tuple[bool, int], dict]:
+               kinds: list[bool], metrics: str) -> dict:
+    """Per (exact, sessions) the rates and batch sizes; under "floor", prefill_floor's two times."""
+    async def run() -> dict:
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot], server=False,
                              codecs=reputation.swarm_codecs(), swarm_key=read_key(Path(key_path))) as node:
             model_dir = store.resolve(home, model)
@@ -140,12 +176,13 @@ def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, si
             tok = Tokenizer.load(model_dir)
             while not await client.covered():
                 await trio.sleep(0.25)
-            await peer_round(client, tok, 1, 4, False)  # warm-up: route, RTTs, first forwards
-            out = {}
+            chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions(max(sizes))]
+            await peer_round(client, chats[:1], 4, False)  # warm-up: route, RTTs, first forwards
+            out: dict = {"floor": await prefill_floor(client, tok)}
             for exact in kinds:
                 for n in sizes:
                     before = batch_counters(metrics)
-                    agg, per = rates(await peer_round(client, tok, n, tokens, exact))
+                    agg, per = rates(await peer_round(client, chats[:n], tokens, exact))
                     after = batch_counters(metrics)
                     batches = after["diffuse_batches_total"] - before["diffuse_batches_total"]
                     steps = after["diffuse_batch_steps_total"] - before["diffuse_batch_steps_total"]
@@ -189,7 +226,11 @@ def api_bench(url: str, model_id: str, sizes: list[int], tokens: int) -> tuple[d
         asyncio.run(api_round(url, model_id, [p], 1))
     back_to_back = time.perf_counter() - t0
     ttft = sorted(f - s for s, f, _, _ in asyncio.run(api_round(url, model_id, completion_prompts(16), tokens)))
-    return table, {"lone": lone, "back_to_back": back_to_back, "p50": statistics.median(ttft), "max": ttft[-1]}
+    # The median of 16 needs 8 prompts through the model: 8 requests alone, all answered, bound it from below.
+    floor = statistics.median(max(f - s for s, f, _, _ in asyncio.run(
+        api_round(url, model_id, completion_prompts(8), 1))) for _ in range(3))
+    return table, {"lone": lone, "back_to_back": back_to_back, "p50": statistics.median(ttft), "max": ttft[-1],
+                   "floor": floor}
 
 
 def print_rates(title: str, table: dict[int, tuple[float, float]], extra: dict[int, str] | None = None) -> None:
@@ -307,6 +348,12 @@ def main() -> None:
                 print_rates(f"peer, {dtype}, {'exact' if exact else 'fast'} sessions",
                             {n: (got[exact, n]["agg"], got[exact, n]["per"]) for n in sizes},
                             {n: f"{got[exact, n]['steps_per_batch']:.1f}" for n in sizes})
+            one, eight = got["floor"]
+            print(f"\nfirst token of ~23-token prompts in this process (no HTTP), {dtype}: 8 at once "
+                  f"{eight:.2f} s = {eight / one:.2f}x one alone ({one:.2f} s)", flush=True)
+            one, eight = compute_floor(home, args.model, dtype)
+            print(f"compute alone, {dtype} (every block and the head in one forward, no other process "
+                  f"working): 8 prompts {eight:.2f} s = {eight / one:.2f}x one ({one:.2f} s)", flush=True)
             if args.exact:
                 print(f"\nexact / fast aggregate, {dtype}: "
                       + ", ".join(f"{n} sessions {got[True, n]['agg'] / got[False, n]['agg']:.2f}x" for n in sizes))
@@ -321,7 +368,9 @@ def main() -> None:
                       f"{ttft['p50'] / ttft['lone']:.2f}x a lone request's ({ttft['lone']:.2f} s); "
                       f"max {ttft['max']:.2f} s "
                       f"= {ttft['max'] / ttft['back_to_back']:.2f}x 16 prefills back to back "
-                      f"({ttft['back_to_back']:.2f} s)", flush=True)
+                      f"({ttft['back_to_back']:.2f} s); 8 concurrent requests all have their first token after "
+                      f"{ttft['floor']:.2f} s = {ttft['floor'] / ttft['lone']:.2f}x a lone request's (the median of 16 "
+                      f"waits for 8 prompts)", flush=True)
             for wanted, env, value, title, ratio in (
                     (args.fixed_threads, THREADS_ENV, "fixed", f"every batch on {torch.get_num_threads()} threads",
                      "threads chosen per batch / fixed"),
