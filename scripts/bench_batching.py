@@ -23,7 +23,9 @@ token (median of three bursts): the median of 16 cannot have its first token bef
 went through the model, and 8 alone go through no later than with 8 more beside them. Beside it,
 two floors of that ratio without HTTP: this process's SwarmClient giving 8 prompts their first
 token at once against one, and the compute alone (every block and the head in this process, 8
-prompts in one forward against one), the ratio no scheduler on one machine can beat.
+prompts in one forward against one), from which the median's floor if all 16 arrived at once (a
+lone request's time with one prompt's compute replaced by 8 prompts'); and the cores the peer, the
+API and this process used during the burst.
 --exact adds exact sessions (batch-invariant kernels everywhere) and their ratio to fast ones.
 The peer's batch counters (/metrics) say how many steps shared a forward pass.
 --fixed-threads adds the peer's table with every batch on the configured thread count
@@ -134,7 +136,7 @@ async def prefill_floor(client: SwarmClient, tok: Tokenizer) -> tuple[float, flo
 
 def compute_floor(home, model: str | None, dtype: str) -> tuple[float, float]:
     """Seconds for one completion prompt and for 8 in one forward through every block and the
-    head, in this process alone (medians of five): the ratio no scheduler of one machine beats."""
+    head, in this process alone (medians of five)."""
     engine, tok = open_local(home, model, dtype)
     head, (span,) = engine.head, engine.spans
     prompts = [tok.encode(p) for p in completion_prompts(8)]
@@ -213,7 +215,13 @@ async def api_round(url: str, model_id: str, prompts: list[str], tokens: int) ->
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def api_bench(url: str, model_id: str, sizes: list[int], tokens: int) -> tuple[dict, dict]:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far (/proc/PID/stat's utime and stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_bench(url: str, model_id: str, sizes: list[int], tokens: int, pids: dict[str, int]) -> tuple[dict, dict]:
     asyncio.run(api_round(url, model_id, completion_prompts(1), 4))  # warm-up
     table = {}
     for n in sizes:
@@ -225,12 +233,17 @@ def api_bench(url: str, model_id: str, sizes: list[int], tokens: int) -> tuple[d
     for p in completion_prompts(16):
         asyncio.run(api_round(url, model_id, [p], 1))
     back_to_back = time.perf_counter() - t0
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"this process": time.process_time()}
+    t0 = time.perf_counter()
     ttft = sorted(f - s for s, f, _, _ in asyncio.run(api_round(url, model_id, completion_prompts(16), tokens)))
+    wall = time.perf_counter() - t0
+    after = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"this process": time.process_time()}
+    cpu = {name: (after[name] - before[name]) / wall for name in before}
     # The median of 16 needs 8 prompts through the model: 8 requests alone, all answered, bound it from below.
     floor = statistics.median(max(f - s for s, f, _, _ in asyncio.run(
         api_round(url, model_id, completion_prompts(8), 1))) for _ in range(3))
     return table, {"lone": lone, "back_to_back": back_to_back, "p50": statistics.median(ttft), "max": ttft[-1],
-                   "floor": floor}
+                   "floor": floor, "cpu": cpu}
 
 
 def print_rates(title: str, table: dict[int, tuple[float, float]], extra: dict[int, str] | None = None) -> None:
@@ -329,6 +342,7 @@ def main() -> None:
     if args.pipeline:
         return pipeline_bench(home, args.model, args.dtypes.split(",")[0], sizes, args.tokens)
     for dtype in args.dtypes.split(","):
+        compute = dict(zip(("one", "eight"), compute_floor(home, args.model, dtype)))
         servers: list[tuple[subprocess.Popen, str]] = []
         ident, port = tempfile.mkdtemp(prefix="bench_batching_"), free_port()
         key = ["--swarm-key", f"{ident}/swarm.key"]
@@ -351,9 +365,9 @@ def main() -> None:
             one, eight = got["floor"]
             print(f"\nfirst token of ~23-token prompts in this process (no HTTP), {dtype}: 8 at once "
                   f"{eight:.2f} s = {eight / one:.2f}x one alone ({one:.2f} s)", flush=True)
-            one, eight = compute_floor(home, args.model, dtype)
-            print(f"compute alone, {dtype} (every block and the head in one forward, no other process "
-                  f"working): 8 prompts {eight:.2f} s = {eight / one:.2f}x one ({one:.2f} s)", flush=True)
+            print(f"compute alone, {dtype} (every block and the head in one forward, before the swarm "
+                  f"started): 8 prompts {compute['eight']:.2f} s = {compute['eight'] / compute['one']:.2f}x one "
+                  f"({compute['one']:.2f} s)", flush=True)
             if args.exact:
                 print(f"\nexact / fast aggregate, {dtype}: "
                       + ", ".join(f"{n} sessions {got[True, n]['agg'] / got[False, n]['agg']:.2f}x" for n in sizes))
@@ -362,7 +376,8 @@ def main() -> None:
                 servers.append(start_server([*base, "api", "--bootstrap", boot, *key, "--listen", "127.0.0.1:0",
                                              "--dtype", dtype, "--no-trust", "--wait", "60", "--max-sessions",
                                              str(max(16, max(sizes))), *model_arg]))
-                table, ttft = api_bench(servers[-1][1], model_id, sizes, args.tokens)
+                pids = {"peer": servers[1][0].pid, "API": servers[-1][0].pid}
+                table, ttft = api_bench(servers[-1][1], model_id, sizes, args.tokens, pids)
                 print_rates(f"API, {dtype}, streaming requests of ~23-token prompts", table)
                 print(f"\nTTFT, {dtype}, 16 concurrent requests: p50 {ttft['p50']:.2f} s = "
                       f"{ttft['p50'] / ttft['lone']:.2f}x a lone request's ({ttft['lone']:.2f} s); "
@@ -371,6 +386,11 @@ def main() -> None:
                       f"({ttft['back_to_back']:.2f} s); 8 concurrent requests all have their first token after "
                       f"{ttft['floor']:.2f} s = {ttft['floor'] / ttft['lone']:.2f}x a lone request's (the median of 16 "
                       f"waits for 8 prompts)", flush=True)
+                bound = (ttft["lone"] - compute["one"] + compute["eight"]) / ttft["lone"]
+                print(f"the median's floor, all 16 arriving at once: a lone request's time with its prompt's compute "
+                      f"replaced by 8 prompts' in one forward = {bound:.2f}x; cores used during the burst: "
+                      + ", ".join(f"{name} {share:.2f}" for name, share in ttft["cpu"].items())
+                      + f" of {os.cpu_count()}", flush=True)
             for wanted, env, value, title, ratio in (
                     (args.fixed_threads, THREADS_ENV, "fixed", f"every batch on {torch.get_num_threads()} threads",
                      "threads chosen per batch / fixed"),
