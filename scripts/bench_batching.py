@@ -168,8 +168,9 @@ def batch_counters(url: str) -> dict[str, float]:
 
 
 def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, sizes: list[int], tokens: int,
-               kinds: list[bool], metrics: str) -> dict:
-    """Per (exact, sessions) the rates and batch sizes; under "floor", prefill_floor's two times."""
+               kinds: list[bool], metrics: str, floor: bool = False) -> dict:
+    """Per (exact, sessions) the rates and batch sizes; with `floor`, prefill_floor's two times
+    under "floor"."""
     async def run() -> dict:
         async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot], server=False,
                              codecs=reputation.swarm_codecs(), swarm_key=read_key(Path(key_path))) as node:
@@ -180,7 +181,7 @@ def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, si
                 await trio.sleep(0.25)
             chats = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions(max(sizes))]
             await peer_round(client, chats[:1], 4, False)  # warm-up: route, RTTs, first forwards
-            out: dict = {"floor": await prefill_floor(client, tok)}
+            out: dict = {"floor": await prefill_floor(client, tok)} if floor else {}
             for exact in kinds:
                 for n in sizes:
                     before = batch_counters(metrics)
@@ -357,7 +358,8 @@ def main() -> None:
                                          "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving "))
             metrics = f"http://127.0.0.1:{port}/metrics"
             kinds = [False, True] if args.exact else [False]
-            got = peer_bench(home, args.model, dtype, boot, f"{ident}/swarm.key", sizes, args.tokens, kinds, metrics)
+            got = peer_bench(home, args.model, dtype, boot, f"{ident}/swarm.key", sizes, args.tokens, kinds, metrics,
+                             floor=True)
             for exact in kinds:
                 print_rates(f"peer, {dtype}, {'exact' if exact else 'fast'} sessions",
                             {n: (got[exact, n]["agg"], got[exact, n]["per"]) for n in sizes},
