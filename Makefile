@@ -10,4 +10,5 @@ run: setup
 test: setup
 	.venv/bin/ruff check diffuse scripts tests
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone"
+	.venv/bin/python -m pytest -q -m alone

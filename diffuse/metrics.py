@@ -37,6 +37,8 @@ STEP_SECONDS = Histogram("diffuse_step_seconds", "Latency of one decoding step (
 FIRST_TOKEN_SECONDS = Histogram("diffuse_first_token_seconds", "Time to first token: from a request's "
                                 "arrival (its wait for a session and its prefill included) to the first token "
                                 "of each answer", buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+DHT_RECORDS = Gauge("diffuse_dht_records_stored", "Items this node's DHT store holds (a record set counted "
+                    "item by item)", registry=REGISTRY)
 SESSIONS_OPEN = Gauge("diffuse_sessions_open", "Inference sessions open now", ["role"], registry=REGISTRY)
 FAILOVERS = Counter("diffuse_failovers", "Peers a client session replaced after they failed",
                     ["model"], registry=REGISTRY)

@@ -170,7 +170,7 @@ def test_a_batching_peer_sigkilled_with_8_sessions_in_flight_fails_all_over(swar
         def on_token(pipe, produced):
             remotes.append(remote_of(pipe)) if produced == 1 else None
             if produced == 4 and len(remotes) == len(questions) and not killed:
-                client.bans.until.pop(ids["R"], None)  # the replica is usable again
+                client.bans.lift(ids["R"])  # the replica is usable again
                 peers["P"].signal(signal.SIGKILL)
                 killed.append(True)
 

@@ -60,7 +60,7 @@ class Swarm:
         from types import SimpleNamespace as NS
 
         recs = [NS(peer_id=n, addrs=(), start=s.span.start, end=s.span.end, online=True,
-                   fresh=lambda now: True, throughput=100.0, cache_tokens=10**6,
+                   fresh=lambda now: True, throughput=100.0, cache_tokens=10**6, started=0.0,
                    serves=lambda b, s=s: s.span.start <= b < s.span.end)
                 for n, s in self.servers.items() if n not in self.dead]
         return plan_route(recs, start, end, exclude=exclude)

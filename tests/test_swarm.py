@@ -138,9 +138,8 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
                     assert r["failovers"] and r["failovers"][0]["peer"] == swarm.ids[victim], r
                     results.append(r)
                     swarm.proc[victim].wait(10)
-                    swarm.start(victim)  # back for the next run, same identity
+                    swarm.start(victim)  # back for the next run, same identity: its ban lifts by itself
                     swarm.wait(victim)
-                    client.bans.until.clear()
             return results
 
         assert len(trio.run(run)) == 10
@@ -180,7 +179,7 @@ def test_peer_answering_errors_mid_generation_keeps_the_answer(home, tmp_path, r
                     assert [(f["peer"], f["replaced_by"]) for f in r["failovers"]] == [(erring, [other])], r
                     assert "session idle" in r["failovers"][0]["error"], r
                     results.append(r)
-                    client.bans.until.clear()
+                    client.bans.lift(erring)
             return results
 
         assert len(trio.run(run)) == 2
@@ -230,7 +229,7 @@ def test_sigterm_drains_then_hands_off(home, tmp_path, reference):
             other = next(p for n, p in swarm.ids.items() if n != victim)
             client.bans.ban(other)  # the session must start on the victim
             pipe = await client.session(len(prompt) + TOKENS)
-            client.bans.until.clear()
+            client.bans.lift(other)
             remote = remote_of(pipe)
             assert remote.route_taken[0]["peer"] == swarm.ids[victim]
             gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))

@@ -20,6 +20,7 @@ from diffuse.client.generate import Completion, Generation, TokenSource, session
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import PLAIN, SpecConfig, SpecState
+from diffuse.client.swarm import route_report
 from diffuse.metrics import (
     DECODE_STEP_POSITIONS, DECODE_STEP_TOKENS, DECODE_STEPS, FIRST_TOKEN_SECONDS, SESSIONS_OPEN, STEP_SECONDS,
     TOKENS_GENERATED,
@@ -175,6 +176,7 @@ class Answers:
                                    lambda state: sessions.backend.speculated(model, state))
         self.pipelines: list[Pipeline] = []
         self.opened = 0.0
+        self.reports: list[dict] = []  # where each finished choice's tokens were computed (swarm sessions)
 
     async def open(self) -> None:
         max_len = max(session_length(len(prompt), params.max_tokens, self.speculate) for prompt, params in self.choices)
@@ -194,6 +196,9 @@ class Answers:
                 async for piece in gen:
                     await emit(i, piece, None)
                 done[i] = gen.completion
+                report = route_report(self.pipelines[i], gen.completion.prompt_tokens + len(gen.completion.token_ids))
+                if report is not None:
+                    self.reports.append(report)
                 await emit(i, "", gen.completion)
             except Exception as e:  # noqa: BLE001 - one failed choice fails the request: stop the others
                 errors.append(e)
@@ -208,6 +213,16 @@ class Answers:
         if errors:
             raise errors[0]  # as itself, not wrapped in an ExceptionGroup, so callers can map it
         return [c for c in done if c is not None]
+
+    def report(self) -> dict | None:
+        """The choices' route reports as one (route of the first, the rest added up): the
+        response's `diffuse` field. None where no choice went through the swarm."""
+        if not self.reports:
+            return None
+        first = self.reports[0]
+        return {"route": first["route"], "in_process": [b for r in self.reports for b in r["in_process"]],
+                "failovers": [f for r in self.reports for f in r["failovers"]],
+                "tokens": {k: sum(r["tokens"][k] for r in self.reports) for k in ("peers", "here")}}
 
     async def close(self) -> None:
         pipelines, self.pipelines = self.pipelines, []

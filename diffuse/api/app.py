@@ -138,7 +138,11 @@ class Answering(Response):
 
         async def work() -> Response:
             completions = await self.answers.run(ignore)
-            return JSONResponse(self.shape.whole(completions, self._usage(completions)), headers=self.model_headers)
+            body = self.shape.whole(completions, self._usage(completions))
+            report = self.answers.report()
+            if report is not None:  # where the answer was computed: peers, this process, failovers
+                body["diffuse"] = report
+            return JSONResponse(body, headers=self.model_headers)
 
         outcome = await _unless_disconnected(receive, work)
         if outcome.finished:

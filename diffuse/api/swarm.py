@@ -24,14 +24,14 @@ from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.speculative import SpecConfig, SpecState
-from diffuse.client.swarm import RECORDS_TTL_S, SwarmClient, SwarmOptions, remote_of
+from diffuse.client.swarm import RECORDS_TTL_S, SwarmBusy, SwarmClient, SwarmOptions, remote_of
 from diffuse.control.allow import AllowList
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import ModelError
-from diffuse.metrics import FAILOVERS, MeteredStream
+from diffuse.metrics import DHT_RECORDS, FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
 
@@ -126,10 +126,10 @@ class SwarmBackend:
         cov = await self._coverage(client)
         if not cov["servable"]:
             raise Unservable(model_id, cov["missing"])
-        try:
+        try:  # announced but no live replica: the client computes here or waits (client/swarm.py)
             return _Session(await client.session(max_len), model_id)
-        except NoRoute as e:  # every block is announced, but no peer took this session now
-            raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly") from None
+        except SwarmBusy as e:
+            raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly", 5) from None
 
     def speculation(self, model_id: str) -> SpecConfig | None:
         client = self._client(model_id)
@@ -253,6 +253,7 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
                          codecs=reputation.swarm_codecs(), swarm_key=swarm_key, allow=allow,
                          mdns=mdns, hole_punch=hole_punch) as node, \
             trio.open_nursery() as background:
+        DHT_RECORDS.set_function(node.stored_records)
         clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
         deadline = trio.current_time() + wait
         for client in clients:

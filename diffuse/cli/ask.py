@@ -55,7 +55,16 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="activations on the wire")
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for the swarm to cover every block")
-    p.add_argument("--step-timeout", type=float, default=30.0, help="seconds before a silent peer is replaced")
+    p.add_argument("--step-timeout", type=float, default=30.0,
+                   help="the most seconds a step may wait for a peer before it is replaced (each step's deadline "
+                        "is sized by its rows and the peer's announced throughput, at least 3 s, at most this)")
+    p.add_argument("--rescue", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute here, from the store, blocks no live peer can take (mid-answer or when a session "
+                        "opens), memory allowing (default: on; off: wait for a replica, as for a model too big "
+                        "for this machine)")
+    p.add_argument("--route-wait", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a session waits for a replica of blocks no live peer serves when it cannot "
+                        "compute them here")
     p.add_argument("--trust", choices=list(TRUST_MODES),
                    help="public: canaries, 10%% spot checks, evidence published; private: fewer checks, nothing "
                         "published; off: no checks (only for peers you run yourself). Default: the --mode's")
@@ -81,9 +90,12 @@ def swarm_options(args: argparse.Namespace, access: SwarmAccess, exact: bool = F
     from diffuse.trust.guard import TrustOptions
 
     mode = TRUST_MODES[trust_mode(args, access)]
+    if args.step_timeout <= 0 or args.route_wait < 0:
+        raise DiffuseError("--step-timeout must be positive and --route-wait not negative")
     return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
                         args.step_timeout, args.device, exact,
-                        None if mode is None else TrustOptions(**mode))
+                        None if mode is None else TrustOptions(**mode), rescue=args.rescue,
+                        route_wait=args.route_wait)
 
 
 def parse_local_blocks(text: str) -> tuple[int, int]:

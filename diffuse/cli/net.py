@@ -53,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     _net_args(p, listen_default=DEFAULT_SENTINEL_LISTEN)
     add_swarm_options(p)
     add_relay_options(p, default=True)
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.set_defaults(func=cmd_sentinel)
 
     p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
@@ -166,10 +167,30 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
             print(a, flush=True)
         print(f"sentinel ready ({_describe(access)}); stop with Ctrl-C", file=sys.stderr, flush=True)
 
-    _trio_run(_until_signal, lambda: run_sentinel(key_pair, listen, boot, ready, args.announce,
-                                                  reputation.swarm_codecs(), access.key, access.allow,
-                                                  args.relay, bool(args.mdns)))
+    if args.metrics:
+        from diffuse.http import parse_listen
+
+        parse_listen(args.metrics)
+
+    async def sentinel() -> None:
+        async with trio.open_nursery() as nursery:
+            if args.metrics:
+                from diffuse.metrics import serve_metrics
+
+                urls = await nursery.start(serve_metrics, args.metrics)
+                print(f"metrics at {urls[0]}/metrics", file=sys.stderr, flush=True)
+            await run_sentinel(key_pair, listen, boot, ready, args.announce, reputation.swarm_codecs(), access.key,
+                               access.allow, args.relay, bool(args.mdns), started=_count_records)
+
+    _trio_run(_until_signal, sentinel)
     return 0
+
+
+def _count_records(node) -> None:
+    """/metrics reports what the node's DHT store holds."""
+    from diffuse.metrics import DHT_RECORDS
+
+    DHT_RECORDS.set_function(node.stored_records)
 
 
 def _describe(access: SwarmAccess) -> str:
@@ -252,6 +273,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                     upnp=args.upnp and lend is not None)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
+            _count_records(node)
             print(f"reachability: {node.reach.describe()}", file=sys.stderr, flush=True)
             if args.metrics:
                 from diffuse.metrics import serve_metrics

@@ -1,7 +1,8 @@
 """Finishing an answer in this process when the swarm loses a span mid-generation.
 
 When every replica of some blocks dies and no route is left (NoRoute from a failover), a client
-whose store holds the weights of the remote span computes it itself from then on. It rebuilds the
+whose store holds the weights of the remote span computes it itself from then on; so does a
+session that no replica can take when it opens (`start_here`). It rebuilds the
 span's KV cache from what it had sent the swarm (the committed inputs failover keeps anyway),
 then redoes the step that failed, so the generation continues where it was: the same model, the
 same greedy answer. Outputs are rounded to the wire dtype, as a peer's reply is, so the stages
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import trio
 from torch import Tensor
 
 from diffuse.client.pipeline import LocalStage
@@ -36,8 +38,8 @@ class Rescuable:
     `load(start, end)` loads them from the store (and raises if the store lacks them)."""
 
     def __init__(self, remote: RemoteSpan, load: LoadSpan, span_bytes: int, max_len: int, batch: int = 1,
-                 exact: bool = False, batcher: Batcher[SpanWork, Tensor] | None = None):
-        self.remote, self.load, self.span_bytes = remote, load, span_bytes
+                 exact: bool = False, batcher: Batcher[SpanWork, Tensor] | None = None, enabled: bool = True):
+        self.remote, self.load, self.span_bytes, self.enabled = remote, load, span_bytes, enabled
         self.start, self.end = remote.start, remote.end
         self.max_len, self.batch, self.exact, self.batcher = max_len, batch, exact, batcher
         self.local: LocalStage | None = None
@@ -48,12 +50,27 @@ class Rescuable:
             try:
                 return await self.remote.forward(h, positions, tree_mask, commit)
             except NoRoute as e:
+                if not self.enabled:
+                    raise
                 pending = self.remote.unverified_from()
                 await self._take_over(e, int(positions.min()))
                 if pending is not None:  # steps no check has passed yet are recomputed here
                     raise Rewind(pending) from e
         out = await self.local.forward(h, positions, tree_mask, commit)
         return out.to(self.remote.dtype)
+
+    async def start_here(self, error: NoRoute) -> bool:
+        """A session no replica can take now starts here instead; whether it could."""
+        try:
+            await self._take_over(error, 0)
+        except NoRoute:
+            return False
+        return True
+
+    @property
+    def in_process(self) -> list[list[int]]:
+        """The blocks this session computes here instead of on peers ([] while on peers)."""
+        return [[self.start, self.end]] if self.local is not None else []
 
     async def _take_over(self, error: NoRoute, length: int) -> None:
         """Load the span and replay its `length` committed input tokens into it (the failed
@@ -64,7 +81,7 @@ class Rescuable:
                         self.end - 1, self.span_bytes / 2**20, room / 2**20)
             raise error
         try:
-            span = self.load(self.start, self.end)
+            span = await trio.to_thread.run_sync(self.load, self.start, self.end)
         except Exception as e:  # noqa: BLE001 - missing or corrupt weights: the swarm's error stands
             log.warning("cannot finish here: %s", e)
             raise error from None
@@ -74,7 +91,7 @@ class Rescuable:
             rows, positions = sent.committed()
             await local.forward(rows, positions, None, True)
         self.local, self.rescued_at = local, sum(s.tokens for s in inputs)
-        log.warning("%s; finishing the answer in this process (blocks %d-%d, %d tokens replayed)",
+        log.warning("%s; computing blocks %d-%d in this process from here on (%d tokens replayed)",
                     error, self.start, self.end - 1, self.rescued_at)
         await self.remote.close()
 

@@ -49,6 +49,9 @@ PROBE_REPLICAS = 2  # stop pinging once every block has this many reachable peer
 # so replacing a dead peer needs no DHT lookup (1.5 s on a loaded box, up to the query timeout per
 # dead node on a WAN). A route they cannot give fetches fresh ones.
 RECORDS_TTL_S = 30.0
+MID_ANSWER_WAIT_S = 5.0  # how long a failover waits for a replica before finishing the answer here
+STREAM_TIMEOUT_S = 3.0  # a new stream on a connection we hold: a peer that gives none is frozen
+PROBE_EVERY_S = 1.0  # a banned peer is probed at most this often while it alone could serve
 
 
 @dataclass
@@ -61,6 +64,14 @@ class SwarmOptions:
     exact: bool = False  # batch-invariant kernels on every hop: speculation = plain greedy, bit for bit
     trust: TrustOptions | None = field(default_factory=TrustOptions)  # None: no checks (private swarms)
     noise: float = 0.0  # secret Gaussian noise on what the swarm receives, x each row's RMS (client/privacy.py)
+    rescue: bool = True  # compute here, from the store, blocks no peer can take now (memory allowing)
+    route_wait: float = 60.0  # seconds a session waits for a replica where it cannot compute here
+    max_waiting: int = 64  # sessions that may wait so at once; past them SwarmBusy
+
+
+class SwarmBusy(DiffuseError):
+    """No replica can take a session now, this client cannot compute the blocks itself, and the
+    queue of sessions waiting for a replica is full: come back later."""
 
 
 class SwarmClient:
@@ -89,6 +100,10 @@ class SwarmClient:
         self.logits = head_batcher(self.head, lane)
         self.rescue_batcher = scheduler.span_batcher(lane=lane)  # spans finished here (client/rescue.py)
         self.bans = Bans()
+        self.probed: dict[str, float] = {}  # banned peer -> when it was last probed
+        self.runs: dict[str, float] = {}  # peer -> the start time of its run we last saw
+        self.waiting = 0  # sessions waiting for a replica
+        self._rescue_span: tuple[tuple[int, int], BlockSpan] | None = None  # the last span loaded to finish here
         self.rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
         self.rejected: dict[str, str] = {}  # peer -> why its record was refused
         self._records: tuple[float, list[PeerRecord]] = (-1e9, [])  # last fetch: (when, good ones)
@@ -119,6 +134,12 @@ class SwarmClient:
                 continue
             good.append(r)
         self._records = (time.monotonic(), good)
+        for peer in self.bans.seen(good):
+            log.info("peer %s restarted: its failure ban is lifted", peer)
+        for r in good:  # a new run of a peer: what we measured of the old one says nothing
+            if self.runs.setdefault(r.peer_id, r.started) != r.started:
+                self.runs[r.peer_id] = r.started
+                self.rtt.pop(r.peer_id, None)
         return good
 
     async def covered(self) -> bool:
@@ -139,10 +160,47 @@ class SwarmClient:
     async def route(self, start: int, end: int, exclude: set[str]) -> list[Hop]:
         """The best route avoiding `exclude`, and avoiding peers others published evidence
         against while a route without them exists (evidence is a claim: we never ban on it)."""
+        # Failure bans are this client's own and may lift while we look (a restart, a probe); the
+        # rest of `exclude` (the trust plane's exclusions) never does.
+        others = (exclude - self.bans.active()) | (self.guard.excluded() if self.guard is not None else set())
         try:
-            return await self._plan(start, end, exclude, await self.records(RECORDS_TTL_S))
+            return await self._plan(start, end, others | self.bans.active(), await self.records(RECORDS_TTL_S))
         except NoRoute:
-            return await self._plan(start, end, exclude, await self.records())
+            pass
+        records = await self.records()  # fresh: restarted peers (new ports, bans lifted) show here
+        try:
+            return await self._plan(start, end, others | self.bans.active(), records)
+        except NoRoute:
+            if not await self._probe_banned(records, start, end, others):
+                raise
+        return await self._plan(start, end, others | self.bans.active(), records)
+
+    async def _probe_banned(self, records: list[PeerRecord], start: int, end: int, others: set[str]) -> bool:
+        """Only banned peers could serve [start, end): ping them (each at most every PROBE_EVERY_S)
+        and lift the bans of those that answer, rather than wait their back-off out. Whether any did."""
+        banned = self.bans.active()
+        now = time.monotonic()
+        todo = [r for r in records if r.peer_id in banned and r.peer_id not in others and r.start < end and
+                r.end > start and now - self.probed.get(r.peer_id, -1e9) >= PROBE_EVERY_S]
+        answered: list[str] = []
+
+        async def one(r: PeerRecord) -> None:
+            self.probed[r.peer_id] = time.monotonic()
+            with trio.move_on_after(2.0):
+                try:
+                    self.rtt[r.peer_id] = (await self._ping(r), time.monotonic())
+                except Exception as e:  # noqa: BLE001 - still down: the ban stands
+                    log.info("banned peer %s still does not answer: %s", r.peer_id, e)
+                    return
+                self.bans.lift(r.peer_id)
+                answered.append(r.peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for r in todo:
+                nursery.start_soon(one, r)
+        if answered:
+            log.info("banned peers answered a probe, usable again: %s", ", ".join(answered))
+        return bool(answered)
 
     async def _plan(self, start: int, end: int, exclude: set[str], records: list[PeerRecord]) -> list[Hop]:
         """A route over peers this client has pinged: valid records are not proof of a peer
@@ -232,7 +290,10 @@ class SwarmClient:
         if addrs and all(c.is_closed for c in network.get_connections(peer)):
             await self._connect(peer, addrs)
         try:
-            return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+            with trio.fail_after(STREAM_TIMEOUT_S):  # a frozen peer negotiates nothing: not redialled
+                return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        except trio.TooSlowError:
+            raise
         except Exception as e:  # noqa: BLE001 - a connection to its previous self, not yet seen closed
             if not addrs:
                 raise
@@ -257,18 +318,48 @@ class SwarmClient:
         exact = self.opts.exact if exact is None else exact
         await self.records()  # fresh, for this route and its failovers
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact)
-        await remote.open()
+                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact,
+                            route_wait=MID_ANSWER_WAIT_S if self.opts.rescue else self.opts.route_wait)
         middle = Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
-                           self.rescue_batcher)
+                           self.rescue_batcher, enabled=self.opts.rescue)
+        await self._open(remote, middle)
         stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
             middle] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
         stages = privacy.wrap_front(stages, self.front is not None, self.opts.noise)
         return Pipeline(self.head, stages, exact, self.logits)
 
+    async def _open(self, remote: RemoteSpan, middle: Rescuable) -> None:
+        """Open the remote span on peers. Where no replica of some blocks can take it now, never
+        refuse what can be served: compute the span here (the options allowing, and the store and
+        memory), else wait for a replica, at most `route_wait`, in a queue of at most
+        `max_waiting` sessions (SwarmBusy past it; NoRoute if none came back in time). Blocks no
+        record announces are unservable, not down: NoRoute at once."""
+        try:
+            return await remote.open(wait=0.0)  # one look: fresh records, banned replicas probed
+        except NoRoute as e:
+            if not await self._announced(remote.start, remote.end):
+                raise  # unservable, not down: a --fallback model, or the caller's refusal
+            if self.opts.rescue and await middle.start_here(e):
+                return
+            if self.waiting >= self.opts.max_waiting:
+                raise SwarmBusy(f"{e}; {self.waiting} sessions already wait for a replica") from None
+        self.waiting += 1
+        try:
+            await remote.open(wait=self.opts.route_wait)
+        finally:
+            self.waiting -= 1
+
+    async def _announced(self, start: int, end: int) -> bool:
+        """Whether fresh records announce every block of [start, end), live or not."""
+        records = await self.records(RECORDS_TTL_S)
+        return all(any(r.serves(b) for r in records) for b in range(start, end))
+
     def _load_span(self, start: int, end: int) -> BlockSpan:
-        """Blocks the swarm lost, from the store (verified against the manifest), to finish here."""
-        return load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device)
+        """Blocks the swarm lost, from the store (verified against the manifest), to finish here;
+        the last span loaded is kept for the next session that needs it (an outage lasts)."""
+        if self._rescue_span is None or self._rescue_span[0] != (start, end):
+            self._rescue_span = ((start, end), load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device))
+        return self._rescue_span[1]
 
     def _span_bytes(self, start: int, end: int) -> int:
         per = torch.finfo(self.opts.dtype).bits // 8
@@ -281,4 +372,19 @@ def remote_of(pipeline: Pipeline) -> RemoteSpan:
     return next(s for s in stages if isinstance(s, RemoteSpan))
 
 
-__all__ = ["SwarmClient", "SwarmOptions", "NoRoute", "remote_of"]
+def route_report(pipeline: Pipeline, tokens: int) -> dict | None:
+    """Where a session's `tokens` went: the peers of its route, the blocks it computed here
+    instead (besides the client's own local blocks), its failovers, and how many tokens the
+    remote span computed on peers and here. None for a session that never used the swarm."""
+    try:
+        remote = remote_of(pipeline)
+    except StopIteration:
+        return None
+    middle = next((s for s in pipeline.stages if isinstance(s, Rescuable)), None)
+    here_from = middle.rescued_at if middle is not None else None
+    on_peers = tokens if here_from is None else min(here_from, tokens)
+    return {"route": remote.route_taken, "in_process": middle.in_process if middle is not None else [],
+            "failovers": remote.stats.failovers, "tokens": {"peers": on_peers, "here": tokens - on_peers}}
+
+
+__all__ = ["SwarmBusy", "SwarmClient", "SwarmOptions", "NoRoute", "remote_of", "route_report"]

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 PUBLIC, RELAYED, UNKNOWN, PRIVATE = "public", "relayed", "unknown", "private"
 DIAL_BACK_TIMEOUT_S = 3.0
 AUTONAT_TIMEOUT_S = 10.0
+DIRECT_FIRST_S = 2.0  # a dialer tries a relayed peer's direct addresses this long before its relays
 PUNCH_WAIT_S = 3.0  # after a relayed dial, how long the dialer waits for hole punching to succeed
 HOLE_PUNCHED = "hole-punched"
 RESERVE_EVERY_S = 20.0  # refresh (or re-make) each reservation this often
@@ -336,11 +337,12 @@ class Relaying:
                                             if circuits else info)
             direct = [a for a in info.addrs if not is_circuit(a)]
             errors: list[str] = []
-            if direct:
+            if direct:  # a dead direct address may drop our SYNs: bounded, the relays are the way then
                 try:
-                    return await direct_connect(PeerInfo(info.peer_id, direct))
-                except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures: try the relays
-                    errors.append(f"direct: {e}")
+                    with trio.fail_after(DIRECT_FIRST_S):
+                        return await direct_connect(PeerInfo(info.peer_id, direct))
+                except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures, or too slow: the relays
+                    errors.append(f"direct: {type(e).__name__}: {e}")
             for addr in circuits:
                 try:
                     await self.dial(info.peer_id, addr)

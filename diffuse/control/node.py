@@ -38,7 +38,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from diffuse.control.allow import AllowList
 from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
 from diffuse.control.coverage import Coverage, coverage
-from diffuse.control.dht import QUERY_TIMEOUT_S, bootstrap, fetch_set, make_dht, put_set
+from diffuse.control.dht import PREFIX, QUERY_TIMEOUT_S, MergingValueStore, bootstrap, fetch_set, make_dht, put_set
 from diffuse.control.host import (
     DEFAULT_LISTEN,
     advertised_addrs,
@@ -361,6 +361,13 @@ class Node:
     def may_serve(self, peer_id: str) -> bool:
         """Whether this node's allow-list (as the file is now) lets `peer_id` serve."""
         return self.allow is None or peer_id in self.allow
+
+    def stored_records(self) -> int:
+        """Items this node's DHT store holds, over every key (each Diffuse set counted item by
+        item): what a long-running node must keep bounded."""
+        store = self.dht.value_store
+        return sum(len(store.records(k)) if isinstance(store, MergingValueStore) and k.startswith(PREFIX) else 1
+                   for k in list(store.store))
 
     async def records(self, model: str, *, include_offline: bool = False) -> list[PeerRecord]:
         """Fresh records of every peer serving blocks of `model`: concurrent callers share one

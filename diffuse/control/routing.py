@@ -30,10 +30,17 @@ class NoRoute(DiffuseError):
 
 @dataclass(frozen=True)
 class Hop:
+    """One peer of a route and the blocks it computes there. `started` (its record's start time)
+    tells a failure of this run of the peer from one of its next run; `throughput` (announced,
+    tokens/s through its span) and `rtt` (measured, seconds) size a step's deadline."""
+
     peer_id: str
     addrs: tuple[str, ...]
     start: int
     end: int
+    started: float = 0.0
+    throughput: float = 0.0
+    rtt: float = DEFAULT_RTT
 
 
 def _cost(r: PeerRecord, s: int, e: int, rtt: Mapping[str, float], tokens: int) -> float:
@@ -71,7 +78,8 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
     hops, e = [], end
     while e != start:
         s, r = back[e]
-        hops.append(Hop(r.peer_id, tuple(r.addrs), s, e))
+        hops.append(Hop(r.peer_id, tuple(r.addrs), s, e, r.started, r.throughput * (r.end - r.start) / (e - s),
+                        rtt.get(r.peer_id, DEFAULT_RTT)))
         e = s
     return hops[::-1]
 

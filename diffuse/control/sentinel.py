@@ -34,12 +34,14 @@ async def run_sentinel(
     allow: AllowList | None = None,
     relay: bool = True,
     mdns: bool = False,
+    started: Callable[[Node], None] | None = None,
 ) -> None:
     """Run until cancelled; `ready` gets the full multiaddrs (with /p2p/) once listening;
     `codecs`: what its DHT stores (default: peer records only); `swarm_key`: a sentinel of that
     private swarm; `allow`: it stores records only of the peers on that allow-list; `relay`: it
     serves circuit relay v2 hops, with bounded reservations, to peers behind NAT (control/nat.py);
-    `mdns`: it answers and browses mDNS, so nodes on its LAN find it with no bootstrap address.
+    `mdns`: it answers and browses mDNS, so nodes on its LAN find it with no bootstrap address;
+    `started`: called with the node once it runs (for metrics).
 
     Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
     """
@@ -47,6 +49,8 @@ async def run_sentinel(
                 swarm_key=swarm_key, allow=allow, relay=relay, mdns=mdns)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
+        if started is not None:
+            started(node)
         if ready is not None:
             ready(node.full_addrs())
         if bootstrap:

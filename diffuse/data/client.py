@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 import trio
 from torch import Tensor
 
+from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.data.checks import ChecksUnavailable, NoChecks, Rejected, StepChecks
 from diffuse.data.codec import ErrorCode, Fp16Overflow, WireError
-from diffuse.data.hop import HopFailed, HopSession, Sent, rechunked, truncated
+from diffuse.data.hop import HopFailed, HopSession, Sent, deadline, rechunked, truncated
 from diffuse.data.stream import ByteStream
 from diffuse.errors import DiffuseError, Rewind
 
@@ -31,24 +32,76 @@ log = logging.getLogger(__name__)
 
 Dial = Callable[[Hop], Awaitable[ByteStream]]
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
+DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bounds its own parts tighter)
+
+
+@dataclass
+class _Ban:
+    until: float  # shunned until then (monotonic)
+    strikes: int  # failures without a quiet FORGET_S between them
+    started: float  # the failed run's record start time: a newer one is a restart
+    last: float  # when it last failed
 
 
 class Bans:
-    """Peers that failed, banned for 15 s, doubling on each repeat (Petals' back-off)."""
+    """Peers that failed a session, shunned no longer than their fault lasts.
 
-    def __init__(self, base: float = 15.0, clock: Callable[[], float] = time.monotonic):
-        self.base, self.clock = base, clock
-        self.until: dict[str, float] = {}
-        self.strikes: dict[str, int] = {}
+    A failure bans a peer for `base` s, doubling on each repeat (Petals' back-off), but the ban
+    lifts at once when the peer is seen back: a record with a newer start time (a restart; once
+    per run, so a peer that fails again soon after is back on its doubled back-off) or an answer
+    to a probe (`lift`, when it is needed: the client probes a span's banned replicas before it
+    waits). Strikes are forgotten after `forget` s without a failure. Trust exclusions are kept
+    elsewhere (the guard's) and never lifted by a restart."""
 
-    def ban(self, peer_id: str) -> None:
-        n = self.strikes.get(peer_id, 0)
-        self.strikes[peer_id] = n + 1
-        self.until[peer_id] = self.clock() + self.base * 2 ** n
+    def __init__(self, base: float = 15.0, forget: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        self.base, self.forget, self.clock = base, forget, clock
+        self.bans: dict[str, _Ban] = {}
+
+    def ban(self, peer_id: str, started: float = 0.0) -> None:
+        now = self.clock()
+        old = self.bans.get(peer_id)
+        strikes = old.strikes if old is not None and now - old.last < self.forget else 0
+        started = max(started, old.started) if old is not None else started
+        self.bans[peer_id] = _Ban(now + self.base * 2 ** strikes, strikes + 1, started, now)
 
     def active(self) -> set[str]:
         now = self.clock()
-        return {p for p, t in self.until.items() if t > now}
+        return {p for p, b in self.bans.items() if b.until > now}
+
+    def seen(self, records: Iterable[PeerRecord]) -> list[str]:
+        """Lift the bans of peers whose records show a run newer than the one that failed;
+        returns them."""
+        now, lifted = self.clock(), []
+        for r in records:
+            b = self.bans.get(r.peer_id)
+            if b is not None and r.started > b.started:
+                b.started = r.started
+                if b.until > now:
+                    b.until = now
+                    lifted.append(r.peer_id)
+        return lifted
+
+    def lift(self, peer_id: str) -> None:
+        """The peer answered a probe: usable again (its strikes stay)."""
+        if peer_id in self.bans:
+            self.bans[peer_id].until = self.clock()
+
+
+def cause_of(error: BaseException) -> str:
+    """How a hop failed, in one word, for failover records and tests: "timeout" (no answer in the
+    step's deadline), "closed" (connection lost), "unreachable" (no stream could be opened),
+    "error" (the peer answered ERROR), "protocol" (a bad frame or answer), "rejected" (a check),
+    "numeric" (activations outgrew the wire dtype)."""
+    if isinstance(error, trio.TooSlowError):
+        return "timeout"
+    if isinstance(error, Rejected):
+        return "rejected"
+    if isinstance(error, Fp16Overflow) or (isinstance(error, (HopFailed, WireError)) and
+                                           error.code == ErrorCode.NUMERIC):
+        return "numeric"
+    if isinstance(error, HopFailed):
+        return error.cause
+    return "closed"
 
 
 @dataclass
@@ -81,24 +134,26 @@ class RemoteSpan:
     def route_taken(self) -> list[dict]:
         return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
 
-    async def _build(self, start: int, end: int, inputs: list[Sent]) -> list[HopSession]:
+    async def _build(self, start: int, end: int, inputs: list[Sent], wait: float | None = None) -> list[HopSession]:
         """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
-        routing around every peer that fails on the way; NoRoute when replicas run out."""
+        routing around every peer that fails on the way; NoRoute when replicas run out (after
+        `wait` seconds, default route_wait, of looking for one)."""
         while True:
             new: list[HopSession] = []
             hop = None
             try:
-                route = await self._route(start, end)
+                route = await self._route(start, end, self.route_wait if wait is None else wait)
                 for hop in route:  # canaries first: a peer's open session must not sit idle meanwhile
                     await self.checks.vet(hop, self._canary_session)
                 feed = rechunked(inputs) if self.exact else inputs
                 for hop in route:  # each hop opens when its inputs are ready: the last one's outputs
-                    session = HopSession(hop, await self.dial(hop), self.model_id, self.max_len, self.batch,
+                    session = HopSession(hop, await self._dial(hop), self.model_id, self.max_len, self.batch,
                                          self.dtype, self.timeout, self.checks.commitments, self.exact)
                     new.append(session)
                     await session.open()
                     self.checks.opened(session)
-                    outs = await session.replay(feed, timeout=self.timeout * 4 + 0.5 * len(feed))
+                    rows = sum(sent.h.shape[0] * sent.h.shape[1] for sent in feed)
+                    outs = await session.replay(feed, timeout=deadline(hop, rows, self.timeout * 4) + 0.05 * len(feed))
                     feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
                 return new
             except BaseException as e:  # cancelled too: sessions opened so far must not outlive it
@@ -107,14 +162,26 @@ class RemoteSpan:
                     raise
                 self._failed(hop, e, "replay" if inputs else "open")
 
+    async def _dial(self, hop: Hop) -> ByteStream:
+        """A stream to the hop's peer; a peer that gives none fails as "unreachable"."""
+        try:
+            with trio.fail_after(DIAL_TIMEOUT_S):
+                return await self.dial(hop)
+        except trio.TooSlowError:
+            raise HopFailed(hop, "opened no stream in time", cause="timeout") from None
+        except HopFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures
+            raise HopFailed(hop, f"cannot reach it: {type(e).__name__}: {e}", cause="unreachable") from e
+
     async def _discard(self, sessions: Sequence[HopSession]) -> None:
         for session in sessions:
             await session.close()
             self.checks.forget(session)
 
-    async def _route(self, start: int, end: int) -> list[Hop]:
-        """A route, waiting up to route_wait for a replica to (re)announce before NoRoute."""
-        deadline = trio.current_time() + self.route_wait
+    async def _route(self, start: int, end: int, wait: float) -> list[Hop]:
+        """A route, waiting up to `wait` seconds for a replica to come back before NoRoute."""
+        deadline = trio.current_time() + wait
         while True:
             try:
                 return await self.route(start, end, self.bans.active() | self.checks.excluded())
@@ -126,22 +193,23 @@ class RemoteSpan:
     def _failed(self, hop: Hop, error: Exception, during: str) -> None:
         if len(self.stats.failovers) >= self.max_failovers:
             raise DiffuseError(f"giving up after {self.max_failovers} failovers; last: {error}") from error
-        numeric = isinstance(error, (HopFailed, WireError)) and error.code == ErrorCode.NUMERIC
-        if isinstance(error, Fp16Overflow) or numeric:
+        cause = cause_of(error)
+        if cause == "numeric":
             self.dtype = torch.bfloat16  # activations outgrew fp16: same peers, wider wire dtype
         else:
-            self.bans.ban(hop.peer_id)
-        log.warning("peer %s failed during %s: %s", hop.peer_id, during, error)
-        self.stats.failovers.append({"peer": hop.peer_id, "blocks": [hop.start, hop.end],
-                                     "during": during, "error": f"{type(error).__name__}: {error}"})
+            self.bans.ban(hop.peer_id, hop.started)
+        log.warning("peer %s failed during %s (%s): %s", hop.peer_id, during, cause, error)
+        self.stats.failovers.append({"peer": hop.peer_id, "blocks": [hop.start, hop.end], "during": during,
+                                     "cause": cause, "error": f"{type(error).__name__}: {error}"})
 
-    async def open(self) -> None:
-        self.hops = await self._build(self.start, self.end, [])
+    async def open(self, wait: float | None = None) -> None:
+        """Sessions on a route over the span, looking `wait` seconds (default route_wait) for one."""
+        self.hops = await self._build(self.start, self.end, [], wait)
 
     async def _canary_session(self, hop: Hop, tokens: int) -> HopSession:
         """A session for a canary of `tokens` tokens: indistinguishable from this span's real
         sessions (their max_length, unless the canary would not fit)."""
-        session = HopSession(hop, await self.dial(hop), self.model_id, max(self.max_len, tokens), self.batch,
+        session = HopSession(hop, await self._dial(hop), self.model_id, max(self.max_len, tokens), self.batch,
                              self.dtype, self.timeout, True, self.exact)
         try:
             await session.open()
@@ -158,13 +226,14 @@ class RemoteSpan:
         behind = self.deferred and commit and tree_mask is None
         i, t0 = 0, time.perf_counter()
         while i < len(self.hops):
+            sent = time.perf_counter()
             try:
                 h = await self.checks.step(self.hops[i], h, positions, tree_mask, commit, behind)
                 i += 1
             except Rejected as e:
                 await self._failover(i, e, e.inputs)  # the step it failed is redone on a replica
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
-                await self._failover(i, e)
+                await self._failover(i, e, noticed_s=time.perf_counter() - sent)
         self.checks.note_step(time.perf_counter() - t0, positions.shape[0])
         return h
 
@@ -190,13 +259,16 @@ class RemoteSpan:
             raise Rewind(length) from e
 
     async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None,
-                        during: str = "step") -> None:
+                        during: str = "step", noticed_s: float | None = None) -> None:
         """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs
-        (or from `inputs`, what it had committed before a step it was rejected on)."""
+        (or from `inputs`, what it had committed before a step it was rejected on).
+        `noticed_s`: how long after the step was sent its failure was known."""
         old = self.hops[i]
         t0 = time.perf_counter()
         self._failed(old.hop, error, during)
         record = self.stats.failovers[-1]
+        if noticed_s is not None:
+            record["noticed_s"] = round(noticed_s, 4)
         await self._discard([old])
         inputs = old.inputs() if inputs is None else inputs
         new = await self._build(old.hop.start, old.hop.end, inputs)

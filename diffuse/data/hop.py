@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,6 +29,11 @@ from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
 REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
+# A step's deadline: the round trip twice, plus SLACK times the rows at the peer's announced
+# throughput, never under FLOOR_S (a busy peer batches other sessions' steps before ours) nor over
+# the session's cap (--step-timeout). A frozen peer is noticed in seconds, an honest prefill is not cut.
+FLOOR_S = 3.0
+SLACK = 4.0
 
 
 def truncated(inputs: Sequence[Sent], length: int) -> list[Sent]:
@@ -42,9 +48,19 @@ def truncated(inputs: Sequence[Sent], length: int) -> list[Sent]:
 
 
 class HopFailed(DiffuseError):
-    def __init__(self, hop: Hop, why: str, code: int | None = None):
+    """A hop failed a session: `cause` says how ("closed", "error", "protocol"), for the failover
+    record; `code`, an ERROR reply's."""
+
+    def __init__(self, hop: Hop, why: str, code: int | None = None, cause: str = "protocol"):
         super().__init__(f"peer {hop.peer_id[-8:]} (blocks {hop.start}-{hop.end - 1}): {why}")
-        self.hop, self.code = hop, code
+        self.hop, self.code, self.cause = hop, code, cause
+
+
+def deadline(hop: Hop, rows: int, cap: float) -> float:
+    """Seconds to wait for `rows` rows through `hop` (see FLOOR_S); `cap` where its throughput is unknown."""
+    if hop.throughput <= 0:
+        return cap
+    return min(cap, max(FLOOR_S, 2 * hop.rtt + SLACK * rows / hop.throughput))
 
 
 @dataclass
@@ -113,7 +129,7 @@ class HopSession:
     async def _send(self, msg: Message) -> None:
         data = self.rules.send(msg)
         self.bytes_sent += len(data)
-        await self.stream.write(data)
+        await self._write(data)
 
     async def _receive(self) -> Message:
         """The next frame, once the session's rules allow it (replayed steps are pipelined: one
@@ -121,9 +137,14 @@ class HopSession:
         while not self.inbox:
             if self.decoder.failed is not None:  # a bad frame after the good ones of a read
                 raise HopFailed(self.hop, f"sent a bad frame: {self.decoder.failed}")
-            data = await self.stream.read(READ_CHUNK)
+            try:
+                data = await self.stream.read(READ_CHUNK)
+            except (trio.Cancelled, trio.TooSlowError):
+                raise
+            except Exception as e:  # noqa: BLE001 - py-libp2p's many ways of a stream ending (reset, EOF)
+                raise HopFailed(self.hop, f"connection lost: {type(e).__name__}: {e}", cause="closed") from e
             if not data:
-                raise HopFailed(self.hop, "connection closed")
+                raise HopFailed(self.hop, "connection closed", cause="closed")
             try:
                 self.inbox.extend(self.decoder.feed(data))
             except WireError as e:
@@ -134,11 +155,28 @@ class HopSession:
         except WireError as e:
             raise HopFailed(self.hop, f"broke the protocol: {e}") from None
         if isinstance(msg, ErrorMsg):
-            raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code)
+            raise HopFailed(self.hop, f"error {msg.code}: {msg.message}", msg.code, cause="error")
         return msg
 
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.stream.write(data)
+        except (trio.Cancelled, trio.TooSlowError):
+            raise
+        except Exception as e:  # noqa: BLE001 - as in _receive
+            raise HopFailed(self.hop, f"connection lost: {type(e).__name__}: {e}", cause="closed") from e
+
+    @contextmanager
+    def _within(self, seconds: float, what: str) -> Iterator[None]:
+        """`what` must be answered within `seconds`, else the hop failed with cause "timeout"."""
+        try:
+            with trio.fail_after(seconds):
+                yield
+        except trio.TooSlowError:
+            raise HopFailed(self.hop, f"no answer to {what} in {seconds:.1f} s", cause="timeout") from None
+
     async def open(self) -> None:
-        with trio.fail_after(self.timeout):
+        with self._within(deadline(self.hop, 0, self.timeout), "OPEN"):
             await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
                                   self.max_len, self.batch, self.dtype, self.commitments, self.exact))
             ok = await self._receive()
@@ -152,7 +190,7 @@ class HopSession:
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
         msg = self._message(h, positions, mask, commit)
-        with trio.fail_after(timeout or self.timeout):
+        with self._within(timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout), f"STEP {msg.step}"):
             await self._send(msg)
             reply = await self._receive()
         out = self._accept(msg, reply)
@@ -175,10 +213,10 @@ class HopSession:
         async def write_all() -> None:
             for data in frames:
                 self.bytes_sent += len(data)
-                await self.stream.write(data)
+                await self._write(data)
 
         failed: BaseException | None = None
-        with trio.fail_after(timeout):
+        with self._within(timeout, f"a replay of {len(msgs)} steps"):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(write_all)
                 try:
