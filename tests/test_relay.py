@@ -4,6 +4,7 @@ at its relay, and a client reaches it through them, in a private swarm."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -86,6 +87,33 @@ def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
                     assert await stream.read(64) == b"echo:through the relay"
                     assert [str(a) for a in conn.get_transport_addresses()] == [
                         f"/p2p/{relay.peer_id}/p2p-circuit/p2p/{peer.peer_id}"]  # through the relay
+
+    trio.run(main)
+
+
+def test_a_dead_direct_address_gives_way_to_the_relay(monkeypatch):
+    """A peer announces a direct address that takes connections and never answers (a crashed
+    host's port, or a router that swallows them) and a relayed one that works: the dialer stops
+    waiting on the direct one after DIRECT_FIRST_S and goes through the relay, and says why."""
+    key = SwarmKey.generate()
+
+    async def main():
+        with socket.socket() as dead:
+            dead.bind(("127.0.0.1", 0))
+            dead.listen(8)  # the kernel completes handshakes; nobody ever reads or answers
+            silent = f"/ip4/127.0.0.1/tcp/{dead.getsockname()[1]}"
+            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+                async with behind_nat(monkeypatch, key, relay.full_addrs()[0]) as peer, \
+                        open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, server=False) as client:
+                    pid = ID.from_base58(peer.peer_id)
+                    with trio.fail_after(30):  # a hang guard: without the bound the dial never returns
+                        await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in [silent, *peer.addrs()]]))
+                    stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+                    await stream.write(b"around the dead address")
+                    assert await stream.read(64) == b"echo:around the dead address"
+                    reached = client.relaying.reached(peer.peer_id)
+                    assert reached["state"] == "relayed" and reached["via"] == relay.peer_id
+                    assert reached["direct"] == f"no connection in {nat.DIRECT_FIRST_S:g} s", reached
 
     trio.run(main)
 

@@ -180,7 +180,8 @@ def _reached(reach: dict[str, Any]) -> str:
     """`reach` (from a record: via lists the relays) or `reached` (from a dial: via names one)."""
     via = reach["via"] if isinstance(reach["via"], list) else [reach["via"]] if reach["via"] else []
     if reach["state"] in ("relayed", "hole-punched"):
-        return f"{reach['state']} via " + ", ".join(_short(p) for p in via)
+        direct = f" (direct address: {reach['direct'][:40]})" if reach.get("direct") else ""
+        return f"{reach['state']} via " + ", ".join(_short(p) for p in via) + direct
     if reach["state"] == "unreachable":
         return f"UNREACHABLE from here ({reach.get('error', '')[:60]})"
     return "direct "

@@ -314,6 +314,7 @@ class Relaying:
         self._conn_of: dict[str, object] = {}  # relay -> the connection our slot was made on
         self._nursery: trio.Nursery | None = None
         self.punch = Punch(host) if hole_punch else None
+        self.direct_failed: dict[str, str] = {}  # peer -> why its direct addresses failed our last dial
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with background_trio_service(self.protocol), AsyncExitStack() as stack:
@@ -340,9 +341,14 @@ class Relaying:
             if direct:  # a dead direct address may drop our SYNs: bounded, the relays are the way then
                 try:
                     with trio.fail_after(DIRECT_FIRST_S):
-                        return await direct_connect(PeerInfo(info.peer_id, direct))
-                except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures, or too slow: the relays
+                        await direct_connect(PeerInfo(info.peer_id, direct))
+                    self.direct_failed.pop(info.peer_id.to_base58(), None)
+                    return None
+                except trio.TooSlowError:
+                    errors.append(f"direct: no connection in {DIRECT_FIRST_S:g} s")
+                except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures: the relays
                     errors.append(f"direct: {type(e).__name__}: {e}")
+                self.direct_failed[info.peer_id.to_base58()] = errors[-1].removeprefix("direct: ")
             for addr in circuits:
                 try:
                     await self.dial(info.peer_id, addr)
@@ -379,7 +385,8 @@ class Relaying:
 
     def reached(self, peer_id: str) -> dict[str, object]:
         """How this host reaches `peer_id` now, as new streams go (a direct connection first):
-        {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}.
+        {"state": "direct" | "hole-punched" | "relayed" | "none", "via": the relay, if any}, and
+        relayed, "direct": why its announced direct addresses failed, if they did.
         Hole-punched: a direct connection DCUtR opened next to a relayed one (`Punch`)."""
         try:
             conns = [c for c in self.host.get_network().get_connections(ID.from_base58(peer_id))
@@ -394,7 +401,10 @@ class Relaying:
             return {"state": HOLE_PUNCHED, "via": punched[hole]}
         if direct:
             return {"state": "direct", "via": None}
-        return {"state": "relayed", "via": relays[0]} if relays else {"state": "none", "via": None}
+        if not relays:
+            return {"state": "none", "via": None}
+        failed = self.direct_failed.get(peer_id)
+        return {"state": "relayed", "via": relays[0]} | ({"direct": failed} if failed else {})
 
     # ---- reachability ----
 
