@@ -271,6 +271,21 @@ def test_altered_weights_fail_manifest_check(tmp_path):
         load_span(path, 2, 4)
 
 
+def test_a_changed_head_byte_fails_the_manifest_check(tmp_path):
+    """The head (embeddings, final norm, LM head) is checked against the manifest's head hash on
+    load, as every block is: one byte changed is refused."""
+    path = make_tiny(tmp_path / "m")
+    from safetensors.torch import load_file, save_file
+
+    load_head(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.embed_tokens.weight"].view(torch.uint8)[0, 0] ^= 1
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    load_span(path, 0, 4)  # the blocks are untouched
+    with pytest.raises(ModelError, match="head .* does not match its manifest"):
+        load_head(path)
+
+
 def test_tensors_the_engine_would_ignore_are_refused(tmp_path):
     """A bias the config does not announce would be dropped silently: refuse the block instead."""
     path = make_tiny(tmp_path / "m")

@@ -374,7 +374,7 @@ def test_family_gguf_imports_as_its_model(tmp_path, name):
     if name != "qwen3":
         assert cfg.layer_types == want.layer_types and cfg.sliding_window == want.sliding_window
     ids = torch.randint(0, 259, (1, 8 if name == "qwen3" else 21), generator=torch.Generator().manual_seed(4))
-    head, span = load_head(dest), load_span(dest, 0, cfg.num_layers, verify=False)
+    head, span = load_head(dest, verify=False), load_span(dest, 0, cfg.num_layers, verify=False)
     got = head.logits(span(head.embed_tokens(ids), torch.arange(ids.shape[1]), span.new_cache(ids.shape[1])))
     with torch.no_grad():
         ref = load_reference(src)(ids).logits

@@ -4,14 +4,13 @@ dials skip py-libp2p's 250 ms stall; the auto-connector is off; libp2p warnings 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 import multiaddr
 import pytest
 import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network import swarm as libp2p_swarm
 from libp2p.network.config import RetryConfig
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
@@ -73,19 +72,21 @@ def test_only_noise_dialers_reach_peers_and_sentinels():
 
 
 @pytest.mark.timeout(60)
-def test_dials_are_fast_and_autoconnector_is_off():
+def test_dials_skip_the_happy_eyeballs_wait_and_autoconnector_is_off(monkeypatch):
+    """py-libp2p holds every dial for its happy-eyeballs delay (250 ms) unless the connection that
+    came fills the per-peer limit, which make_host sets to 1: with the delay made endless here, the
+    dials still return (a dial that waited it would trip the guard)."""
+    monkeypatch.setattr(libp2p_swarm, "_HAPPY_EYEBALLS_DELAY", 10_000.0)
+
     async def main() -> None:
         hosts = [make_host(create_new_key_pair(), LISTEN) for _ in range(6)]
         async with trio.open_nursery() as nursery:
             for h in hosts:
                 await nursery.start(_run_host, h)
-            times = []
-            for target in hosts[1:]:
-                t = time.perf_counter()
-                await hosts[0].connect(PeerInfo(target.get_id(), target.get_transport_addrs()))
-                times.append(time.perf_counter() - t)
-            # py-libp2p waits a fixed 250 ms per dial unless max_connections_per_peer == 1.
-            assert statistics.median(times) < 0.2, times
+            with trio.fail_after(30):  # a hang guard, not a speed claim (scripts/bench_transport.py)
+                for target in hosts[1:]:
+                    await hosts[0].connect(PeerInfo(target.get_id(), target.get_transport_addrs()))
+            assert len(hosts[0].get_connected_peers()) == 5
             assert not hosts[0].get_network().auto_connector._started
             nursery.cancel_scope.cancel()
 

@@ -98,7 +98,7 @@ def test_dynamic_rope_runs_to_its_switch_point_and_no_further(tmp_path):
     """Dynamic NTK equals the static table up to max_position_embeddings; past it the reference
     recomputes its frequencies from the sequence length, which a shared KV cache cannot follow."""
     path, ref = dynamic_model(tmp_path)
-    head, span = load_head(path), load_span(path, 0, 4, verify=False)
+    head, span = load_head(path, verify=False), load_span(path, 0, 4, verify=False)
     ids = torch.randint(0, 300, (1, 32))
     cache = span.new_cache(40)
     got = head.logits(span(head.embed_tokens(ids), torch.arange(32), cache))

@@ -35,11 +35,11 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return f"creating network namespaces needs root (running as uid {os.geteuid()})"
     if shutil.which("ip") is None:
-        return "iproute2's `ip` command is not installed"
+        return "iproute2's `ip` command is not installed (apt-get install iproute2)"
     probe = f"dfprobe{os.getpid()}"
     made = ip("netns", "add", probe)
     if made.returncode != 0:
-        return f"`ip netns add` failed: {made.stderr.strip()}"
+        return f"`ip netns add` failed: {made.stderr.strip()} (needs root and a kernel with network namespaces)"
     ip("netns", "del", probe)
     return None
 

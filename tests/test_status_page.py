@@ -7,7 +7,6 @@ data-* attributes the page sets. The screenshot is kept as artifacts/status_page
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -28,9 +27,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if not found:
-        if os.environ.get("CI"):
-            pytest.fail("Chromium is required in CI (apt-get install -y chromium)")
+    if not found:  # under CI the skip fails the run (conftest.py)
         pytest.skip("no Chromium on this machine (apt-get install -y chromium)")
     return found
 

@@ -288,7 +288,14 @@ class SwarmClient:
         addrs = [parse_multiaddr(a) for a in hop.addrs]
         network = self.node.host.get_network()
         if addrs and all(c.is_closed for c in network.get_connections(peer)):
-            await self._connect(peer, addrs)
+            try:
+                await self._connect(peer, addrs)
+            except Exception:  # noqa: BLE001 - the route's record may predate a restart on new ports
+                fresh = await self._fresh_addrs(hop)
+                if fresh == hop.addrs:
+                    raise
+                log.info("%s is not at its cached addresses: dialling its fresh record's", hop.peer_id)
+                await self._connect(peer, [parse_multiaddr(a) for a in fresh])
         try:
             with trio.fail_after(STREAM_TIMEOUT_S):  # a frozen peer negotiates nothing: not redialled
                 return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
@@ -302,10 +309,14 @@ class SwarmClient:
                 await network.close_peer(peer)
             for conn in network.get_connections(peer):  # still listed: host.connect would reuse it and not dial
                 network.remove_conn(conn)
-            # The route may come from records cached before the peer restarted on new ports.
-            now = next((r.addrs for r in await self.records() if r.peer_id == hop.peer_id and r.addrs), hop.addrs)
-            await self._connect(peer, [parse_multiaddr(a) for a in now])
+            await self._connect(peer, [parse_multiaddr(a) for a in await self._fresh_addrs(hop)])
             return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+
+    async def _fresh_addrs(self, hop: Hop) -> tuple[str, ...]:
+        """The hop's peer's addresses in a record read now (the route may come from records cached
+        before the peer restarted on new ports); the hop's own where none is found."""
+        return next((tuple(r.addrs) for r in await self.records() if r.peer_id == hop.peer_id and r.addrs),
+                    hop.addrs)
 
     async def _connect(self, peer: ID, addrs: list) -> None:
         """Dial `addrs` afresh: a restarted peer comes back on new ports (control/host.py)."""

@@ -52,10 +52,16 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
     return span.eval()
 
 
-def load_head(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Head:
+def load_head(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+              verify: bool = True) -> Head:
+    """Embeddings, final norm and LM head; verify checks them against the manifest, as blocks are."""
     files = ModelFiles(model_dir)
+    tensors = files.read_head()
+    if verify and block_hash(tensors) != load_manifest(model_dir).head_hash:
+        raise ModelError(f"the head (embeddings, final norm, LM head) of {files.dir.name} does not match its "
+                         "manifest: the weights are damaged or altered; re-import the model")
     with on_meta():
         head = Head(files.config)
     _materialise(head, dtype, device)
-    head.load_hf(files.read_head())
+    head.load_hf(tensors)
     return head.eval()
