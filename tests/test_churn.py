@@ -192,3 +192,36 @@ def test_a_peer_frozen_while_idle_is_noticed_when_a_session_opens(home, swarm, r
     assert got["tokens"] == reference
     first = got["failovers"][0]
     assert (first["peer"], first["during"], first["cause"]) == (got["victim"], "open", "timeout"), got["failovers"]
+
+
+def test_blocks_with_no_live_replica_are_computed_here_or_waited_for(home, swarm, reference):
+    """Both replicas of blocks 15-29 SIGKILLed, their records still valid: a new session runs
+    blocks 1-14 on a peer and only 15-29 in this process, the answer unchanged; a client that may
+    not compute them (--no-rescue) waits in the queue and opens on the first replica back."""
+    async def body(client: SwarmClient, prompt: list[int]) -> dict:
+        for name in ("B", "B2"):
+            swarm.proc[name].signal(signal.SIGKILL)
+        here = await generate(client, prompt)
+        patient = SwarmClient(client.node, client.model_dir, SwarmOptions(rescue=False))
+        got: dict = {}
+
+        async def wait_for_a_replica() -> None:
+            got["waited"] = await generate(patient, prompt)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_a_replica)
+            with trio.fail_after(60):
+                while patient.waiting == 0:
+                    await trio.sleep(0.1)
+            got["queued"] = patient.waiting
+            await trio.to_thread.run_sync(restart, swarm, "B")
+        await trio.to_thread.run_sync(restart, swarm, "B2")
+        return {"here": here, **got}
+
+    got = answer(home, swarm, body)
+    here, waited = got["here"], got["waited"]
+    assert here["tokens"] == reference and waited["tokens"] == reference
+    assert here["in_process"] == [[15, 30]] and [h["blocks"] for h in here["route"]] == [[1, 15]], here
+    assert here["computed"]["here"] == here["computed"]["peers"] + here["computed"]["here"] > 0
+    assert got["queued"] == 1
+    assert waited["in_process"] == [] and swarm.ids["B"] in [h["peer"] for h in waited["route"]], waited

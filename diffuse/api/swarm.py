@@ -24,7 +24,7 @@ from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.speculative import SpecConfig, SpecState
-from diffuse.client.swarm import RECORDS_TTL_S, SwarmBusy, SwarmClient, SwarmOptions, remote_of
+from diffuse.client.swarm import RECORDS_TTL_S, SwarmBusy, SwarmClient, SwarmOptions, remotes_of
 from diffuse.control.allow import AllowList
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
@@ -57,7 +57,7 @@ class _Session(Pipeline):
         try:
             await super().close()
         finally:
-            FAILOVERS.labels(self.model).inc(len(remote_of(self).stats.failovers))
+            FAILOVERS.labels(self.model).inc(sum(len(r.stats.failovers) for r in remotes_of(self)))
 
 
 class SwarmBackend:

@@ -266,7 +266,7 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
     from diffuse.client.draft_fetch import drop_fetched
     from diffuse.client.generate import complete, session_length
     from diffuse.client.speculative import SpecState
-    from diffuse.client.swarm import remote_of
+    from diffuse.client.swarm import remotes_of, route_report
     from diffuse.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(client.model_dir)
@@ -276,8 +276,8 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
     state = SpecState() if speculate is not None else None
     t0 = trio.current_time()
     pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
-    remote = remote_of(pipeline)
     info["route_s"] = round(trio.current_time() - t0, 4)
+    result = None
     try:
         result = await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate, state=state)
         if speculate is not None and speculate.draft is not None:
@@ -287,19 +287,21 @@ async def _answer_swarm(client, node, args, messages, params, on_text, info: dic
                         f"{state.draft_trials} first tokens right: dropped, and not fetched again")
         return result
     finally:
-        route = [dict(h) | {"reached": node.relaying.reached(h["peer"])} if isinstance(h, dict) else h
-                 for h in remote.route_taken]
-        info.update(mode="swarm", model=client.model_id, route=route, failovers=remote.stats.failovers,
+        tokens = len(prompt) + (len(result.token_ids) if result is not None else 0)
+        report = route_report(pipeline, tokens)
+        route = [dict(h) | {"reached": node.relaying.reached(h["peer"])} for h in report["route"]]
+        info.update(mode="swarm", model=client.model_id, route=route, in_process=report["in_process"],
+                    computed=report["tokens"], failovers=report["failovers"],
                     finished_here_from=remote_rescue(pipeline), local_blocks=list(client.opts.local_blocks),
                     swarm_mode=access.mode, trust=trust_mode(args, access),
                     checks=client.guard.status() if client.guard else None)
         await pipeline.close()
-        info["bytes_sent"] = remote.stats.bytes_sent
+        info["bytes_sent"] = sum(r.stats.bytes_sent for r in remotes_of(pipeline))
 
 
 def remote_rescue(pipeline) -> int | None:
-    """Committed tokens when this process took over the swarm's blocks (None: it never did)."""
-    return next((s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None), None)
+    """Committed tokens when this process took over blocks of the swarm's (None: it never did)."""
+    return min((s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None), default=None)
 
 
 def _answer_in_process(args, home: Path, asked: str, order: list[str], error, messages, params, on_text,

@@ -328,37 +328,68 @@ class SwarmClient:
         start, end = self.remote_range
         exact = self.opts.exact if exact is None else exact
         await self.records()  # fresh, for this route and its failovers
-        remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact,
-                            route_wait=MID_ANSWER_WAIT_S if self.opts.rescue else self.opts.route_wait)
-        middle = Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
-                           self.rescue_batcher, enabled=self.opts.rescue)
-        await self._open(remote, middle)
+        middle = await self._middle(start, end, max_len, batch, exact)
         stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
-            middle] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
+            *middle] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
         stages = privacy.wrap_front(stages, self.front is not None, self.opts.noise)
         return Pipeline(self.head, stages, exact, self.logits)
 
-    async def _open(self, remote: RemoteSpan, middle: Rescuable) -> None:
-        """Open the remote span on peers. Where no replica of some blocks can take it now, never
-        refuse what can be served: compute the span here (the options allowing, and the store and
-        memory), else wait for a replica, at most `route_wait`, in a queue of at most
-        `max_waiting` sessions (SwarmBusy past it; NoRoute if none came back in time). Blocks no
-        record announces are unservable, not down: NoRoute at once."""
+    def _span(self, start: int, end: int, max_len: int, batch: int, exact: bool) -> Rescuable:
+        """Blocks [start, end) on peers (not opened yet), finished here if the swarm loses them
+        and the options allow it."""
+        remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
+                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact,
+                            route_wait=MID_ANSWER_WAIT_S if self.opts.rescue else self.opts.route_wait)
+        return Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
+                         self.rescue_batcher, enabled=self.opts.rescue)
+
+    async def _middle(self, start: int, end: int, max_len: int, batch: int, exact: bool) -> list[Rescuable]:
+        """Blocks [start, end) opened on peers. Where no replica of some blocks can take the
+        session now, never refuse what can be served: compute those blocks here, the rest on
+        peers (the options allowing, and the store and memory), else wait for a replica, at most
+        `route_wait`, in a queue of at most `max_waiting` sessions (SwarmBusy past it; NoRoute if
+        none came back in time). Blocks no record announces are unservable, not down: NoRoute."""
+        whole = self._span(start, end, max_len, batch, exact)
         try:
-            return await remote.open(wait=0.0)  # one look: fresh records, banned replicas probed
+            await whole.remote.open(wait=0.0)  # one look: fresh records, banned replicas probed
+            return [whole]
         except NoRoute as e:
-            if not await self._announced(remote.start, remote.end):
+            if not await self._announced(start, end):
                 raise  # unservable, not down: a --fallback model, or the caller's refusal
-            if self.opts.rescue and await middle.start_here(e):
-                return
+            if self.opts.rescue and (pieces := await self._split(start, end, e, max_len, batch, exact)):
+                return pieces
             if self.waiting >= self.opts.max_waiting:
                 raise SwarmBusy(f"{e}; {self.waiting} sessions already wait for a replica") from None
         self.waiting += 1
         try:
-            await remote.open(wait=self.opts.route_wait)
+            await whole.remote.open(wait=self.opts.route_wait)
         finally:
             self.waiting -= 1
+        return [whole]
+
+    async def _split(self, start: int, end: int, lost: NoRoute, max_len: int, batch: int,
+                     exact: bool) -> list[Rescuable] | None:
+        """[start, end) as pieces: the blocks `lost` names computed here, the others on peers;
+        None where the store or memory cannot take the lost ones, or the swarm changed meanwhile."""
+        bounds = sorted({start, end, *(a for a, _ in lost.runs), *(b for _, b in lost.runs)})
+        pieces: list[Rescuable] = []
+        try:
+            for a, b in zip(bounds, bounds[1:]):
+                pieces.append(self._span(a, b, max_len, batch, exact))
+                if any(x <= a and b <= y for x, y in lost.runs):
+                    if not await pieces[-1].start_here(lost):
+                        raise lost
+                else:
+                    await pieces[-1].remote.open(wait=0.0)
+        except NoRoute:
+            for piece in pieces:
+                await piece.close()
+            return None
+        except BaseException:
+            for piece in pieces:
+                await piece.close()
+            raise
+        return pieces
 
     async def _announced(self, start: int, end: int) -> bool:
         """Whether fresh records announce every block of [start, end), live or not."""
@@ -377,25 +408,33 @@ class SwarmClient:
         return per * sum(block_parameters(self.cfg, b) for b in range(start, end))
 
 
-def remote_of(pipeline: Pipeline) -> RemoteSpan:
-    """The session's remote span (also once a Rescuable finished it here: its stats, its route)."""
+def remotes_of(pipeline: Pipeline) -> list[RemoteSpan]:
+    """The session's remote spans, in block order: one, or several where it opened while some
+    blocks had no replica (also once a Rescuable finished one here: its stats, its route)."""
     stages = [getattr(s, "remote", s) for s in pipeline.stages]
-    return next(s for s in stages if isinstance(s, RemoteSpan))
+    return [s for s in stages if isinstance(s, RemoteSpan)]
+
+
+def remote_of(pipeline: Pipeline) -> RemoteSpan:
+    """The session's first remote span."""
+    return remotes_of(pipeline)[0]
 
 
 def route_report(pipeline: Pipeline, tokens: int) -> dict | None:
     """Where a session's `tokens` went: the peers of its route, the blocks it computed here
-    instead (besides the client's own local blocks), its failovers, and how many tokens the
-    remote span computed on peers and here. None for a session that never used the swarm."""
-    try:
-        remote = remote_of(pipeline)
-    except StopIteration:
+    instead (besides the client's own local blocks), its failovers, and how many tokens went
+    through peers alone and how many also through blocks computed here. None for a session that
+    never used the swarm."""
+    remotes = remotes_of(pipeline)
+    if not remotes:
         return None
-    middle = next((s for s in pipeline.stages if isinstance(s, Rescuable)), None)
-    here_from = middle.rescued_at if middle is not None else None
+    pieces = [s for s in pipeline.stages if isinstance(s, Rescuable)]
+    here_from = min((p.rescued_at for p in pieces if p.rescued_at is not None), default=None)
     on_peers = tokens if here_from is None else min(here_from, tokens)
-    return {"route": remote.route_taken, "in_process": middle.in_process if middle is not None else [],
-            "failovers": remote.stats.failovers, "tokens": {"peers": on_peers, "here": tokens - on_peers}}
+    return {"route": [h for r in remotes for h in r.route_taken],
+            "in_process": [b for p in pieces for b in p.in_process],
+            "failovers": [f for r in remotes for f in r.stats.failovers],
+            "tokens": {"peers": on_peers, "here": tokens - on_peers}}
 
 
-__all__ = ["SwarmBusy", "SwarmClient", "SwarmOptions", "NoRoute", "remote_of", "route_report"]
+__all__ = ["SwarmBusy", "SwarmClient", "SwarmOptions", "NoRoute", "remote_of", "remotes_of", "route_report"]

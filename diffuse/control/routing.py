@@ -21,11 +21,12 @@ NO_ROOM_PENALTY = 30.0  # seconds: use a peer without cache room only if nothing
 
 
 class NoRoute(DiffuseError):
-    """Some blocks have no live, unbanned replica: the message names them, `blocks` too ("3-5, 9")."""
+    """Some blocks have no live, unbanned replica: the message names them, `blocks` too ("3-5, 9"),
+    and `runs` as [start, end) pairs ([(3, 6), (9, 10)])."""
 
-    def __init__(self, message: str, blocks: str = ""):
+    def __init__(self, message: str, blocks: str = "", runs: list[tuple[int, int]] | None = None):
         super().__init__(message)
-        self.blocks = blocks
+        self.blocks, self.runs = blocks, runs or []
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,11 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
                     best[e], back[e] = c, (s, r)
                     heapq.heappush(queue, (c, e))
     if end not in best:
-        blocks = _runs([b for b in range(start, end) if not any(r.serves(b) for r in live)])
+        runs = _runs([b for b in range(start, end) if not any(r.serves(b) for r in live)])
+        blocks = ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in runs)
         why = " (some replicas are banned after failing)" if banned else ""
-        raise NoRoute(f"no live peer serves block{'s' if '-' in blocks or ',' in blocks else ''} {blocks}{why}", blocks)
+        raise NoRoute(f"no live peer serves block{'s' if '-' in blocks or ',' in blocks else ''} {blocks}{why}",
+                      blocks, runs)
     hops, e = [], end
     while e != start:
         s, r = back[e]
@@ -84,12 +87,12 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
     return hops[::-1]
 
 
-def _runs(blocks: list[int]) -> str:
-    """Block numbers as runs: [3, 4, 5, 9] -> "3-5, 9"."""
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Block numbers as [start, end) runs: [3, 4, 5, 9] -> [(3, 6), (9, 10)]."""
     spans: list[list[int]] = []
     for b in blocks:
         if spans and b == spans[-1][1]:
             spans[-1][1] = b + 1
         else:
             spans.append([b, b + 1])
-    return ", ".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in spans)
+    return [(a, b) for a, b in spans]
