@@ -1,4 +1,6 @@
 # The two commands a new user needs: `make run` and `make test` (both set everything up first).
+# `make test`: the chaos run alone first (on two cores anything beside it would change what it
+# measures), then the rest on two workers, whose last lines name any test it could not run here.
 .PHONY: setup run test
 
 setup:
@@ -10,5 +12,5 @@ run: setup
 test: setup
 	.venv/bin/ruff check diffuse scripts tests
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone"
 	.venv/bin/python -m pytest -q -m alone
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone"

@@ -28,7 +28,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def pytest_terminal_summary(terminalreporter) -> None:
     skipped = terminalreporter.stats.get("skipped", [])
     if skipped:
-        terminalreporter.section(f"{len(skipped)} tests not run on this machine (CI would fail them)", yellow=True)
+        count = f"{len(skipped)} test{'s' if len(skipped) != 1 else ''}"
+        terminalreporter.section(f"{count} not run on this machine (CI would fail them)", yellow=True)
         for report in skipped:
             terminalreporter.line(f"{report.nodeid}: {_reason(report)}")
 

@@ -38,7 +38,7 @@ DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bound
 @dataclass
 class _Ban:
     until: float  # shunned until then (monotonic)
-    strikes: int  # failures without a quiet FORGET_S between them
+    strikes: int  # failures with no quiet `Bans.forget` seconds between them
     started: float  # the failed run's record start time: a newer one is a restart
     last: float  # when it last failed
 
@@ -163,7 +163,8 @@ class RemoteSpan:
                 self._failed(hop, e, "replay" if inputs else "open")
 
     async def _dial(self, hop: Hop) -> ByteStream:
-        """A stream to the hop's peer; a peer that gives none fails as "unreachable"."""
+        """A stream to the hop's peer; one that gives none fails as "unreachable" (or "timeout",
+        when it took too long)."""
         try:
             with trio.fail_after(DIAL_TIMEOUT_S):
                 return await self.dial(hop)
