@@ -48,6 +48,8 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -466,20 +468,29 @@ def home_for(args: argparse.Namespace, work: Path) -> Path:
     return home
 
 
-def run(args: argparse.Namespace) -> dict:
-    """The whole run, every child killed and (unless --keep) the work folder removed at the end."""
-    work = Path(tempfile.mkdtemp(prefix="diffuse-chaos-"))
-    swarm = Swarm(home_for(args, work), work, ["--no-rescue"] if args.no_rescue else [])
+@contextmanager
+def launched(args: argparse.Namespace, prefix: str, api_args: list[str] | None = None,
+             metrics: bool = False) -> Iterator[Swarm]:
+    """The swarm, serving, in a temporary work folder; every child killed and (unless --keep)
+    the folder removed at the end."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    swarm = Swarm(home_for(args, work), work, api_args, metrics)
     try:
         print("starting a sentinel, 6 peers and the API...", file=sys.stderr, flush=True)
         swarm.launch()
-        return drive(args, swarm)
+        yield swarm
     finally:
         swarm.close()
         if args.keep:
             print(f"logs kept in {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The whole run: the summary."""
+    with launched(args, "diffuse-chaos-", ["--no-rescue"] if args.no_rescue else []) as swarm:
+        return drive(args, swarm)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -27,16 +27,14 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from chaos import PROMPTS, Injector, Load, Swarm, ask, client, home_for
+from chaos import PROMPTS, Injector, Load, Swarm, ask, client, launched
 
 CHURNED = ["a1", "b1", "c0", "c1"]
 LONG_LIVED = ["api", "sentinel", "a0", "b0"]
@@ -192,18 +190,8 @@ def main() -> None:
     if args.minutes < 2:
         ap.error("--minutes must be at least 2")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` kills the children
-    work = Path(tempfile.mkdtemp(prefix="diffuse-soak-"))
-    swarm = Swarm(home_for(args, work), work, metrics=True)
-    try:
-        print("starting a sentinel, 6 peers and the API...", file=sys.stderr, flush=True)
-        swarm.launch()
+    with launched(args, "diffuse-soak-", metrics=True) as swarm:
         ok = soak(args, swarm)
-    finally:
-        swarm.close()
-        if args.keep:
-            print(f"logs kept in {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
     sys.exit(0 if ok else 1)
 
 

@@ -163,7 +163,8 @@ def test_a_batching_peer_sigkilled_with_8_sessions_in_flight_fails_all_over(swar
 
     async def body(client, tok):
         expected = [await generate(client, tok, q, "exact") for q in questions]
-        client.bans.ban(ids["R"])  # every session opens on P
+        run = next(r.started for r in await client.records() if r.peer_id == ids["R"])
+        client.bans.ban(ids["R"], run)  # every session opens on P (a ban of R's current run)
         killed: list[bool] = []
         remotes = []
 

@@ -227,7 +227,8 @@ def test_sigterm_drains_then_hands_off(home, tmp_path, reference):
 
         async def generate(client, tok, prompt, victim: str, on_token) -> dict:
             other = next(p for n, p in swarm.ids.items() if n != victim)
-            client.bans.ban(other)  # the session must start on the victim
+            run = next(r.started for r in await client.records() if r.peer_id == other)
+            client.bans.ban(other, run)  # the session must start on the victim (a ban of its current run)
             pipe = await client.session(len(prompt) + TOKENS)
             client.bans.lift(other)
             remote = remote_of(pipe)
