@@ -242,14 +242,14 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
     `allow`: as `Node` takes them (a private swarm, who may serve it); `mdns`: find the swarm on
     the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay;
     `speculate`: answers speculate (with each model's draft head from the store, if it has one)."""
-    from libp2p.crypto.ed25519 import create_new_key_pair
+    from diffuse.control.identity import ephemeral
 
     from diffuse.control.node import open_node
     from diffuse.model import store
 
     # Punching holes, our dials must leave from a port our router maps: listen on every interface.
     listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
-    async with open_node(create_new_key_pair(), listen=listen, bootstrap=bootstrap, server=False,
+    async with open_node(ephemeral(), listen=listen, bootstrap=bootstrap, server=False,
                          codecs=reputation.swarm_codecs(), swarm_key=swarm_key, allow=allow,
                          mdns=mdns, hole_punch=hole_punch) as node, \
             trio.open_nursery() as background:

@@ -189,7 +189,7 @@ def cmd_ask(args) -> int:
 def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, exact: bool):
     """Through the swarm, with the asked model or the best fallback that is servable; in this
     process when no bootstrap peer answers at all and the store holds a model small enough."""
-    from libp2p.crypto.ed25519 import create_new_key_pair
+    from diffuse.control.identity import ephemeral
 
     from diffuse.cli.net import _bootstrap_addrs, _first_leaf, _trio_run
     from diffuse.cli.swarm import swarm_access
@@ -215,7 +215,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
         try:
-            async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
+            async with open_node(ephemeral(), listen=client_listen(args), bootstrap=boot, server=False,
                                  codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
                                  mdns=mdns, hole_punch=args.hole_punch) as node:
                 client = SwarmClient(node, asked_dir, opts)

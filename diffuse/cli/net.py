@@ -373,7 +373,7 @@ def _offers(args: argparse.Namespace) -> tuple[list, dict[str, Path], int]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from libp2p.crypto.ed25519 import create_new_key_pair
+    from diffuse.control.identity import ephemeral
 
     from diffuse.control.coverage import format_text
     from diffuse.control.node import open_node
@@ -394,7 +394,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
-        async with open_node(create_new_key_pair(), listen=client_listen(args), bootstrap=boot, server=False,
+        async with open_node(ephemeral(), listen=client_listen(args), bootstrap=boot, server=False,
                              codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
                              mdns=mdns, hole_punch=args.hole_punch) as node:
             if mdns and not boot:  # the swarm is whoever answers on the LAN: give them a moment

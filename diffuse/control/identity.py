@@ -47,6 +47,11 @@ def load_or_create(path: str | os.PathLike) -> KeyPair:
     return _load(path)
 
 
+def ephemeral() -> KeyPair:
+    """A fresh identity kept nowhere: one per question or API process, so nothing links them."""
+    return create_new_key_pair()
+
+
 def peer_id(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
 
