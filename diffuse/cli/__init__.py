@@ -8,6 +8,7 @@ import os
 import sys
 from typing import NoReturn
 
+from diffuse import allocator
 from diffuse.errors import DiffuseError
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # idle OpenMP threads must not steal cores
+    allocator.tune()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * args.verbose, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
