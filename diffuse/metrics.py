@@ -124,15 +124,15 @@ class _ServedCollector(Collector):
 
 
 def watch_peer(model: Callable[[], str], status: Callable[[], Mapping[str, Any]],
-               handle: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+               handle: Callable[[Any, str], Awaitable[None]]) -> Callable[[Any, str], Awaitable[None]]:
     """Export a peer's counters (`status()` gives steps_served, tokens_served, sessions) under
     the model it serves now (`model()`), and return `handle` wrapped so that every inference
     stream is metered."""
     REGISTRY.register(_ServedCollector(model, status))
     SESSIONS_OPEN.labels("server").set_function(lambda: status().get("sessions", 0))
 
-    async def metered(stream: Any) -> None:
-        await handle(MeteredStream(stream, server=True))
+    async def metered(stream: Any, remote: str) -> None:
+        await handle(MeteredStream(stream, server=True), remote)
 
     return metered
 

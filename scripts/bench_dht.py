@@ -138,7 +138,7 @@ async def measure(n: int) -> dict:
     }
 
 
-async def _answer_pings(stream) -> None:
+async def _answer_pings(stream, remote: str) -> None:
     """An honest peer's inference stream, as far as a client probing it can tell: PONG per PING."""
     decoder = FrameDecoder()
     while data := await stream.read(65536):

@@ -153,9 +153,9 @@ async def loopback_swarm(model_dir: Path, dtype: torch.dtype = torch.bfloat16
     peers: list[Peer] = []
 
     def handler(sessions: list[Recorded], service: PeerService):
-        async def handle(stream) -> None:
+        async def handle(stream, remote: str) -> None:
             sessions.append(Recorded())
-            await service.server.handle(Tap(stream, sessions[-1]), str(stream.muxed_conn.peer_id))
+            await service.server.handle(Tap(stream, sessions[-1]), remote)
         return handle
 
     async def peer(start: int, end: int, bootstrap: list[str]) -> None:

@@ -71,12 +71,12 @@ def test_metered_stream_times_steps_and_counts_bytes_and_refusals():
 
 def test_peer_metrics_endpoint_exports_the_servers_counters():
     status = {"steps_served": 7, "tokens_served": 40, "sessions": 2}
-    handle = watch_peer(lambda: "m", lambda: status, lambda stream: trio.sleep(0))
+    handle = watch_peer(lambda: "m", lambda: status, lambda stream, remote: trio.sleep(0))
 
     async def main():
         async with trio.open_nursery() as nursery:
             url = (await nursery.start(serve_metrics, "127.0.0.1:0"))[0]
-            await handle(Pipe())
+            await handle(Pipe(), "peer")
             ok = await trio.to_thread.run_sync(httpx.get, url + "/metrics")
             missing = await trio.to_thread.run_sync(httpx.get, url + "/")
             nursery.cancel_scope.cancel()

@@ -29,7 +29,7 @@ ECHO = "/diffuse-test/echo/1"
 pytestmark = pytest.mark.timeout(60)
 
 
-async def echo(stream) -> None:
+async def echo(stream, remote: str) -> None:
     data = await stream.read(64)
     await stream.write(b"echo:" + data)
     await stream.close()

@@ -449,7 +449,7 @@ class ServeHooks:
     protocols it serves, and `prepare(start, end)`, awaited once the span is chosen and before it
     is announced (load and verify the blocks; return measured tokens/s or None)."""
 
-    handlers: dict[str, Callable[[Any], Awaitable[None]]] = field(default_factory=dict)
+    handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = field(default_factory=dict)
     status_fn: Callable[[], Mapping[str, Any]] | None = None
     protocols: tuple[str, ...] = ()
     prepare: Callable[[int, int], Awaitable[float | None]] | None = None
@@ -497,7 +497,7 @@ class DraftHeads:
 
         self.home, self.models = home, models
         self.server, self.protocol = FileServer(), PROTOCOL_ID
-        self.handlers: dict[str, Callable[[Any], Awaitable[None]]] = {PROTOCOL_ID: self.server.handle}
+        self.handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = {PROTOCOL_ID: self.server.serve}
         self.heads = draft_fetch.offer(self.server, home, models)
 
     async def watch(self, node: Any, every: float = 15.0) -> None:

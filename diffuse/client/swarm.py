@@ -17,13 +17,11 @@ from pathlib import Path
 
 import torch
 import trio
-from libp2p.custom_types import TProtocol
-from libp2p.peer.id import ID
 
 from diffuse.client import privacy
 from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
 from diffuse.client.rescue import Rescuable
-from diffuse.control.host import connect_at, parse_multiaddr
+from diffuse.control.dial import open_stream
 from diffuse.control.node import Node
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute, plan_route
@@ -284,43 +282,14 @@ class SwarmClient:
             await stream.close()
 
     async def dial(self, hop: Hop):
-        peer = ID.from_base58(hop.peer_id)
-        addrs = [parse_multiaddr(a) for a in hop.addrs]
-        network = self.node.host.get_network()
-        if addrs and all(c.is_closed for c in network.get_connections(peer)):
-            try:
-                await self._connect(peer, addrs)
-            except Exception:  # noqa: BLE001 - the route's record may predate a restart on new ports
-                fresh = await self._fresh_addrs(hop)
-                if fresh == hop.addrs:
-                    raise
-                log.info("%s is not at its cached addresses: dialling its fresh record's", hop.peer_id)
-                await self._connect(peer, [parse_multiaddr(a) for a in fresh])
-        try:
-            with trio.fail_after(STREAM_TIMEOUT_S):  # a frozen peer negotiates nothing: not redialled
-                return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
-        except trio.TooSlowError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a connection to its previous self, not yet seen closed
-            if not addrs:
-                raise
-            log.info("stream to %s failed (%s): redialling its announced addresses", hop.peer_id, e)
-            with trio.move_on_after(1.0):
-                await network.close_peer(peer)
-            for conn in network.get_connections(peer):  # still listed: host.connect would reuse it and not dial
-                network.remove_conn(conn)
-            await self._connect(peer, [parse_multiaddr(a) for a in await self._fresh_addrs(hop)])
-            return await self.node.host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        return await open_stream(self.node.host, hop.peer_id, PROTOCOL_ID, hop.addrs, timeout=STREAM_TIMEOUT_S,
+                                 fresh=lambda: self._fresh_addrs(hop))
 
     async def _fresh_addrs(self, hop: Hop) -> tuple[str, ...]:
         """The hop's peer's addresses in a record read now (the route may come from records cached
         before the peer restarted on new ports); the hop's own where none is found."""
         return next((tuple(r.addrs) for r in await self.records() if r.peer_id == hop.peer_id and r.addrs),
                     hop.addrs)
-
-    async def _connect(self, peer: ID, addrs: list) -> None:
-        """Dial `addrs` afresh: a restarted peer comes back on new ports (control/host.py)."""
-        await connect_at(self.node.host, peer, addrs)
 
     async def session(self, max_len: int, batch: int = 1, exact: bool | None = None) -> Pipeline:
         """Open a session: local front blocks, the swarm's route, local back blocks; exact (default

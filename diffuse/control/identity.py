@@ -56,6 +56,19 @@ def peer_id(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
 
 
+def peer_id_bytes(peer: str) -> bytes:
+    """A base58 peer id's binary form (a multihash of its public key), as signed payloads carry it."""
+    return ID.from_base58(peer).to_bytes()
+
+
+def peer_id_from_bytes(raw: bytes) -> str:
+    """The base58 form of a binary peer id; ValueError where the bytes are not one."""
+    try:
+        return ID(raw).to_base58()
+    except Exception:  # noqa: BLE001 - py-libp2p's ID raises several types on bad bytes
+        raise ValueError("bad peer id") from None
+
+
 def _create(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

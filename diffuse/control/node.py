@@ -64,12 +64,19 @@ class ListenError(DiffuseError):
     """No listen address could be bound."""
 
 
-StreamHandler = Callable[[INetStream], Awaitable[None]]
+StreamHandler = Callable[[INetStream, str], Awaitable[None]]  # (stream, the remote peer id)
 WITHDRAW_TIMEOUT_S = 5.0  # the tombstone must get out even from a starved process
 STOP_TIMEOUT_S = WITHDRAW_TIMEOUT_S + 2.0  # withdraw, then close connections
 REACH_TIMEOUT_S = 10.0  # `reach_peers`: a dial (and a hole punch) to one peer, at most
 REACH_AT_ONCE = 16  # `reach_peers`: peers dialled at once
 
+
+
+def _with_peer(handler: StreamHandler) -> Callable[[INetStream], Awaitable[None]]:
+    """py-libp2p's handler shape, passing on the peer id its secure channel authenticated."""
+    async def handle(stream: INetStream) -> None:
+        await handler(stream, stream.muxed_conn.peer_id.to_base58())
+    return handle
 
 class Node:
     def __init__(
@@ -119,7 +126,7 @@ class Node:
         self.upnp = upnp
         self.mapping = PortMapping()  # our ports on the router's external address, if UPnP mapped them
         for proto, handler in (handlers or {}).items():
-            self.host.set_stream_handler(TProtocol(proto), handler)
+            self.host.set_stream_handler(TProtocol(proto), _with_peer(handler))
         self.codecs = codecs or SetCodecs()
         if allow is not None:
             self.codecs = self.codecs.allowing(allow.ids)

@@ -25,10 +25,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Union
 
 import trio
-from libp2p.custom_types import TProtocol
-from libp2p.peer.id import ID
 
-from diffuse.control.host import connect_at, parse_multiaddr
+from diffuse.control.dial import connect, connected, open_stream
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 from diffuse.errors import FetchError, ProtocolError
 
@@ -260,12 +258,9 @@ class FileServer:
         self.files[sha] = (path, size)
         return sha, size
 
-    async def handle(self, stream: Any) -> None:
-        """A libp2p stream handler (the remote peer's id bounds its share of transfers)."""
-        await self.serve(stream, str(stream.muxed_conn.peer_id))
-
     async def serve(self, stream: ByteStream, remote: str) -> None:
-        """Answer one GET on `stream`, then close it; never raises for anything the peer did."""
+        """Answer one GET on `stream` from peer `remote` (its id bounds its share of transfers), then
+        close it; never raises for anything the peer did."""
         try:
             get = await self._request(stream)
             if get is not None:
@@ -360,16 +355,19 @@ async def fetch(host: Any, peer_id: str, sha256: str, expected_size: int, dest: 
     `dest`. It is written under a temporary name and renamed only once its size and hash are
     right: on any failure nothing is left and FetchError names the peer and what was wrong.
     `addrs`: the peer's announced addresses, dialled when no connection to it is open."""
-    peer = ID.from_base58(peer_id)
-    await _connect(host, peer, addrs)
-
-    async def open_stream() -> ByteStream:
+    if addrs and not connected(host, peer_id):
         try:
-            return await host.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+            await connect(host, peer_id, addrs)
+        except Exception as e:  # noqa: BLE001 - py-libp2p fails dials in many types of its own
+            raise FetchError(f"cannot reach peer {peer_id}: {e}") from None
+
+    async def opener() -> ByteStream:
+        try:
+            return await open_stream(host, peer_id, PROTOCOL_ID, ())
         except Exception as e:  # noqa: BLE001 - py-libp2p fails streams in many types of its own
             raise FetchError(f"cannot open a files stream to peer {peer_id}: {e}") from None
 
-    return await fetch_with(open_stream, peer_id, sha256, expected_size, dest, limit, max_range=max_range)
+    return await fetch_with(opener, peer_id, sha256, expected_size, dest, limit, max_range=max_range)
 
 
 async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size: int, dest: Path, limit: int,
@@ -486,16 +484,6 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
         raise FetchError(f"peer {peer} answered for {msg.length} bytes from {msg.offset}; "
                          f"{length} from {offset} were asked")
     return msg
-
-
-async def _connect(host: Any, peer: ID, addrs: Sequence[str]) -> None:
-    """Dial the peer at its announced addresses unless a connection to it is open."""
-    if not addrs or any(not c.is_closed for c in host.get_network().get_connections(peer)):
-        return
-    try:
-        await connect_at(host, peer, [parse_multiaddr(a) for a in addrs])
-    except Exception as e:  # noqa: BLE001 - py-libp2p fails dials in many types of its own
-        raise FetchError(f"cannot reach peer {peer.to_base58()}: {e}") from None
 
 
 __all__ = ["PROTOCOL_ID", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response", "Status",

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from libp2p.abc import INetStream
 
 from diffuse.data.codec import PROTOCOL_ID
 from diffuse.data.server import BlockServer, ServerLimits
+from diffuse.data.stream import ByteStream
 from diffuse.model.engine import BlockSpan
 from diffuse.model.load import load_span
 
@@ -90,13 +90,13 @@ class PeerService:
         log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)
         return self.throughput
 
-    async def handle(self, stream: INetStream) -> None:
-        """One inference stream from a remote peer (libp2p authenticated it: its id is the key
-        of its share of this peer)."""
+    async def handle(self, stream: ByteStream, remote: str) -> None:
+        """One inference stream from peer `remote` (libp2p authenticated it: its id is the key of
+        its share of this peer)."""
         if self.server is None:  # not announced yet, so nobody should be here
             await stream.close()
             return
-        await self.server.handle(stream, str(stream.muxed_conn.peer_id))
+        await self.server.handle(stream, remote)
 
     def status(self) -> dict:
         if self.server is None:

@@ -33,10 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import trio
-from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 from torch import Tensor
 
+from diffuse.control.identity import KeyPair, peer_id
 from diffuse.control.routing import Hop
 from diffuse.data.checks import ChecksUnavailable, OpenSession, Rejected
 from diffuse.data.hop import HopSession, Sent
@@ -87,7 +86,7 @@ class Guard:
                  rng: random.Random | None = None):
         self.model_id, self.bank, self.key_pair = model_id, bank, key_pair
         self.opts = options or TrustOptions()
-        self.me = ID.from_pubkey(key_pair.public_key).to_base58()
+        self.me = peer_id(key_pair).to_base58()
         self.publish = publish if self.opts.publish else None
         self.rng = rng or random.SystemRandom()  # picks the peer must not be able to predict
         self.spot = SpotChecker(self.opts.spot_rate, self.rng)

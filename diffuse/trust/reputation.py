@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import cbor2
-from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
+from diffuse.control.identity import KeyPair, peer_id_bytes, peer_id_from_bytes
 from diffuse.control.node import Node
 from diffuse.control.records import NAMESPACE, SetCodec, SetCodecs, tag
 from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
@@ -72,8 +71,8 @@ class Evidence:
 
     def to_payload(self) -> dict[str, Any]:
         return {
-            "v": EVIDENCE_VERSION, "kind": self.kind, "accused": ID.from_base58(self.accused).to_bytes(),
-            "reporter": ID.from_base58(self.reporter).to_bytes(), "model": self.model,
+            "v": EVIDENCE_VERSION, "kind": self.kind, "accused": peer_id_bytes(self.accused),
+            "reporter": peer_id_bytes(self.reporter), "model": self.model,
             "start": self.start, "end": self.end, "ts": int(round(self.timestamp * 1000)),
             "dtype": self.dtype, "stat": float(self.statistic), "thr": float(self.threshold),
             "steps": [[b.session_id, b.step, b.input_commitment, b.header, b.n_bytes, b.chunk_size, c]
@@ -221,8 +220,8 @@ def _peer(v: Any) -> str:
     if not isinstance(v, bytes) or len(v) > 64:
         raise InvalidEvidence("bad peer id")
     try:
-        return ID(v).to_base58()
-    except Exception:  # noqa: BLE001 - py-libp2p's ID raises several types on bad bytes
+        return peer_id_from_bytes(v)
+    except ValueError:
         raise InvalidEvidence("bad peer id") from None
 
 
