@@ -21,7 +21,8 @@ from libp2p.security.tls.transport import TLSTransport
 
 from control_helpers import fake_hashes
 from diffuse.control.announce import Serving
-from diffuse.control.host import make_host, tame_libp2p_logging
+from diffuse.control.host import make_host
+from diffuse.control.upstream import tame_logging
 from diffuse.control.node import open_node
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
@@ -101,6 +102,6 @@ async def _run_host(host, task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 def test_libp2p_warnings_do_not_reach_stderr(capfd, monkeypatch):
     monkeypatch.delenv("LIBP2P_DEBUG", raising=False)
-    tame_libp2p_logging()
+    tame_logging()
     logging.getLogger("libp2p.kad_dht.kad_dht").warning("Failed to read DHT message from stream")
     assert "Failed to read" not in capfd.readouterr().err

@@ -15,8 +15,6 @@ With a swarm key, every connection is first wrapped in the private-network layer
 
 from __future__ import annotations
 
-import logging
-import os
 import socket
 from collections.abc import Iterable, Sequence
 
@@ -33,39 +31,16 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from diffuse.control import pnet, quick_io, whole_writes
+from diffuse.control import upstream
 from diffuse.control.swarm_key import SwarmKey
 from diffuse.errors import DiffuseError
 
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
 PEERSTORE_TTL_S = 600  # how long addresses a dial was given stay in the peerstore
-LOG_ENV = "DIFFUSE_LIBP2P_LOG"  # e.g. DIFFUSE_LIBP2P_LOG=DEBUG to see py-libp2p's own logs
 
 
 class AddressError(DiffuseError):
     """A multiaddr given by the user is malformed or lacks a part we need."""
-
-
-def tame_libp2p_logging() -> None:
-    """Stop py-libp2p's warnings from reaching stderr unless asked for.
-
-    Its `libp2p` logger has propagate=False and no handler, so Python's last-resort handler
-    prints every WARNING (dozens of "Failed to read DHT message" per run). A NullHandler
-    silences that; DIFFUSE_LIBP2P_LOG=LEVEL sends them to stderr instead. LIBP2P_DEBUG (the
-    library's own switch) is left alone when set.
-    """
-    log = logging.getLogger("libp2p")
-    if os.environ.get("LIBP2P_DEBUG") or getattr(log, "_diffuse_tamed", False):
-        return
-    log._diffuse_tamed = True  # type: ignore[attr-defined]
-    level = os.environ.get(LOG_ENV, "").upper()
-    if level in logging._nameToLevel:
-        handler: logging.Handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        log.setLevel(level)
-    else:
-        handler = logging.NullHandler()
-    log.addHandler(handler)
 
 
 def parse_multiaddr(text: str) -> multiaddr.Multiaddr:
@@ -104,12 +79,7 @@ def make_host(key_pair: KeyPair, listen_addrs: Sequence[str | multiaddr.Multiadd
     Handlers of other planes must be set with `host.set_stream_handler` before `run`, so no
     peer ever reaches a half-configured node.
     """
-    tame_libp2p_logging()
-    whole_writes.apply()
-    quick_io.apply()
-    if swarm_key is not None:
-        pnet.install()
-    os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")  # yamux reads it at every read
+    upstream.install(private=swarm_key is not None)
     addrs = [a if isinstance(a, multiaddr.Multiaddr) else parse_multiaddr(a) for a in listen_addrs]
     for a in addrs:
         if "tcp" not in [p.name for p in a.protocols()]:
