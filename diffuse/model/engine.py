@@ -42,8 +42,9 @@ FAMILIES: dict[str, Family] = {
 
 
 # Rows of a committed prefill computed at once. A fixed number, not a time budget, so a step
-# splits the same way everywhere and on every replay (the same shapes take the same kernels). On a
-# 2-core CPU a 32-row chunk through 15 SmolLM2 blocks costs ~1.5-2x a one-token step.
+# splits the same way everywhere and on every replay (the same shapes take the same kernels). A
+# chunk costs a small multiple of a one-token step, so a decode step queued behind a long prompt
+# waits for one chunk, not the prompt (figures: docs/figures.md).
 PREFILL_CHUNK = 32
 
 
@@ -132,7 +133,8 @@ class Slab:
 
     A batch of their sessions' one-token steps writes its keys and attends with one call per
     layer for all of them (`layers.Together`) instead of one per session, whose Python and
-    dispatch had been ~30% of a 16-session step (`scripts/bench_slabs.py` measures both).
+    dispatch were a large share of a many-session step (`scripts/bench_slabs.py` measures both;
+    figures: docs/figures.md).
     A slab is allocated, not written, like any cache; a slot whose cache is gone is zeroed and
     its whole pages handed back to the OS (`release_pages`), so a slab holds what its open
     sessions touched, and the last one gone frees it.
@@ -218,8 +220,8 @@ def family(cfg: ModelConfig) -> Family:
 @functools.cache
 def block_parameters(cfg: ModelConfig, layer: int) -> int:
     """Weights (numbers) of block `layer`, counted on the meta device: all of its experts included.
-    Kept per (config, layer): building the modules costs ~0.7 ms a block, which every session a
-    client opens would pay (its rescue budget counts its span's weights)."""
+    Kept per (config, layer): building the modules costs time that every session a client opens
+    would otherwise pay (its rescue budget counts its span's weights)."""
     with on_meta():
         return sum(p.numel() for p in family(cfg).block(cfg, layer).parameters())
 

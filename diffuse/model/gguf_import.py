@@ -303,8 +303,8 @@ def _plan(reader, arch: str, cfg: ModelConfig) -> list[tuple[object, list[tuple[
 def _write_tensors(path: Path, reader, arch: str, cfg: ModelConfig, progress: Progress) -> None:
     """Stream float32 tensors into one safetensors file, one GGUF tensor in memory at a time.
 
-    safetensors' own writer needs every tensor in a dict first (~0.5 GB more peak RSS for
-    SmolLM2); the format is simple enough to write the header up front from the GGUF shapes.
+    safetensors' own writer needs every tensor in a dict first (the whole model's fp32 tensors in
+    memory at once); the format is simple enough to write the header up front from the GGUF shapes.
     """
     from gguf.quants import dequantize
 

@@ -3,93 +3,38 @@
 torch's default `x @ W.T` is not the fastest product for every row count, and which one is
 depends on the CPU, so the paths are chosen once per process by what it has (`profile`).
 
-AVX2 (this project's first 2-core box, 2 threads, ms; 60 matrices of 1536x576, the last row:
-the whole SmolLM2 forward at a 300-token context): two to sixteen rows cost 1.5-2x one row in
-fp32, MKL's threaded GEMV (one row) is slower than its single-threaded one, and bf16 has no
-native GEMM at all: its cost grows linearly with the rows (16 rows: 10x one row).
+Rules, by CPU (figures: docs/figures.md; the timing tables behind them: docs/measurements.md):
 
-    rows                    1     2     4     8    16    32    64
-    fp32 x @ W.T           32    54    62    51    58    67     -
-    fp32 (W @ x.T).T       32    22    22    38    43    54     -
-    bf16 x @ W.T           11    17    32    61   121   240   465
-    bf16 via fp32          52    28    29    44    39    49    86
-    fp32 model, before    106   194   215   197   220   259   375
-    fp32 model, after      86    88    96   133   175   235   350
-
-So there fp32 takes the second form up to 64 rows (one row is doubled when torch has several
-threads), and bf16 without native bf16 kernels is computed from eight rows up by widening the
-weights to fp32 (fp32 accumulation, as a bf16 kernel would do; rounded back to bf16). MKL's fp32
-GEMM is also fast there only for row counts that are multiples of 8 (its AVX2 register block):
-13 rows cost twice 16, so zero rows are appended up to the next multiple of 8 from seven rows on
-(ms, the matrices above plus 30 of 960x576 and an LM head of 49152x576):
-
-    rows           2    4    6    7    8    9   12   13   15   16   17   23   24   31   32
-    as they come  30   32   43   51   47   56   79  100  123   67   90  128   86  159  101
-    padded to 8    -    -   47   47   47   68   65   65   66   67   89   87   86   98  102
-
-AVX-512 with AMX and AVX512-BF16 (a 2-core Xeon, torch 2.13; the 120 SmolLM2 block matrices and
-its LM head, ms, one thread, which a loaded machine measures more reliably than two):
-
-    rows                    1     2     3     4     7     8    12    13    16    17    24    32
-    fp32 x @ W.T           60    64    69   111   149   153   188   217   143   153   148   168
-    fp32 (W @ x.T).T       50    98    97    97    96   105   115   111   108   146   150   159
-    bf16 x @ W.T           51    62    63    61    64    62    60    58    59    78    78    80
-
-and per matrix, one row, two threads (ms): doubling a row costs 2-2.4x in fp32 here (MKL's
-threaded GEMV is fast), x @ W.T and torch.mv are equal in fp32, and in bf16 torch.mv (a GEMV
-kernel) beats oneDNN's GEMM for one row: 0.10 vs 0.16-0.31 for the blocks' matrices, 4.5 vs 6.2
-for SmolLM2's 49152x576 head, 27.5 vs 36 for Gemma 3's 262144x640, with the same bits. So on
-AVX-512 fp32 uses x @ W.T up to three rows (not on AMD's CPUs: below), and a single bf16 row used
-torch.mv, until bf16 products took reordered weights (below). From four rows, fp32 products there
-go through oneDNN with the weight reordered once into its blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, kept beside the weight and redone if the weight
-changes): MKL's GEMM repacks the weight on every call, which is most of the
-cost of a few rows (the wide form above, padded to 16 rows, was the best MKL did). us per product,
-2 threads, torch 2.13 (MKL path / reordered oneDNN):
-
-    rows      wqkv 960x576   wo 576x576   gate_up 3072x576   down 576x1536   head 49152x576
-    1            38 /  56      23 /  52       192 /  214        77 / 201      3169 /  3196
-    3            37 /  61      24 /  42       194 /  218        75 / 119      4563 /  4010
-    4           161 /  66     107 /  44       415 /  222       240 / 119     10222 /  4122
-    8           147 /  85     109 /  60       431 /  274       238 / 160      9776 /  4759
-    16          138 / 115      97 /  75       423 /  341       261 / 201     11682 /  7554
-    64          493 / 352     319 / 230      1301 /  891       662 / 514     34565 / 17042
+- AVX2 (`AVX2`): a few fp32 rows by `x @ W.T` cost far more than one row, and MKL's threaded GEMV
+  (one row) is slower than its single-threaded one, so fp32 takes `(W @ x.T).T` up to
+  FP32_UP_TO_ROWS rows, one row doubled into a 2-row GEMM when torch has several threads. Without
+  native bf16 kernels a bf16 product's cost grows linearly with the rows, so from WIDEN_FROM_ROWS
+  rows the weights are widened to fp32 (fp32 accumulation, as a bf16 kernel would do; rounded back
+  to bf16). MKL's fp32 GEMM is fast there only for row counts that are multiples of 8 (its AVX2
+  register block), so zero rows are appended up to the next multiple of 8 from seven rows on.
+- AVX-512 (`AVX512`): MKL's threaded GEMV is fast and the AVX2 tricks cost more than they save, so
+  fp32 uses `x @ W.T` up to three rows. From four rows fp32 products go through oneDNN with the
+  weight reordered once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, kept
+  beside the weight and redone if the weight changes): MKL's GEMM repacks the weight on every
+  call, which is most of the cost of a few rows (without oneDNN, fp32 takes `(W @ x.T).T` from
+  four rows, padded to 16, the best MKL did). One bf16 row by torch.mv (a GEMV kernel) beats
+  oneDNN's GEMM with the same bits, where a weight has no reordered copy.
+- AMD's AVX-512 CPUs (`AVX512_AMD`, by vendor id): MKL's few-row fp32 products are slow, so fp32
+  takes the reordered weight at every row count.
+- Native bf16 (AVX512-BF16 / AMX): the reordered weight wins at every row count (torch's own bf16
+  product reorders the weight on every call, and one row by torch.mv is slower still), with the
+  very same bits as torch.mv and F.linear (same oneDNN kernel; checked by a test). So bf16
+  products always take it.
 
 The reordered copy costs the weight's memory again, so it is made only when a product first uses
-the weight, and a peer's memory budget counts it (`reorders`, placement, `model info`).
-
-On an AMD EPYC (AVX-512 with AVX512-BF16, no AMX; torch 2.13, us per product, 2 threads, MKL or
-torch's bf16 path / reordered oneDNN) MKL's few-row fp32 products are slow, the head's worst at
-two and three rows, so there fp32 takes the reordered weight at every row count (AVX512_AMD):
-
-    fp32 rows   wqkv        wo          gate_up      down        head
-    1           44 /  37    27 /  30    135 /  70    59 /  47    11743 / 5697
-    2           86 /  38    55 /  29    276 /  77   127 /  49    28491 / 6467
-    3          207 /  60   125 /  54    435 /  95   191 /  57    43247 / 4680
-    8          157 /  75    95 /  53    543 / 206   259 / 107    26026 / 6092
-
-and in bf16, where the CPU has native bf16 instructions, the reordered weight wins at every row
-count on both CPUs (torch's own bf16 product reorders the weight on every call, and one row by
-torch.mv is slower still), with the very same bits as torch.mv and F.linear (same oneDNN kernel;
-checked by a test). So bf16 products always take it, and bf16 spans there count their weights
-twice, as fp32 ones do:
-
-    bf16 rows   wqkv        wo          gate_up      down        head
-    1           89 /  34    65 /  30    201 /  64   115 /  49     6875 / 3232
-    4           64 /  40    52 /  35    145 /  77    85 /  55     5935 / 2401
-    16         108 /  87    72 /  64    321 / 184   152 / 114     7328 / 3887
-    64         257 / 207   161 / 140    703 / 650   345 / 289    13504 / 10645
-
-A step through SmolLM2's blocks 1-29 and its head (one process, 100 tokens of context, median of
-7, ms, before / after): bf16 at 1 / 4 / 16 / 64 rows 74.5 / 44.5, 69.1 / 45.8, 80.0 / 57.6,
-158.5 / 122.0; fp32 on the EPYC at 1 / 2 / 3 / 4 rows 87.9 / 54.8, 140.5 / 58.5, 185.3 / 51.1,
-52.9 / 53.4.
+the weight, and a peer's memory budget counts it (`reorders`, placement, `model info`): bf16 spans
+on native-bf16 CPUs count their weights twice, as fp32 ones do.
 
 `padded_rows` says how many rows a product really costs, so that a caller choosing how many
 rows to send (the speculation planner) can fill the padding with useful ones.
 
 None of these paths is batch-invariant: a row's result changes in the last bits with the number
-of rows beside it, because MKL picks its kernel by shape (measurements at `exact_form`). Speculation
+of rows beside it, because MKL picks its kernel by shape (see `exact_form`). Speculation
 computes a position in a tree of 2-64 rows that plain decoding computes alone, so an fp32 near-tie
 could resolve differently. A session that asks for exact kernels gets `exact_linear` (one product
 form, padded so that every row count takes the same kernel, checked on this machine) and
@@ -110,7 +55,7 @@ from torch import Tensor, nn
 WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emulated kernel
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
 EXACT_QUERY_BLOCK = 128  # query rows per fp64 score matrix (bounds its memory during a prefill)
-WIDEN_BLOCK = 2048  # weight rows widened at once (an LM head of 49152 rows: 15 vs 78 ms at 4 rows)
+WIDEN_BLOCK = 2048  # weight rows widened at once, so the fp32 copy stays in cache (an LM head's would not)
 
 
 @dataclass(frozen=True)
@@ -264,8 +209,8 @@ def _widened(xt: Tensor, weight: Tensor) -> Tensor:
 
 
 # Exact products run in blocks of EXACT_ROWS rows, every block the same shape, so MKL takes one
-# kernel for all of them whatever the row count (it chooses kernels by shape: a product of
-# 16 + 8k rows in one call was invariant on an AVX2 box and not on an AVX-512 one). The two forms
+# kernel for all of them whatever the row count (it chooses kernels by shape, and a call whose
+# shape grows with the rows is not invariant on every CPU). The two forms
 # are (W @ x.T).T ("wide") and x @ W.T ("rows"); the first that passes `exact_form`'s check is used.
 EXACT_ROWS = 16
 EXACT_FORMS = ("wide", "rows")
@@ -287,12 +232,9 @@ def _exact_product(flat: Tensor, weight: Tensor, form: str) -> Tensor:
 def exact_form(n: int, k: int, threads: int) -> str:
     """The first EXACT_FORMS entry whose rows, for an [n, k] weight with `threads` torch threads,
     come out with the same bits whatever the rows beside them: checked once per process on this
-    machine's BLAS, because the property is MKL's choice of kernel by shape, not a promise.
-
-    Measured (MKL 2024.2): in one call of any row count, x @ W.T had one bit pattern for 1 row,
-    another for 2-3, a third from 4 rows up on an AVX2 CPU, and (W @ x.T).T split at 1, 2-3, 4-11
-    and 12+; on an AVX-512 CPU with 2 threads a 576x1536 product was not invariant in any call
-    shape that grows with the rows, while blocks of one fixed shape are (checked with 1-2 threads)."""
+    machine's BLAS, because the property is MKL's choice of kernel by shape, not a promise: a
+    call whose shape grows with the rows changes a row's bits with its row count, while blocks of
+    one fixed shape need not (what was found per CPU: docs/measurements.md)."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w, x = torch.randn(n, k, generator=g), torch.randn(max(EXACT_CHECK_ROWS) + 8, k, generator=g)
     for form in EXACT_FORMS:

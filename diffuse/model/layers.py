@@ -133,8 +133,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, seen: Visible, scale: float, soft
         return exact_attention(q, k, v, seen.allow, scale, softcap)
     if softcap is None and q.shape[2] == 1 and seen.allow is None and stacks_one_query(q, k):
         # One query per sequence in half precision on a CPU: SDPA's GQA path there is the math
-        # kernel with keys and values copied per query head (2.5-5x slower in bf16, the default
-        # dtype; scripts/bench_decode_attention.py); a key head's query heads as its rows are not.
+        # kernel with keys and values copied per query head (much slower in bf16, the default
+        # dtype; scripts/bench_decode_attention.py, figures: docs/figures.md); a key head's query
+        # heads as its rows are not.
         b, h, _, d = q.shape
         return F.scaled_dot_product_attention(q.reshape(b, k.shape[1], -1, d), k, v, scale=scale).view(b, h, 1, d)
     if softcap is None:

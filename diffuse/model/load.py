@@ -24,7 +24,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def _materialise(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """Uninitialised storage for a module built `on_meta`, in `dtype` on `device`. (Not
-    `to_empty`: its empty_like of a meta tensor imports sympy, 0.4 s.)"""
+    `to_empty`: its empty_like of a meta tensor imports sympy, which slows every process's start.)"""
     return module.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 

@@ -30,6 +30,6 @@ class _NoInit(TorchFunctionMode):
 def on_meta() -> Iterator[None]:
     """Modules built here have meta parameters, and no initialiser runs: a random init would be
     overwritten by the weights, and the first initialiser called on a meta tensor imports
-    torch._dynamo (1.5 s of a process's start, in torch 2.13)."""
+    torch._dynamo (in torch 2.13), which slows every process's start."""
     with torch.device("meta"), _NoInit():
         yield
