@@ -36,7 +36,9 @@ from diffuse.data.codec import (
     WireError,
     decode,
     encode,
+    tensor_wire,
 )
+from diffuse.data.commitments import bind
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.errors import ProtocolError
 
@@ -168,12 +170,19 @@ def test_step_all_fields_and_bytes():
     assert torch.equal(back.hidden, s.hidden)  # bf16 travels bit-exactly
 
 
-def test_tensor_bytes_are_raw_little_endian():
+def test_tensor_bytes_are_raw_little_endian_and_what_commitments_hash():
+    """`tensor_bytes(t)` of protocols/inference.md (sections 5 and 12): the frame carries the raw
+    little-endian values, and `tensor_wire`, which the commitments hash, returns those very bytes."""
     h = torch.tensor([[[1.0, -2.0]]], dtype=torch.float16)
     frame = encode(StepOk(SID, 1, h))
     # header, step u32, dtype code 1 (fp16), rank 3, shape 1,1,2, then 2 x fp16 LE
-    tail = struct.pack(">IBB3I", 1, 1, 3, 1, 1, 2) + h.numpy().astype("<f2").tobytes()
-    assert frame[4 + HEADER_SIZE:] == tail
+    header = struct.pack(">BB3I", 1, 3, 1, 1, 2)
+    raw = h.numpy().astype("<f2").tobytes()
+    assert frame[4 + HEADER_SIZE:] == struct.pack(">I", 1) + header + raw
+    got_header, got_raw = tensor_wire(h)
+    assert (bytes(got_header), bytes(memoryview(got_raw).cast("B"))) == (header, raw)
+    binding, tree = bind(SID, 1, None, h)
+    assert binding.header == header and bytes(tree.data) == raw and binding.n_bytes == len(raw)
 
 
 def test_wire_dtype_conversion():

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
-from diffuse.cli import draft_trainer
+import diffuse.cli.draft_trainer as draft_trainer
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home

@@ -26,12 +26,12 @@ import trio
 from diffuse.cli.reach import (
     add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, client_listen, use_mdns,
 )
-from diffuse.cli import draft_trainer
+import diffuse.cli.draft_trainer as draft_trainer
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
 from diffuse.data.serve import LEVELS, Contribution
 from diffuse.errors import DiffuseError
-from diffuse.trust import reputation, tamper
+from diffuse.trust import reputation
 
 log = logging.getLogger("diffuse.net")
 
@@ -85,7 +85,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--tamper", metavar="KIND[:STRENGTH]", type=_tamper_arg,
                    help="TESTING ONLY: serve corrupted outputs to exercise the trust plane "
-                        f"({', '.join(tamper.KINDS)})")
+                        "(trust/tamper.py; an unknown KIND lists the kinds)")
     p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
                    help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
     p.add_argument("--contribution", default="max", choices=list(LEVELS),
@@ -469,8 +469,10 @@ def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, l
                           idle_timeout=args.session_timeout, max_sessions=lend.max_sessions if lend else 0)
     wrap = None
     if args.tamper is not None:
+        from diffuse.trust.tamper import Tamper  # the test double loads only with --tamper
+
         kind, strength = args.tamper
-        wrap = tamper.Tamper(kind, strength, args.tamper_rate).wrap
+        wrap = Tamper(kind, strength, args.tamper_rate).wrap
         log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
                     f"{args.tamper_rate:.0%}", kind, strength)
     service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, wrap,
@@ -532,8 +534,11 @@ def _positive(text: str) -> float:
 
 
 def _tamper_arg(text: str) -> tuple[str, float]:
+    """--tamper's value (argparse calls this only when the option is given)."""
+    from diffuse.trust.tamper import parse_spec
+
     try:
-        return tamper.parse_spec(text)
+        return parse_spec(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

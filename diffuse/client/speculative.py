@@ -401,9 +401,6 @@ class Gate:
             self.hold = self.base
 
 
-KV_HEADROOM = kv_headroom()  # with the default config
-
-
 class Acceptance:
     """P(a guess is accepted | its parent was), per kind of guess, learned in hindsight.
 

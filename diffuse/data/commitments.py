@@ -40,15 +40,6 @@ _OUTPUT_DOMAIN = b"diffuse/step-output/v1\x00"
 _INPUT_DOMAIN = b"diffuse/step-input/v1\x00"
 
 
-def tensor_bytes(t: Tensor, dtype: torch.dtype | None = None) -> memoryview:
-    """The bytes the wire codec sends for `t` in `dtype`: raw little-endian values, row-major.
-
-    The server should convert its output to the wire dtype once, commit to that tensor and send
-    the same tensor, so the committed and the sent bytes cannot differ by a second rounding.
-    """
-    return memoryview(tensor_wire(t, dtype)[1]).cast("B")
-
-
 def _leaf(chunk: bytes | memoryview) -> bytes:
     return hashlib.sha256(_LEAF + chunk).digest()
 

@@ -205,14 +205,3 @@ def load_manifest(model_dir: Path) -> Manifest:
     except (json.JSONDecodeError, TypeError) as e:
         raise ModelError(f"{path} is malformed: {e}") from None
 
-
-def verify_blocks(files: ModelFiles, manifest: Manifest, start: int, end: int,
-                  loaded: dict[int, dict[str, torch.Tensor]]) -> None:
-    """Refuse to serve weights that differ from the manifest the peer announces."""
-    for i in range(start, end):
-        got = block_hash(loaded[i])
-        if got != manifest.block_hashes[i]:
-            raise ModelError(
-                f"block {i} of {files.dir.name} does not match its manifest "
-                f"(sha256 {got[:12]}… != {manifest.block_hashes[i][:12]}…): the files are damaged or altered"
-            )
