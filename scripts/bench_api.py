@@ -225,12 +225,12 @@ def swarm_direct(home, model: str | None, dtype: str, boot: str, tokenizer, prom
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.client.swarm import SwarmClient, SwarmOptions
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
     from diffuse.model.load import parse_dtype
 
     async def run() -> list[Client]:
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
-                             server=False) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
+                                                               server=False)) as node:
             options = SwarmOptions(dtype=parse_dtype(dtype))
             options.trust = None  # as the API's --no-trust
             client = SwarmClient(node, store.resolve(home, model), options)

@@ -67,7 +67,7 @@ from diffuse.client.generate import stream_tokens  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.swarm_key import read_key  # noqa: E402
 from diffuse.data.scheduler import THREADS_ENV  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
@@ -172,8 +172,9 @@ def peer_bench(home, model: str | None, dtype: str, boot: str, key_path: str, si
     """Per (exact, sessions) the rates and batch sizes; with `floor`, prefill_floor's two times
     under "floor"."""
     async def run() -> dict:
-        async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot], server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=read_key(Path(key_path))) as node:
+        async with open_node(create_new_key_pair(),
+                             NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot], server=False,
+                                        swarm_key=read_key(Path(key_path))), codecs=reputation.swarm_codecs()) as node:
             model_dir = store.resolve(home, model)
             client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
             tok = Tokenizer.load(model_dir)

@@ -39,7 +39,7 @@ from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.announce import Serving  # noqa: E402
 from diffuse.control.dht import put_set  # noqa: E402
 from diffuse.control.identity import peer_id  # noqa: E402
-from diffuse.control.node import Node  # noqa: E402
+from diffuse.control.node import Node, NodeConfig  # noqa: E402
 from diffuse.control.records import PeerRecord, blocks_key, encode_set, sign  # noqa: E402
 from diffuse.control.routing import NoRoute  # noqa: E402
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode  # noqa: E402
@@ -76,12 +76,12 @@ def spans(n: int) -> list[tuple[int, int]]:
 async def measure(n: int) -> dict:
     sent = lambda: SENT[0]  # noqa: E731
     async with trio.open_nursery() as nursery:
-        sentinel = await nursery.start(Node(create_new_key_pair(), listen=LISTEN).run)
+        sentinel = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN)).run)
         boot = sentinel.full_addrs()
         peers, join_bytes, join_s = [], [], []
         for start, end in spans(n):
-            node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot,
-                                            heartbeat=1800.0, ttl=3600.0).run)
+            node = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot,
+                                                                              heartbeat=1800.0, ttl=3600.0)).run)
             b0, t0 = sent(), time.perf_counter()
             await node.serve(Serving(MODEL, BLOCKS, start, end, HASHES[start:end], "bfloat16"))
             join_bytes.append(sent() - b0)
@@ -107,7 +107,8 @@ async def measure(n: int) -> dict:
 
         # A fresh client: bootstrap, read the blocks key, until it sees every peer.
         b0, t0 = sent(), time.perf_counter()
-        client = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot, server=False).run)
+        client = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot,
+                                                                            server=False)).run)
         reads = 0
         while True:
             cov = await client.coverage(MODEL, BLOCKS, HASHES)
@@ -166,12 +167,13 @@ async def flooded(n_honest: int, n_hostile: int) -> dict:
     manifest = load_manifest(model_dir)
     n, hashes = manifest.num_layers, manifest.block_hashes
     async with trio.open_nursery() as nursery:
-        sentinel = await nursery.start(Node(create_new_key_pair(), listen=LISTEN).run)
+        sentinel = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN)).run)
         boot = sentinel.full_addrs()
         peers = []
         for start, end in spans_of(n, n_honest):
-            node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot, heartbeat=1800.0,
-                                            ttl=3600.0, handlers={PROTOCOL_ID: _answer_pings}).run)
+            node = await nursery.start(Node(create_new_key_pair(),
+                                            NodeConfig(listen=LISTEN, bootstrap=boot, heartbeat=1800.0,
+                                                       ttl=3600.0), handlers={PROTOCOL_ID: _answer_pings}).run)
             await node.serve(Serving(manifest.model_id, n, start, end, hashes[start:end], "bfloat16",
                                      protocols=(PROTOCOL_ID,)))
             peers.append(node)
@@ -180,7 +182,7 @@ async def flooded(n_honest: int, n_hostile: int) -> dict:
             await node.announcer.publish()
         if n_hostile:
             port = await nursery.start(_tarpit)
-            attacker = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot).run)
+            attacker = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)).run)
             now, fakes = time.time(), []
             for i in range(n_hostile):  # alternately the two halves: spans real peers serve
                 start, end = (0, n // 2) if i % 2 == 0 else (n // 2, n)
@@ -195,8 +197,8 @@ async def flooded(n_honest: int, n_hostile: int) -> dict:
         held = sentinel.dht.value_store.records(blocks_key(manifest.model_id).encode())
         value_bytes = len(encode_set(held))
         b0, t0 = SENT[0], time.perf_counter()
-        client_node = await nursery.start(Node(create_new_key_pair(), listen=LISTEN, bootstrap=boot,
-                                               server=False).run)
+        client_node = await nursery.start(Node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot,
+                                                                                 server=False)).run)
         client = SwarmClient(client_node, model_dir, SwarmOptions(trust=None, local_blocks=(0, 0)))
         load_s = time.perf_counter() - t0  # the client's head and tokenizer, not discovery
         while True:

@@ -38,7 +38,7 @@ from bench_swarm import LOCAL, PROMPT, Peers, decode  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.data import client as data_client  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
@@ -59,7 +59,8 @@ async def bench(args, home: Path, peers: Peers) -> list[dict]:
     prompt = Tokenizer.load(model_dir).encode(PROMPT)
     max_len = len(prompt) + args.tokens
     results = []
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[peers.boot], server=False) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[peers.boot],
+                                                           server=False)) as node:
         clients = {exact: SwarmClient(node, model_dir, SwarmOptions(local_blocks=(0, 0), dtype=parse_dtype(args.dtype),
                                                                    trust=None, exact=exact))
                    for exact in (False, True)}

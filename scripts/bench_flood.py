@@ -33,7 +33,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 from control_helpers import Procs  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.host import parse_peer_addr  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.routing import Hop  # noqa: E402
 from diffuse.data.hop import HopSession  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
@@ -44,7 +44,7 @@ H = 576
 
 async def measure(boot: str, peer: Hop, prefill: int, steps: int) -> dict[str, list[float]]:
     model_dir = models_dir(data_home()) / DEFAULT_MODEL
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False)) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(trust=None, local_blocks=(0, 0)))
 
         async def session(max_len: int) -> HopSession:

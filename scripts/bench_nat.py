@@ -116,14 +116,14 @@ def ping_main(boot: str, peer: str, rounds: int, hole_punch: bool) -> int:
 
     from diffuse.control.host import parse_multiaddr
     from diffuse.control.modes import resolve
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
     from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
 
     async def run() -> None:
         key = resolve("private", Path(tempfile.gettempdir())).key
         listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
-        async with open_node(create_new_key_pair(), listen=listen, bootstrap=[boot], server=False, swarm_key=key,
-                             hole_punch=hole_punch) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=listen, bootstrap=[boot], server=False,
+                                                               swarm_key=key, hole_punch=hole_punch)) as node:
             record = None
             for _ in range(100):
                 record = await node.peer_record(peer)

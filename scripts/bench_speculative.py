@@ -52,7 +52,7 @@ from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
@@ -189,8 +189,8 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
     with LoopbackSwarm(home, args.spans, dtype) as swarm:
         async def bench() -> None:
             nonlocal mismatches
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                 swarm_key=swarm.swarm_key) as node:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                                   swarm_key=swarm.swarm_key)) as node:
                 model_dir = models_dir(home) / DEFAULT_MODEL
                 client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
                 while not await client.covered():

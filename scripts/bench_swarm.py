@@ -59,7 +59,7 @@ from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.host import parse_peer_addr  # noqa: E402
 from diffuse.control.modes import MODES, PRIVATE  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.routing import Hop  # noqa: E402
 from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.data.client import RemoteSpan  # noqa: E402
@@ -209,8 +209,9 @@ async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
     async with AsyncExitStack() as stack:
         sides: dict[str, Side] = {}
         for mode, peers in swarms.items():
-            node = await stack.enter_async_context(open_node(
-                create_new_key_pair(), listen=[LOCAL], bootstrap=[peers.boot], server=False, swarm_key=peers.swarm_key))
+            node = await stack.enter_async_context(open_node(create_new_key_pair(),
+                                                             NodeConfig(listen=[LOCAL], bootstrap=[peers.boot],
+                                                                        server=False, swarm_key=peers.swarm_key)))
             side = sides[mode] = Side(peers, SwarmClient(node, model_dir, SwarmOptions(
                 local_blocks=(0, 0), dtype=dtype, trust=None)))
             with trio.fail_after(120):

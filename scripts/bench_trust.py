@@ -39,7 +39,7 @@ from diffuse.cli.demo import Child  # noqa: E402
 from diffuse.client.generate import stream_tokens  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
@@ -78,7 +78,7 @@ async def bench(args, home: Path, boot: str) -> int:
     model_dir = store.resolve(home, None)
     prompt = Tokenizer.load(model_dir).encode_chat([{"role": "user", "content": QUESTION}])
     dtype = parse_dtype(args.dtype)
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False),
                          codecs=reputation.swarm_codecs()) as node:
         clients = {name: SwarmClient(node, model_dir, SwarmOptions(dtype=dtype, trust=trust))
                    for name, trust in CONFIGS.items()}

@@ -50,7 +50,7 @@ from diffuse.client.generate import session_length, stream_tokens
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.swarm import SwarmClient, SwarmOptions
 from diffuse.control.announce import Serving
-from diffuse.control.node import Node, open_node
+from diffuse.control.node import Node, NodeConfig, open_node
 from diffuse.control.swarm_key import SwarmKey
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Open, Step, StepOk, WireError
 from diffuse.data.serve import PeerService
@@ -160,9 +160,9 @@ async def loopback_swarm(model_dir: Path, dtype: torch.dtype = torch.bfloat16
 
     async def peer(start: int, end: int, bootstrap: list[str]) -> None:
         service, sessions = PeerService(model_dir, manifest.model_id, dtype, throughput=100.0), []
-        node = await stack.enter_async_context(open_node(
-            _key(), listen=LOCAL, bootstrap=bootstrap, codecs=reputation.swarm_codecs(), swarm_key=key,
-            handlers={PROTOCOL_ID: handler(sessions, service)}))
+        config = NodeConfig(listen=LOCAL, bootstrap=bootstrap, swarm_key=key)
+        node = await stack.enter_async_context(open_node(_key(), config, codecs=reputation.swarm_codecs(),
+                                                         handlers={PROTOCOL_ID: handler(sessions, service)}))
         await service.prepare(start, end)
         await node.serve(Serving(manifest.model_id, n, start, end, manifest.block_hashes[start:end], "bf16",
                                  service.throughput, 1 << 16, (PROTOCOL_ID,)))
@@ -173,9 +173,8 @@ async def loopback_swarm(model_dir: Path, dtype: torch.dtype = torch.bfloat16
     async with AsyncExitStack() as stack:
         await peer(0, n // 2, [])
         await peer(n // 2, n, peers[0].node.full_addrs())
-        client = await stack.enter_async_context(open_node(
-            _key(), listen=LOCAL, bootstrap=peers[0].node.full_addrs(), server=False,
-            codecs=reputation.swarm_codecs(), swarm_key=key))
+        config = NodeConfig(listen=LOCAL, bootstrap=peers[0].node.full_addrs(), server=False, swarm_key=key)
+        client = await stack.enter_async_context(open_node(_key(), config, codecs=reputation.swarm_codecs()))
         yield client, peers
 
 

@@ -296,14 +296,15 @@ def with_sessions(home: Path, dtype: str, swarm: bool, body: Callable[[Sessions]
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.client.swarm import SwarmClient, SwarmOptions
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
     from diffuse.home import DEFAULT_MODEL, models_dir
     from diffuse.model.load import parse_dtype
 
     with LoopbackSwarm(home, ["1:15", "15:30"], dtype) as net:
         async def remote():
-            async with open_node(create_new_key_pair(), listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot],
-                                 server=False, swarm_key=net.swarm_key) as node:
+            async with open_node(create_new_key_pair(),
+                                 NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[net.boot], server=False,
+                                            swarm_key=net.swarm_key)) as node:
                 options = SwarmOptions(dtype=parse_dtype(dtype), exact=exact, trust=None)
                 client = SwarmClient(node, models_dir(home) / DEFAULT_MODEL, options)
                 with trio.fail_after(120):

@@ -33,7 +33,7 @@ import bench_swarm as B  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.pipeline import Pipeline  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
-from diffuse.control.node import open_node  # noqa: E402
+from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.data import client as data_client  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
@@ -58,7 +58,8 @@ async def run(args, home: Path, peers: B.Peers) -> None:
     model_dir = store.resolve(home, None)
     prompt = Tokenizer.load(model_dir).encode(B.PROMPT)
     local, _ = open_local(home, None, "bf16")
-    async with open_node(create_new_key_pair(), listen=[B.LOCAL], bootstrap=[peers.boot], server=False) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[B.LOCAL], bootstrap=[peers.boot],
+                                                           server=False)) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(local_blocks=(0, 0), dtype=torch.bfloat16, trust=None))
         with trio.fail_after(120):
             while not set(peers.ids.values()) <= {r.peer_id for r in await client.records()}:

@@ -28,7 +28,7 @@ from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
@@ -92,8 +92,9 @@ async def generate(client: SwarmClient, tok: Tokenizer, question: str, kind: str
 
 async def with_client(boot: str, home, body):
     model_dir = models_dir(home) / DEFAULT_MODEL
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
+    async with open_node(create_new_key_pair(),
+                         NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                    swarm_key=swarm_key()), codecs=reputation.swarm_codecs()) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, wire_dtype=torch.float32, trust=None))
         with trio.fail_after(60):
             while not await client.covered():

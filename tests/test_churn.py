@@ -19,7 +19,7 @@ from test_swarm import LOCAL, QUESTION, TOKENS, Swarm, reference_answer
 from diffuse.client.generate import Generation
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of, route_report
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.data.hop import FLOOR_S
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
@@ -52,8 +52,9 @@ def answer(home, swarm: Swarm, body: Callable[[SwarmClient, list[int]], Awaitabl
     model_dir = models_dir(home) / DEFAULT_MODEL
 
     async def run() -> dict:
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
+        async with open_node(create_new_key_pair(),
+                             NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                        swarm_key=swarm_key()), codecs=reputation.swarm_codecs()) as node:
             client = SwarmClient(node, model_dir, SwarmOptions())
             with trio.fail_after(60):
                 while not await client.covered():

@@ -21,7 +21,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from control_helpers import Procs, make_fake_model, swarm_key, swarm_key_file
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.identity import peer_id
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.weights import load_manifest
 
@@ -81,8 +81,8 @@ def test_swarm_coverage_expiry_withdrawal_and_auto_placement(tmp_path, home, cap
 
 async def _scenario(procs: Procs, boot: str, peers: dict, ids: dict, addrs: dict, tmp_path, manifest) -> None:
     t = trio.current_time()
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         swarm_key=swarm_key()) as client:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                           swarm_key=swarm_key())) as client:
         with trio.fail_after(30):
             while (await client.coverage(DEFAULT_MODEL, 30, manifest.block_hashes)).replicas != [2] * 30:
                 await trio.sleep(0.2)

@@ -23,7 +23,7 @@ from control_helpers import fake_hashes, make_fake_model
 from diffuse.control.announce import Serving
 from diffuse.control.dht import MergingValueStore
 from diffuse.control.identity import peer_id
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import (
     MAX_PAYLOAD_BYTES, MAX_SET_RECORDS, MAX_VALUE_BYTES, SIG_DOMAIN, InvalidRecord, PeerRecord, SetCodecs,
     blocks_key, decode_set, encode_set, sign,
@@ -89,7 +89,7 @@ def test_status_counts_only_peers_with_the_manifests_blocks_and_weights(tmp_path
     shapes = [create_new_key_pair() for _ in range(3)]
 
     async def scenario() -> dict:
-        async with open_node(create_new_key_pair(), listen=LISTEN) as sentinel:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
             boot = sentinel.full_addrs()
             async with trio.open_nursery() as nursery:
                 nodes = [await nursery.start(lambda task_status, kp=kp: _serve(kp, boot, task_status))
@@ -112,7 +112,7 @@ def test_status_counts_only_peers_with_the_manifests_blocks_and_weights(tmp_path
 
 
 async def _serve(kp, boot, task_status) -> None:
-    async with open_node(kp, listen=LISTEN, bootstrap=boot, heartbeat=30) as node:
+    async with open_node(kp, NodeConfig(listen=LISTEN, bootstrap=boot, heartbeat=30)) as node:
         task_status.started(node)
         await trio.sleep_forever()
 

@@ -324,10 +324,10 @@ async def obtain_through(boot: str, home, model_dir, said: list[str], wait: floa
     from control_helpers import swarm_key
     from diffuse.client.draft_fetch import announced, obtain_draft_head
     from diffuse.client.swarm import SwarmClient, SwarmOptions
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
 
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         swarm_key=swarm_key()) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                           swarm_key=swarm_key())) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, trust=None))
         with trio.fail_after(wait):
             records = await client.records()

@@ -12,7 +12,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from control_helpers import Procs, swarm_key
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import models_dir
 from tiny import BRANCHES, FAMILIES, LEGACY, PREFIX, load_reference, make_tiny, tree
 
@@ -55,8 +55,8 @@ def test_family_through_a_two_hop_swarm(swarm, name):
             return ref(torch.cat(parts, 1)).logits[:, -last:]
 
     async def run() -> dict:
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                             swarm_key=swarm_key()) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                               swarm_key=swarm_key())) as node:
             client = SwarmClient(node, path, SwarmOptions(dtype=torch.float32, wire_dtype=torch.float32, trust=None))
             pipe = await client.session(48)
             out = {"prefill": await pipe.forward(prefix)}

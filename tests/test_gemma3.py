@@ -17,7 +17,7 @@ from control_helpers import Procs, swarm_key
 from diffuse.client.local import open_local
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.errors import ModelError
 from diffuse.home import models_dir
 from diffuse.model import packages, store
@@ -153,8 +153,8 @@ def test_swarm_answers_equal_transformers_and_survive_a_sigkill(gemma, reference
     answers = reference[1]
 
     async def run() -> dict:
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                             swarm_key=swarm_key()) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                               swarm_key=swarm_key())) as node:
             client = SwarmClient(node, path, SwarmOptions(dtype=torch.float32, wire_dtype=torch.float32, trust=None))
             for prompt, (ids, answer) in answers.items():
                 pipe = await client.session(len(ids) + TOKENS)

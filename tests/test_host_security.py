@@ -23,7 +23,7 @@ from control_helpers import fake_hashes
 from diffuse.control.announce import Serving
 from diffuse.control.host import make_host
 from diffuse.control.upstream import tame_logging
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
@@ -53,8 +53,8 @@ async def try_connect(dialer, target: PeerInfo) -> bool:
 @pytest.mark.timeout(90)
 def test_only_noise_dialers_reach_peers_and_sentinels():
     async def main() -> None:
-        async with open_node(create_new_key_pair(), listen=LISTEN) as sentinel, \
-                open_node(create_new_key_pair(), listen=LISTEN, bootstrap=sentinel.full_addrs()) as peer:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel, \
+                open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=sentinel.full_addrs())) as peer:
             await peer.serve(Serving("m", 4, 0, 4, fake_hashes(4), "bfloat16"))
             for node in (sentinel, peer):
                 target = PeerInfo(node.host.get_id(), node.host.get_transport_addrs())

@@ -14,7 +14,7 @@ from libp2p.custom_types import TProtocol
 
 from control_helpers import Procs, swarm_key
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.data.codec import PROTOCOL_ID, ErrorCode, ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
 from diffuse.home import DEFAULT_MODEL
 
@@ -37,8 +37,8 @@ def peer(home, tmp_path_factory):
 async def talk(peer, frames: list[bytes], replies: int) -> list:
     """Send `frames` in ONE write on a fresh inference stream; read `replies` messages (or to EOF)."""
     boot, info = peer
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         swarm_key=swarm_key()) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                           swarm_key=swarm_key())) as node:
         await node.host.connect(info)
         stream = await node.host.new_stream(info.peer_id, [TProtocol(PROTOCOL_ID)])
         await stream.write(b"".join(frames))

@@ -28,7 +28,7 @@ from control_helpers import Procs, swarm_key
 from diffuse.client.local import open_local
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import packages
 from test_gemma3 import greedy as gemma_greedy
@@ -113,8 +113,8 @@ def test_one_client_gets_both_models_answers_as_local(both, swarm, answers):
 
     async def run() -> dict:
         got = {}
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                             swarm_key=swarm_key()) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                               swarm_key=swarm_key())) as node:
             for model, client in _clients(node, both).items():
                 pipe = await client.session(len(answers[model][0]) + TOKENS)
                 got[model] = (await greedy(pipe, answers[model][0]), {h["peer"] for h in remote_of(pipe).route_taken})
@@ -137,8 +137,8 @@ def test_both_replicas_killed_mid_answer_the_client_finishes_it(both, swarm, ans
                 swarm.proc[name].signal(signal.SIGKILL)
 
     async def run():
-        async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                             swarm_key=swarm_key()) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                               swarm_key=swarm_key())) as node:
             pipe = await _clients(node, both)[GEMMA].session(len(ids) + TOKENS)
             out = await greedy(pipe, ids, kill)
             middle = pipe.stages[1]

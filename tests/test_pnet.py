@@ -16,7 +16,7 @@ from diffuse.control import pnet
 from diffuse.control.announce import Serving
 from diffuse.control.dht import BootstrapError
 from diffuse.control.host import parse_multiaddr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.pnet import MULTISTREAM_HEADER, KeyMismatch, PlainPeer, PrivateConn, xsalsa20
 from diffuse.control.swarm_key import SwarmKey
 
@@ -133,10 +133,10 @@ def test_install_refuses_a_py_libp2p_without_the_hook(monkeypatch):
 
 async def _bootstrap_error(sentinel_key: SwarmKey | None, client_key: SwarmKey | None) -> str:
     """What a client node with `client_key` gets bootstrapping from a sentinel with `sentinel_key`."""
-    async with open_node(create_new_key_pair(), listen=LISTEN, swarm_key=sentinel_key) as sentinel:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, swarm_key=sentinel_key)) as sentinel:
         with trio.fail_after(30), pytest.RaisesGroup(BootstrapError, flatten_subgroups=True) as caught:
-            async with open_node(create_new_key_pair(), listen=LISTEN, bootstrap=sentinel.full_addrs()[-1:],
-                                 server=False, swarm_key=client_key):
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=sentinel.full_addrs()[-1:],
+                                                                   server=False, swarm_key=client_key)):
                 pass
     (error,) = caught.value.split(BootstrapError)[0].exceptions
     while isinstance(error, BaseExceptionGroup):
@@ -150,11 +150,12 @@ def test_private_nodes_reach_only_their_swarm():
 
     async def main() -> None:
         # Members: a peer announces through a private sentinel, a client reads its record.
-        async with open_node(create_new_key_pair(), listen=LISTEN, swarm_key=key) as sentinel, \
-                open_node(create_new_key_pair(), listen=LISTEN, bootstrap=sentinel.full_addrs(), swarm_key=key) as peer:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, swarm_key=key)) as sentinel, \
+                open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=sentinel.full_addrs(),
+                                                            swarm_key=key)) as peer:
             assert (await peer.serve(Serving("m", 4, 0, 4, fake_hashes(4), "bfloat16"))).extra["mode"] == "private"
-            async with open_node(create_new_key_pair(), listen=LISTEN, bootstrap=sentinel.full_addrs(),
-                                 server=False, swarm_key=key) as client:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=sentinel.full_addrs(),
+                                                                   server=False, swarm_key=key)) as client:
                 with trio.fail_after(20):
                     while not await client.records("m"):
                         await trio.sleep(0.2)
@@ -172,7 +173,7 @@ def test_private_nodes_reach_only_their_swarm():
 @pytest.mark.timeout(60)
 def test_public_records_say_public():
     async def main() -> None:
-        async with open_node(create_new_key_pair(), listen=LISTEN) as node:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as node:
             assert (await node.serve(Serving("m", 4, 0, 4, fake_hashes(4), "bfloat16"))).extra["mode"] == "public"
 
     trio.run(main)
@@ -184,8 +185,9 @@ def test_a_private_node_is_told_from_a_public_one_by_who_speaks_first():
     from diffuse.control.pnet import speaks_first
 
     async def main() -> tuple[bool, bool, bool]:
-        async with open_node(create_new_key_pair(), listen=LISTEN, swarm_key=SwarmKey.generate()) as private, \
-                open_node(create_new_key_pair(), listen=LISTEN) as public:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN,
+                                                               swarm_key=SwarmKey.generate())) as private, \
+                open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as public:
             closed = "/ip4/127.0.0.1/tcp/9"  # nothing listens there
             return tuple([await speaks_first(parse_multiaddr(a)) for a in (private.addrs()[0], public.addrs()[0],
                                                                          closed)])

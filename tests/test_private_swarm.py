@@ -29,7 +29,7 @@ from diffuse.control.allow import AllowList
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.identity import load_or_create, peer_id
 from diffuse.control.modes import KEY_ENV
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import blocks_key, decode_set
 from diffuse.control.swarm_key import SwarmKey, write_key
 from diffuse.home import DEFAULT_MODEL, models_dir
@@ -129,10 +129,11 @@ def test_only_peers_on_the_allow_list_get_sessions(home, tmp_path):
 
         async def run() -> list[str]:
             hops = []
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                                 swarm_key=swarm_key()) as everyone, \
-                    open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                              swarm_key=swarm_key(), allow=AllowList(allow)) as members:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                                   swarm_key=swarm_key())) as everyone, \
+                    open_node(create_new_key_pair(),
+                              NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False, swarm_key=swarm_key(),
+                                         allow=AllowList(allow))) as members:
                 plain = SwarmClient(everyone, model_dir, SwarmOptions(trust=None))
                 listed = SwarmClient(members, model_dir, SwarmOptions(trust=None))
 

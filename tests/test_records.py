@@ -186,17 +186,17 @@ def test_arbitrary_bytes_never_crash_the_validator(data):
 @pytest.mark.timeout(60)
 def test_dht_refuses_attacks_and_keeps_honest_records():
     from diffuse.control.announce import Serving
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
 
     LISTEN = ["/ip4/127.0.0.1/tcp/0"]
     honest_kp, attacker_kp = create_new_key_pair(), create_new_key_pair()
     honest = peer_id(honest_kp).to_base58()
 
     async def main() -> None:
-        async with open_node(create_new_key_pair(), listen=LISTEN) as sentinel:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
             boot = sentinel.full_addrs()
-            async with open_node(honest_kp, listen=LISTEN, bootstrap=boot, heartbeat=30) as peer, \
-                    open_node(attacker_kp, listen=LISTEN, bootstrap=boot) as attacker:
+            async with open_node(honest_kp, NodeConfig(listen=LISTEN, bootstrap=boot, heartbeat=30)) as peer, \
+                    open_node(attacker_kp, NodeConfig(listen=LISTEN, bootstrap=boot)) as attacker:
                 mine = await peer.serve(Serving(MODEL, 30, 0, 15, fake_hashes(30)[:15], "bfloat16"))
                 honest_signed = peer.announcer.current
                 old = sign(replace(mine, timestamp=mine.timestamp - 5, expires=mine.expires - 5,

@@ -20,7 +20,7 @@ from control_helpers import fake_hashes
 from diffuse.control import nat
 from diffuse.control.announce import Serving
 from diffuse.control.host import parse_multiaddr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.swarm_key import SwarmKey
 
 LOOP = ["/ip4/127.0.0.1/tcp/0"]
@@ -39,8 +39,8 @@ def test_dial_back_tells_a_listening_address_from_a_closed_one():
     key = SwarmKey.generate()
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as server:
-            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, server=False) as me:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as server:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, server=False)) as me:
                 info = PeerInfo(ID.from_base58(server.peer_id), [parse_multiaddr(server.addrs()[0])])
                 await me.host.connect(info)
                 assert await me.relaying.check([info], me.addrs()) == nat.PUBLIC
@@ -61,9 +61,8 @@ async def behind_nat(monkeypatch, key: SwarmKey, boot: str, **kw) -> AsyncIterat
     async with AsyncExitStack() as stack:
         with monkeypatch.context() as m:
             m.setattr(nat.Relaying, "check", unreachable)
-            peer = await stack.enter_async_context(open_node(
-                create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot], handlers={ECHO: echo},
-                reach_check=True, **kw))
+            config = NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot], reach_check=True, **kw)
+            peer = await stack.enter_async_context(open_node(create_new_key_pair(), config, handlers={ECHO: echo}))
         yield peer
 
 
@@ -71,14 +70,14 @@ def test_unreachable_peer_is_reached_through_its_relay(monkeypatch):
     key = SwarmKey.generate()
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as relay:
             boot = relay.full_addrs()[0]
             async with behind_nat(monkeypatch, key, boot) as peer:
                 assert peer.reach.state == nat.RELAYED and peer.reach.relays == (relay.peer_id,)
                 assert peer.dht.mode == DHTMode.CLIENT
                 assert peer.addrs() == [f"{relay.addrs()[0]}/p2p/{relay.peer_id}/p2p-circuit"]
-                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                     server=False) as client:
+                async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                       server=False)) as client:
                     pid = ID.from_base58(peer.peer_id)
                     await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
                     [conn] = client.host.get_network().get_connections(pid)
@@ -102,9 +101,10 @@ def test_a_dead_direct_address_gives_way_to_the_relay(monkeypatch):
             dead.bind(("127.0.0.1", 0))
             dead.listen(8)  # the kernel completes handshakes; nobody ever reads or answers
             silent = f"/ip4/127.0.0.1/tcp/{dead.getsockname()[1]}"
-            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as relay:
                 async with behind_nat(monkeypatch, key, relay.full_addrs()[0]) as peer, \
-                        open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, server=False) as client:
+                        open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key,
+                                                                    server=False)) as client:
                     pid = ID.from_base58(peer.peer_id)
                     with trio.fail_after(30):  # a hang guard: without the bound the dial never returns
                         await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in [silent, *peer.addrs()]]))
@@ -127,12 +127,12 @@ def test_a_peer_behind_nat_finds_a_relay_through_the_dht(monkeypatch):
     serving = Serving(MODEL, 30, 0, 30, fake_hashes(30), "bfloat16")
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=False) as sentinel:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=False)) as sentinel:
             boot = sentinel.full_addrs()[0]
-            async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot], relay=True,
-                                 reach_check=True) as relay, \
-                    open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                              reach_check=True) as plain:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                   relay=True, reach_check=True)) as relay, \
+                    open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                reach_check=True)) as plain:
                 assert relay.reach.state == plain.reach.state == nat.PUBLIC
                 await relay.serve(serving)
                 await plain.serve(serving)
@@ -141,8 +141,8 @@ def test_a_peer_behind_nat_finds_a_relay_through_the_dht(monkeypatch):
                 async with behind_nat(monkeypatch, key, boot) as peer:
                     assert peer.reach.state == nat.RELAYED and peer.reach.relays == (relay.peer_id,)
                     assert peer.addrs() == [f"{relay.addrs()[0]}/p2p/{relay.peer_id}/p2p-circuit"]
-                    async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                         server=False) as client:
+                    async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                           server=False)) as client:
                         pid = ID.from_base58(peer.peer_id)
                         await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
                         assert client.relaying.reached(peer.peer_id) == {"state": "relayed",
@@ -161,11 +161,11 @@ def test_a_circuit_ends_for_both_sides_when_one_side_goes(monkeypatch):
     key = SwarmKey.generate()
 
     async def main():
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as relay:
             boot = relay.full_addrs()[0]
             async with behind_nat(monkeypatch, key, boot) as peer:
-                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                     server=False) as client:
+                async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                       server=False)) as client:
                     pid, cid = ID.from_base58(peer.peer_id), ID.from_base58(client.peer_id)
                     await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
                     with trio.fail_after(5):
@@ -188,11 +188,11 @@ async def punched(monkeypatch, key: SwarmKey) -> AsyncIterator:
     EADDRNOTAVAIL, that pair being held; between two NATs the pairs differ. So the nodes start
     again on fresh ports if the first punch fails, at most three times."""
     for attempt in range(3):
-        async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, relay=True) as relay:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as relay:
             boot = relay.full_addrs()[0]
             async with behind_nat(monkeypatch, key, boot, hole_punch=True) as peer:
-                async with open_node(create_new_key_pair(), listen=LOOP, swarm_key=key, bootstrap=[boot],
-                                     server=False, hole_punch=True) as client:
+                async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot],
+                                                                       server=False, hole_punch=True)) as client:
                     pid = ID.from_base58(peer.peer_id)
                     await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
                     if client.relaying.reached(peer.peer_id)["state"] == "hole-punched" or attempt == 2:

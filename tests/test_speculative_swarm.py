@@ -21,7 +21,7 @@ from diffuse.client.sampling import SamplingParams
 from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
@@ -66,8 +66,9 @@ async def generate(boot: str, home, spec: SpecState | None, kill=None) -> tuple[
     tok = Tokenizer.load(model_dir)
     prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
     params = SamplingParams(max_tokens=TOKENS)
-    async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[boot], server=False,
-                         codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
+    async with open_node(create_new_key_pair(),
+                         NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                    swarm_key=swarm_key()), codecs=reputation.swarm_codecs()) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(dtype=torch.float32, exact=True))
         with trio.fail_after(60):
             while not await client.covered():

@@ -18,7 +18,7 @@ from diffuse.client.local import open_local
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import open_node
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, ErrorMsg
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
@@ -115,8 +115,9 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
 
         async def run() -> list[dict]:
             results = []
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                 codecs=reputation.swarm_codecs(), swarm_key=swarm_key()) as node:
+            async with open_node(create_new_key_pair(),
+                                 NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                            swarm_key=swarm_key()), codecs=reputation.swarm_codecs()) as node:
                 client = SwarmClient(node, model_dir, SwarmOptions())
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
@@ -157,8 +158,8 @@ def test_peer_answering_errors_mid_generation_keeps_the_answer(home, tmp_path, r
 
         async def run() -> list[dict]:
             results = []
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                 swarm_key=swarm_key()) as node:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                                   swarm_key=swarm_key())) as node:
                 client = SwarmClient(node, model_dir, SwarmOptions(trust=None))
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
@@ -191,8 +192,8 @@ def test_bad_frames_to_a_real_peer_leave_it_serving(home, tmp_path, reference):
 
         async def abuse() -> list:
             replies = []
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                 swarm_key=swarm_key()) as node:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                                   swarm_key=swarm_key())) as node:
                 info = parse_peer_addr(swarm.addrs["P"])
                 await node.host.connect(info)
                 for frame in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xff",
@@ -242,8 +243,8 @@ def test_sigterm_drains_then_hands_off(home, tmp_path, reference):
             return {"tokens": gen.completion.token_ids, "failovers": remote.stats.failovers}
 
         async def run() -> tuple[dict, dict, list]:
-            async with open_node(create_new_key_pair(), listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                 swarm_key=swarm_key()) as node:
+            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
+                                                                   swarm_key=swarm_key())) as node:
                 client = SwarmClient(node, model_dir, SwarmOptions(trust=None))
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])

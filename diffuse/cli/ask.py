@@ -196,7 +196,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
     from diffuse.client import fallback
     from diffuse.client.swarm import SwarmClient
     from diffuse.control.dht import BootstrapError
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
     from diffuse.control.routing import NoRoute
     from diffuse.model import store
     from diffuse.model.weights import load_manifest
@@ -215,9 +215,9 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
     async def run():
         # An ephemeral identity per question: nothing links two of a user's sessions.
         try:
-            async with open_node(ephemeral(), listen=client_listen(args), bootstrap=boot, server=False,
-                                 codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
-                                 mdns=mdns, hole_punch=args.hole_punch) as node:
+            config = NodeConfig(listen=client_listen(args), bootstrap=boot, server=False, swarm_key=access.key,
+                                allow=access.allow, mdns=mdns, hole_punch=args.hole_punch)
+            async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
                 client = SwarmClient(node, asked_dir, opts)
                 deadline = trio.current_time() + args.wait
                 while not await client.covered() and trio.current_time() < deadline:

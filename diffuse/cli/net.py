@@ -205,7 +205,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.control.announce import Serving
     from diffuse.control.coverage import coverage
     from diffuse.control.identity import peer_id as peer_id_of
-    from diffuse.control.node import Node
+    from diffuse.control.node import Node, NodeConfig
     from diffuse.control.ladder import Hosting, Offer
     from diffuse.control.placement import choose_span, requested_blocks
     from diffuse.data.serve import contribution
@@ -264,13 +264,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         nonlocal node
-        node = Node(key_pair, listen=_listen(args), bootstrap=boot,
-                    handlers=hooks.handlers | (files.handlers if files else {}),
-                    status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn, heartbeat=args.heartbeat,
-                    ttl=args.ttl,
-                    announce_addrs=args.announce, codecs=reputation.swarm_codecs(), swarm_key=access.key,
-                    allow=access.allow, mdns=mdns, relay=args.relay, hole_punch=args.hole_punch,
-                    upnp=args.upnp and lend is not None)
+        config = NodeConfig(listen=_listen(args), bootstrap=boot, heartbeat=args.heartbeat, ttl=args.ttl,
+                            announce_addrs=args.announce, swarm_key=access.key, allow=access.allow, mdns=mdns,
+                            relay=args.relay, hole_punch=args.hole_punch, upnp=args.upnp and lend is not None)
+        node = Node(key_pair, config, handlers=hooks.handlers | (files.handlers if files else {}),
+                    status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn,
+                    codecs=reputation.swarm_codecs())
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             _count_records(node)
@@ -376,7 +375,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from diffuse.control.identity import ephemeral
 
     from diffuse.control.coverage import format_text
-    from diffuse.control.node import open_node
+    from diffuse.control.node import NodeConfig, open_node
     from diffuse.home import data_home
     from diffuse.model import store
     from diffuse.model.weights import load_manifest
@@ -394,9 +393,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         # An ephemeral identity: a status query must never impersonate a running peer.
-        async with open_node(ephemeral(), listen=client_listen(args), bootstrap=boot, server=False,
-                             codecs=reputation.swarm_codecs(), swarm_key=access.key, allow=access.allow,
-                             mdns=mdns, hole_punch=args.hole_punch) as node:
+        config = NodeConfig(listen=client_listen(args), bootstrap=boot, server=False, swarm_key=access.key,
+                            allow=access.allow, mdns=mdns, hole_punch=args.hole_punch)
+        async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
             if mdns and not boot:  # the swarm is whoever answers on the LAN: give them a moment
                 with trio.move_on_after(max(args.wait, MDNS_WAIT_S)):
                     while not node.lan_peers:

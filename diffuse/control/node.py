@@ -18,11 +18,11 @@ that allow-list.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from collections import Counter
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -48,6 +48,7 @@ from diffuse.control.host import (
     parse_peer_addr,
 )
 from diffuse.control.identity import peer_id as peer_id_of
+from diffuse.control.mdns import LanDiscovery
 from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
 from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
@@ -78,66 +79,71 @@ def _with_peer(handler: StreamHandler) -> Callable[[INetStream], Awaitable[None]
         await handler(stream, stream.muxed_conn.peer_id.to_base58())
     return handle
 
+@dataclass(frozen=True)
+class NodeConfig:
+    """What a node is and which services it runs; every caller (join, sentinel, clients) fills
+    one in and hands it over, so the defaults live here once.
+
+    server=False: a DHT client (status, pure clients) that stores nothing for others.
+    `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve.
+    `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each one
+    found that shares our swarm joins the routing table as a bootstrap peer would. `relay`: serve
+    circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check` (default: a DHT
+    server with bootstrap peers and no `announce_addrs`): ask the bootstrap peers to dial us back;
+    unreachable, the node becomes a DHT client, reserves relay slots on them and announces its
+    /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed connections to or from peers
+    that run it too turn direct where the NATs allow. `upnp`: with the reach check, first map our
+    port on the LAN's UPnP router (control/upnp.py) and offer its external address to the
+    dial-back."""
+
+    listen: Sequence[str] = (DEFAULT_LISTEN,)
+    bootstrap: Sequence[str | PeerInfo] = ()
+    server: bool = True
+    heartbeat: float = DEFAULT_HEARTBEAT_S
+    ttl: float | None = None
+    announce_addrs: Sequence[str] = ()
+    bootstrap_timeout: float = 5.0
+    swarm_key: SwarmKey | None = None
+    allow: AllowList | None = None
+    mdns: bool = False
+    relay: bool = False
+    reach_check: bool | None = None
+    hole_punch: bool = False
+    upnp: bool = False
+
+
 class Node:
-    def __init__(
-        self,
-        key_pair: KeyPair,
-        *,
-        listen: Sequence[str] = (DEFAULT_LISTEN,),
-        bootstrap: Sequence[str | PeerInfo] = (),
-        server: bool = True,
-        handlers: Mapping[str, StreamHandler] | None = None,
-        status_fn: StatusFn | None = None,
-        heartbeat: float = DEFAULT_HEARTBEAT_S,
-        ttl: float | None = None,
-        announce_addrs: Sequence[str] = (),
-        bootstrap_timeout: float = 5.0,
-        codecs: SetCodecs | None = None,
-        swarm_key: SwarmKey | None = None,
-        allow: AllowList | None = None,
-        mdns: bool = False,
-        relay: bool = False,
-        reach_check: bool | None = None,
-        hole_punch: bool = False,
-        upnp: bool = False,
-    ) -> None:
-        """server=False: a DHT client (status, pure clients) that stores nothing for others.
-        `codecs`: what the DHT accepts under /diffuse/ (default: peer records only).
-        `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve.
-        `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each
-        one found that shares our swarm joins the routing table as a bootstrap peer would.
-        `relay`: serve circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check`
-        (default: a DHT server with bootstrap peers and no --announce): ask the bootstrap peers
-        to dial us back; unreachable, the node becomes a DHT client, reserves relay slots on them
-        and announces its /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed
-        connections to or from peers that run it too turn direct where the NATs allow. `upnp`:
-        with the reach check, first map our port on the LAN's UPnP router (control/upnp.py) and
-        offer its external address to the dial-back."""
-        self.key_pair = key_pair
+    """A host and its DHT, composed with the services its config asks for: circuit relay,
+    AutoNAT and hole punching (`Relaying`), the reach check with UPnP, mDNS and, once it
+    serves, the announcer; each runs in the node's nursery and ends with it.
+
+    `handlers`: the data plane's stream handlers by protocol, installed before the host
+    listens. `status_fn`: the live numbers each heartbeat announces. `codecs`: what the DHT
+    accepts under /diffuse/ (default: peer records only)."""
+
+    def __init__(self, key_pair: KeyPair, config: NodeConfig = NodeConfig(), *,
+                 handlers: Mapping[str, StreamHandler] | None = None, status_fn: StatusFn | None = None,
+                 codecs: SetCodecs | None = None) -> None:
+        self.config, self.key_pair, self.status_fn = config, key_pair, status_fn
         self.peer_id = peer_id_of(key_pair).to_base58()
-        self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in bootstrap]
-        self._listen = [parse_multiaddr(a) for a in listen]
-        self.mode = PRIVATE_SWARM if swarm_key is not None else PUBLIC_SWARM
-        self.allow = allow
-        self.host = make_host(key_pair, self._listen, announce_addrs, swarm_key)
-        self.relaying = Relaying(self.host, hop=relay, hole_punch=hole_punch)
+        self.bootstrap_peers = [parse_peer_addr(a) if isinstance(a, str) else a for a in config.bootstrap]
+        self._listen = [parse_multiaddr(a) for a in config.listen]
+        self.mode = PRIVATE_SWARM if config.swarm_key is not None else PUBLIC_SWARM
+        self.allow, self.server = config.allow, config.server
+        self.host = make_host(key_pair, self._listen, config.announce_addrs, config.swarm_key)
+        self.relaying = Relaying(self.host, hop=config.relay, hole_punch=config.hole_punch)
         self.relaying.install()
-        self.reach_check = (server and not announce_addrs) if reach_check is None else reach_check
-        self.upnp = upnp
+        self.reach_check = (config.server and not config.announce_addrs) if config.reach_check is None \
+            else config.reach_check
         self.mapping = PortMapping()  # our ports on the router's external address, if UPnP mapped them
         for proto, handler in (handlers or {}).items():
             self.host.set_stream_handler(TProtocol(proto), _with_peer(handler))
         self.codecs = codecs or SetCodecs()
-        if allow is not None:
-            self.codecs = self.codecs.allowing(allow.ids)
-        self.dht = make_dht(self.host, self.codecs, server=server)
-        self.status_fn, self.heartbeat, self.ttl = status_fn, heartbeat, ttl
-
+        if config.allow is not None:
+            self.codecs = self.codecs.allowing(config.allow.ids)
+        self.dht = make_dht(self.host, self.codecs, server=config.server)
         self._reads = SharedReads(self._read_records)
         self.support: dict[str, Counter[str]] = {}  # model -> peer -> DHT answers of the last read holding it
-        self.announce_addrs = list(announce_addrs)
-        self.bootstrap_timeout = bootstrap_timeout
-        self.mdns, self.server = mdns, server
         self.lan_peers: list[str] = []  # peers found by mDNS that share our swarm
         self.announcer: Announcer | None = None
         self._announcing = trio.CancelScope()  # the announcer task's
@@ -153,7 +159,7 @@ class Node:
         /p2p-circuit addresses at our relays."""
         if self.reach.state in (RELAYED, PRIVATE):
             return list(self.relaying.circuit_addrs.values())
-        return list(dict.fromkeys(self.mapping.addrs + advertised_addrs(self.host, self.announce_addrs,
+        return list(dict.fromkeys(self.mapping.addrs + advertised_addrs(self.host, self.config.announce_addrs,
                                                                           self._towards())))
 
     def _towards(self) -> list[str]:
@@ -210,33 +216,40 @@ class Node:
                     raise ListenError(f"cannot listen on {', '.join(map(str, self._listen))}: "
                                       "address in use or not an address of this machine")
                 async with background_trio_service(self.dht):
-                    async with trio.open_nursery() as tasks:
+                    async with trio.open_nursery() as tasks:  # every service's tasks
                         self._nursery = tasks
-                        await tasks.start(self.relaying.run)
-                        if self.bootstrap_peers and self.reach_check:
-                            await self._check_reach(tasks)
-                        if self.bootstrap_peers:
-                            await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
-                        if self.reach.state == PRIVATE:  # the first slot (on a bootstrap peer or a relay
-                            with trio.move_on_after(self.bootstrap_timeout * 2):  # the DHT lists), so our
-                                await self._first_slot.wait()  # first record is already routable
-                        if self.mdns:
-                            from diffuse.control.mdns import LanDiscovery
-
-                            lan = LanDiscovery(self.host, self.addrs(), advertise=self.server)
-                            await tasks.start(lan.run, self._lan_peer)
+                        await self._join(tasks)
                         task_status.started()
                         await self._stop.wait()
-                        tasks.cancel_scope.cancel()  # heartbeat and other node tasks end here
+                        tasks.cancel_scope.cancel()
                     self._nursery = None
-                    with trio.move_on_after(WITHDRAW_TIMEOUT_S):
-                        await self.withdraw()
-                    with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
-                        await self.mapping.remove()
+                    await self._leave()
                 # Close explicitly: py-libp2p's own stop path runs its cleanup under cancellation,
                 # which aborts at the first await and leaves the listener accepting connections.
                 with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
                     await self.host.close()
+
+    async def _join(self, tasks: trio.Nursery) -> None:
+        """Start the services in order: relaying, the reach check (with UPnP), the DHT's
+        bootstrap, a first relay slot when behind NAT (so our first record is routable), mDNS."""
+        await tasks.start(self.relaying.run)
+        if self.bootstrap_peers and self.reach_check:
+            await self._check_reach(tasks)
+        if self.bootstrap_peers:
+            await bootstrap(self.host, self.dht, self.bootstrap_peers, self.config.bootstrap_timeout)
+        if self.reach.state == PRIVATE:
+            with trio.move_on_after(self.config.bootstrap_timeout * 2):
+                await self._first_slot.wait()
+        if self.config.mdns:
+            lan = LanDiscovery(self.host, self.addrs(), advertise=self.server)
+            await tasks.start(lan.run, self._lan_peer)
+
+    async def _leave(self) -> None:
+        """With the services stopped and the host still up: the tombstone, then the router's mapping."""
+        with trio.move_on_after(WITHDRAW_TIMEOUT_S):
+            await self.withdraw()
+        with trio.move_on_after(STOP_TIMEOUT_S - WITHDRAW_TIMEOUT_S):
+            await self.mapping.remove()
 
     async def serve(self, serving: Serving) -> PeerRecord:
         """Announce `serving` now and on every heartbeat until the node stops, or until it
@@ -249,7 +262,7 @@ class Node:
             self._announcing.cancel()
         announcer = self.announcer = Announcer(
             self.dht, self.key_pair, serving, self.addrs,
-            heartbeat=self.heartbeat, ttl=self.ttl, status_fn=self._status, mode=self.mode,
+            heartbeat=self.config.heartbeat, ttl=self.config.ttl, status_fn=self._status, mode=self.mode,
         )
         self._announcing = await self._nursery.start(self._announce, announcer)
         return announcer.current.record
@@ -284,7 +297,7 @@ class Node:
         reached: list[PeerInfo] = []
 
         async def one(info: PeerInfo) -> None:
-            with trio.move_on_after(self.bootstrap_timeout):
+            with trio.move_on_after(self.config.bootstrap_timeout):
                 try:
                     await self.host.connect(info)
                     reached.append(info)
@@ -297,7 +310,7 @@ class Node:
         async with trio.open_nursery() as nursery:  # the router's answer comes while we connect
             for info in self.bootstrap_peers:
                 nursery.start_soon(one, info)
-            if self.upnp:
+            if self.config.upnp:
                 nursery.start_soon(map_our_ports)
         if not reached:
             return
@@ -342,7 +355,7 @@ class Node:
         """A node mDNS found: dial it as a bootstrap peer; one of another swarm (or another
         mode) fails its handshake at once and is left alone."""
         try:
-            if await bootstrap(self.host, self.dht, [info], self.bootstrap_timeout):
+            if await bootstrap(self.host, self.dht, [info], self.config.bootstrap_timeout):
                 self.lan_peers.append(info.peer_id.to_base58())
                 self.bootstrap_peers.append(info)  # re-dialled, like a sentinel, if we lose the swarm
                 log.info("joined LAN peer %s", info.peer_id)
@@ -353,7 +366,7 @@ class Node:
         """Nobody took our records: we lost the swarm (a sentinel restarted?). Dial again."""
         if self.bootstrap_peers and self.dht.get_routing_table_size() == 0:
             try:
-                await bootstrap(self.host, self.dht, self.bootstrap_peers, self.bootstrap_timeout)
+                await bootstrap(self.host, self.dht, self.bootstrap_peers, self.config.bootstrap_timeout)
             except Exception as e:  # noqa: BLE001 - dialing fails in py-libp2p's many ways; retried next beat
                 log.warning("re-bootstrap failed: %s", e)
 
@@ -452,10 +465,11 @@ class _Started:
 
 
 @asynccontextmanager
-async def open_node(key_pair: KeyPair, **kwargs: Any) -> AsyncIterator[Node]:
-    """Run a Node for the duration of the block; leaving it withdraws and shuts down."""
+async def open_node(key_pair: KeyPair, config: NodeConfig = NodeConfig(), **services: Any) -> AsyncIterator[Node]:
+    """Run a Node for the duration of the block; leaving it withdraws and shuts down.
+    `services`: Node's handlers, status_fn and codecs."""
     async with trio.open_nursery() as nursery:
-        node = await nursery.start(Node(key_pair, **kwargs).run)
+        node = await nursery.start(Node(key_pair, config, **services).run)
         try:
             yield node
         finally:

@@ -16,7 +16,7 @@ from libp2p.crypto.keys import KeyPair
 from diffuse.control.allow import AllowList
 from diffuse.control.dht import bootstrap as dial
 from diffuse.control.host import parse_peer_addr
-from diffuse.control.node import Node
+from diffuse.control.node import Node, NodeConfig
 from diffuse.control.records import SetCodecs
 from diffuse.control.swarm_key import SwarmKey
 
@@ -45,8 +45,8 @@ async def run_sentinel(
 
     Unreachable fellow sentinels are not fatal: a sentinel is often the first node up.
     """
-    node = Node(key_pair, listen=listen, bootstrap=(), server=True, announce_addrs=announce, codecs=codecs,
-                swarm_key=swarm_key, allow=allow, relay=relay, mdns=mdns)
+    node = Node(key_pair, NodeConfig(listen=listen, bootstrap=(), server=True, announce_addrs=announce,
+                                     swarm_key=swarm_key, allow=allow, relay=relay, mdns=mdns), codecs=codecs)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         if started is not None:
