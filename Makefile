@@ -12,5 +12,6 @@ run: setup
 test: setup
 	.venv/bin/ruff check diffuse scripts tests
 	.venv/bin/lint-imports
+	.venv/bin/python scripts/check_house.py
 	.venv/bin/python -m pytest -q -m alone
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone"

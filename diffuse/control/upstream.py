@@ -90,7 +90,7 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation(RELIES, "libp2p.kad_dht.kad_dht:KadDHT", ("add_peer",), "dht.make_dht", "kad-clients-in-table"),
     Adaptation(RELIES, "libp2p.kad_dht.value_store:ValueStore", ("_store_at_peer", "_get_from_peer", "store"),
                "dht.put_set", "no-per-peer-values"),
-    Adaptation(RELIES, "libp2p.discovery.mdns.mdns:MDNSDiscovery", ("_cleanup_cancel_scope",), "mdns.Mdns",
+    Adaptation(RELIES, "libp2p.discovery.mdns.mdns:MDNSDiscovery", ("_cleanup_cancel_scope",), "mdns.LanDiscovery",
                "mdns-stop-from-thread"),
     Adaptation(RELIES, "libp2p.network.swarm:Swarm", ("retry_config",), "host.make_host", "dial-retries"),
     Adaptation(RELIES, "libp2p.network.swarm:Swarm", ("auto_connector",), "host.make_host", "auto-connector-redials"),
