@@ -89,8 +89,9 @@ class DraftHead(nn.Module):
     def fast(self, weight: Tensor) -> tuple["DraftHead", Tensor]:
         """An fp16 copy of this head and the LM head's rows for `vocab` (all rows if empty), for
         drafting: a level is one row, and a one-row product reads every weight once, so half the
-        bytes is nearly half the time (4 levels: 16 -> 6 ms on the 2-core box, with the same
-        guesses as fp32 on a sample where bf16 changed 3 of 20). Rebuilt after training steps."""
+        bytes is nearly half the time. fp16, not bf16: its longer mantissa keeps fp32's guesses,
+        which bf16's can change. Rebuilt after training steps.
+        (figures: docs/measurements.md, 'Figures once quoted in module comments')"""
         key = (weight.data_ptr(), *(p._version for p in self.parameters()))
         if self._fast is None or self._fast[0] != key:
             copy = DraftHead(self.hidden, self.inter, self.vocab, self.calibration)
@@ -120,8 +121,8 @@ class DraftHead(nn.Module):
 
         Its ~30 small products run on the thread count measured cheaper (`Threads`): between
         network steps the cores idle, and waking a second thread for every product can cost
-        more than it saves (depth 5 after a 100 ms pause: 15.7 ms on 2 threads, 6.5 on 1;
-        back to back 2.8 and 4.5 ms).
+        more than it saves, while back to back two threads are faster: neither count wins
+        everywhere (figures: docs/measurements.md, 'Figures once quoted in module comments').
         """
         threads, before = self.threads.choose(1), torch.get_num_threads()
         if threads != before:

@@ -207,10 +207,11 @@ def train(draft: DraftHead, head: Head, fit: list[Trace], held: list[Trace], unr
     """Minimise, over `unroll` steps fed the head's own predictions, the cross-entropy of each
     step's guesses against the model's own distribution there (its LM head on the model's
     state, over the head's vocab) plus the smooth-L1 distance to that state (EAGLE's two losses;
-    later steps weigh 0.8x the one before). The whole distribution teaches the ranking below
-    the first guess, which the tree's other branches use: against the model's choice alone as
-    the target, on the benchmark prompts the first guess went from 0.37 to 0.40 and the tokens
-    per step with ten guesses sent from 2.41 to 2.50 (scripts/eval_draft_head.py --sent 10).
+    each later step weighs 0.8 times the one before). The whole distribution teaches the ranking
+    below the first guess, which the tree's other branches use, and it trains a better first
+    guess and more tokens per step than the model's choice alone as the target
+    (scripts/eval_draft_head.py --sent 10; figures: docs/measurements.md, 'Figures once quoted in
+    module comments').
     `held` should be answers: there the next token is the model's choice, so a chain of hits
     is what verification accepts."""
     g = torch.Generator().manual_seed(seed)

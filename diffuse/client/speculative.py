@@ -80,7 +80,7 @@ class SpecConfig:
     probe_nodes: int = 7  # guesses per step while the step-cost slope is still unknown
     draft: DraftHead | None = None  # a trained draft head (draft_head.py), if the client has one
     draft_nodes: int = 24  # its likeliest guesses offered to the planner per step
-    draft_depth: int = 5  # its levels per step (~1.5 ms each on the 2-core box; copies reach deeper)
+    draft_depth: int = 5  # its levels per step (each a read of all its weights; copies reach deeper)
     seed: int = 0
 
     @property
@@ -294,8 +294,9 @@ class Lookahead:
 @dataclass
 class Cost:
     """Seconds per step: `plain` for one position, a + b * T for T >= 2. One position is its
-    own case because a single-row matmul takes a faster kernel path (on this CPU two positions
-    cost 1.5x one, eight hardly more than two)."""
+    own case because a single-row matmul takes a faster kernel path: one position costs well
+    below the line through wider steps, which rises only slowly from two positions on
+    (figures: docs/measurements.md, 'Figures once quoted in module comments')."""
 
     plain: float
     a: float
@@ -353,17 +354,18 @@ class Gate:
     a new window is measured. Held steps are plain, and acceptance is still learned in hindsight
     from every draft, so speculation resumes, after the hold, where the text starts to repeat.
 
-    Eight steps, not four: on chat at 80 ms, where trees paid ~1.4x, windows of four held 4-14% of
-    steps, 51% without a draft head. With a first guess right ~40% of the time, four steps with
-    every guess rejected come once in ~8 windows (0.6^4), eight once in ~60 (0.6^8).
+    Eight steps, not four: windows of four held speculation off too often where trees paid
+    (figures: docs/measurements.md, 'Figures once quoted in module comments'). With a first
+    guess right ~40% of the time, four steps with every guess rejected come once in ~8 windows
+    (0.6^4), eight once in ~60 (0.6^8).
 
     A generation does not open with a plain step to price one: that step would add one token
     where a tree adds two or more, and where speculation pays clearly no plain step is ever
     needed. Until one is measured, plain is taken to cost the fit's a + b, which a one-position
     step may beat or miss (its own kernel path; a slope skewed by the prompt's forward): holding
-    on that guess alone held 6% of chat's steps in fp32 at 80 ms, where a measured plain step held
-    none. So a window within a factor UNSURE of the guess, either way, buys one plain step to
-    measure it, and is judged again at the next comparison.
+    on that guess alone holds steps that a measured plain step would not. So a window within a
+    factor UNSURE of the guess, either way, buys one plain step to measure it, and is judged
+    again at the next comparison.
     """
 
     UNSURE = 1.25  # a window's rate / the guessed plain rate that a guess's error cannot flip
@@ -560,8 +562,8 @@ class Speculator:
         `company`: sessions batched with this one. A position then costs each of them what it
         costs this session, so it is priced `company` times its fitted slope: a session's own
         timing sees only its own rows' share, and sessions that each judged positions cheap
-        filled the batches (16 API requests with a draft head: 21.9 tokens/s in all against
-        39.8 without it)."""
+        filled the batches until all of them together were slower with a draft head than
+        without one (figures: docs/measurements.md, 'Figures once quoted in module comments')."""
         fit = self.cost.fit()
         if fit is not None and company > 1:
             fit = Cost(fit.plain, fit.a, fit.b * company)

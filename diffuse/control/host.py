@@ -6,8 +6,9 @@ waits a hard-coded 250 ms unless the per-peer connection limit is 1; the auto-co
 every known peer (departed ones too) every 30 s; and warnings go straight to stderr, ~100 lines
 a run; and a refused dial is retried for 0.7 s, which every DHT lookup pays for each departed
 peer still in a routing table. `make_host` fixes all five, and turns off yamux's window update
-after every read (`PY_YAMUX_RELEASE_ON_READ=0`, ~45 us of CPU per round trip per side; updates
-still flow at half a window), which inference sessions pay on every token.
+after every read (`PY_YAMUX_RELEASE_ON_READ=0`: CPU on each side every round trip; updates
+still flow at half a window), which inference sessions pay on every token
+(figures: docs/measurements.md, 'Figures once quoted in module comments').
 
 With a swarm key, every connection is first wrapped in the private-network layer
 (control/pnet.py: libp2p's pnet spec, not py-libp2p's own variant), below Noise.

@@ -126,10 +126,10 @@ class SessionError(WireError):
 
 
 # Wire dtype codes. A value is inf or NaN iff its exponent bits are all ones. Large tensors are
-# checked through their integer view with numpy (torch.isfinite on 73k fp16 values took ~400 us
-# here, the integer check ~15 us); a decode step's few KB with bytes.translate, which stays in
-# the interpreter: right after a process wakes, every torch or numpy call costs ~100 us of cold
-# caches, several times the check itself.
+# checked through their integer view with numpy, far cheaper than torch.isfinite; a decode
+# step's few KB with bytes.translate, which stays in the interpreter: right after a process
+# wakes, every torch or numpy call pays for cold caches, several times the check itself
+# (figures: docs/measurements.md, 'Figures once quoted in module comments').
 _DTYPES: dict[int, torch.dtype] = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 _ABS_MASK = {torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF, torch.float32: 0x7FFFFFFF}
@@ -283,9 +283,10 @@ def tensor_wire(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[byte
     """The tensor header (dtype code, rank, dims) and the raw little-endian bytes this codec
     sends for `t` in `dtype` (default its own): also what activation commitments hash.
 
-    Written for small tensors: each avoidable torch call costs ~1-3 us at this size, and ~100 us
-    right after the process woke. A tensor this codec decoded goes out as the bytes it came in
-    (a client hands each hop's output to the next hop untouched), checked again on the bytes.
+    Written for small tensors, where each avoidable torch call's fixed cost counts, the more so
+    right after the process woke (figures: docs/measurements.md, 'Figures once quoted in module comments'). A tensor
+    this codec decoded goes out as the bytes it came in (a client hands each hop's output to
+    the next hop untouched), checked again on the bytes.
     """
     dtype = t.dtype if dtype is None else dtype
     code = _CODES.get(dtype)
@@ -299,7 +300,7 @@ def tensor_wire(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[byte
         w = t.detach() if t.requires_grad else t
         if w.dtype != dtype:
             if w.dtype == torch.bfloat16 and dtype == torch.float16 and w.is_cpu and w.numel() > 4096:
-                w = w.float()  # bf16->fp32->fp16 is ~2.5x faster than bf16->fp16 on CPU
+                w = w.float()  # on CPU bf16->fp32->fp16 is faster than bf16->fp16 directly
             w = w.to(dtype)  # on the GPU if it lives there: fewer bytes to copy
         if not w.is_cpu:
             w = w.cpu()

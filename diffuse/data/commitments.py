@@ -16,8 +16,9 @@ holds. Leaves and inner nodes are hashed with different prefixes (RFC 6962) so n
 can pass as a leaf; an odd node at the end of a level is promoted unchanged, and the chunk count
 is bound into the commitment.
 
-Cost on this (busy, 2-core) CPU, printed by scripts/eval_integrity.py: 25-40 us for a 1-token
-SmolLM2 step (one chunk), 0.5-0.8 ms for 144 KiB (128 tokens), ~0.3 ms per 64 KiB beyond.
+The cost grows linearly with the output's wire bytes and is small next to a step's compute, so
+every step carries one; scripts/eval_integrity.py prints it
+(figures: docs/measurements.md, 'Figures once quoted in module comments').
 """
 
 from __future__ import annotations

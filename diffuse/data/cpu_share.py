@@ -1,9 +1,9 @@
 """How many of this process's cores other programs are using now: a batch's thread count depends on it.
 
 A parallel region waits for its slowest thread, so a torch computation on as many threads as
-cores stalls whenever another program runs on one of them: 3 prompts of 21 tokens through 29
-SmolLM2 blocks in fp32 took 75 ms on 2 threads and 108 ms on 1 on an idle 2-core machine, but
-171 ms and 109 ms beside another process using a quarter of a core (`scripts/bench_threads.py`).
+cores stalls whenever another program runs on one of them: on a 2-core machine, another process
+using a quarter of a core is enough for one thread to beat two (`scripts/bench_threads.py`;
+figures: docs/measurements.md, 'Figures once quoted in module comments').
 Linux counts every CPU's busy time in /proc/stat; what this process used itself (all its
 threads) is subtracted.
 """

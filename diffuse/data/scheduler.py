@@ -11,12 +11,10 @@ the batches of a long prompt instead of waiting for all of it.
 
 A batch holds up to `max_rows` rows while any step of at most SMALL_ROWS rows (a decode step, a
 speculation tree) waits for that computation, and up to `burst_rows` when only longer ones
-(prompts arriving together) wait: a wider batch is cheaper per row (16 prompts of 23 tokens
-through 29 SmolLM2 blocks in fp32: 692 ms in pairs, 377 ms in eights; half of them done at 346 vs
-192 ms), and no decode step is held back by it. But every prompt in a batch waits for all of them,
-and past ~100 rows a row costs no less: with 16 simultaneous API requests the median first token
-came at 0.63 and 0.63 s with batches of up to 128 rows against 0.88 and 0.77 s with 256, in two
-alternations of `scripts/bench_batching.py --dtypes fp32 --sessions 1 --tokens 8`.
+(prompts arriving together) wait: a wider batch is cheaper per row, and no decode step is held
+back by it. But every prompt in a batch waits for all of them, and past ~100 rows a row costs no
+less, so wider bursts only delay simultaneous requests' first tokens (`scripts/bench_batching.py`;
+figures: docs/measurements.md, 'Figures once quoted in module comments').
 
 How many threads a batch computes with is measured, not assumed (`Threads`).
 """
@@ -60,19 +58,15 @@ class Threads:
 
     With as many threads as cores, every parallel region waits for its slowest thread, and a core
     busy with anything else (the client's own work on a shared machine, its owner's programs on a
-    lent one) stretches every wait: 16 sessions' one-token step through 29 SmolLM2 blocks in fp32
-    took 94 ms with 2 threads and 123 ms with 1 on an idle 2-core machine, but 191 ms and 126 ms
-    with the other core busy a quarter of the time. So a batch of fewer than CHOOSE_BELOW rows
-    (decode steps, trees: many short parallel regions) takes the count whose recent seconds per
-    row, among batches of about its size (rows within a power of two), are lowest;
+    lent one) stretches every wait, until one thread fewer is faster. So a batch of fewer than
+    CHOOSE_BELOW rows (decode steps, trees: many short parallel regions) takes the count whose
+    recent seconds per row, among batches of about its size (rows within a power of two), are lowest;
     every EXPLORE-th batch of a size tries another count, so a change of load is noticed. Longer
-    batches (prompts: long products, which threads do speed up; a burst of 11 prompts once took
-    565 ms on one thread after the choice had learnt from few such batches) are too rare to learn
-    from: they leave a core to what other programs use of the machine now (`OtherLoad`) once that
-    passes SPARE of a core, about where one thread less starts to win on a 2-core machine
-    (`scripts/bench_threads.py`: 3 / 12 prompts of 21 tokens through 29 SmolLM2 blocks, fp32, on
-    1 thread took 1.45x / 1.48x the time of 2 on an idle machine, 1.00x / 1.13x beside another
-    process using 0.18-0.19 of a core, 0.63x / 0.91x beside 0.24-0.27). Batches whose kernels
+    batches (prompts: long products, which threads do speed up) are too rare to learn from, and a
+    choice learnt from few of them can leave a burst on one thread: they leave a core to what
+    other programs use of the machine now (`OtherLoad`) once that passes SPARE of a core, about
+    where one thread less starts to win on a 2-core machine (`scripts/bench_threads.py`; figures:
+    docs/measurements.md, 'Figures once quoted in module comments'). Batches whose kernels
     were checked for one thread count (exact sessions) keep the configured count, and so does
     every batch with DIFFUSE_THREADS=fixed (for before/after comparisons)."""
 

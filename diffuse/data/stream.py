@@ -6,7 +6,7 @@ import logging
 from typing import Protocol
 
 log = logging.getLogger(__name__)
-READ_CHUNK = 1 << 16  # one read may carry several frames; each yamux read costs ~50 us
+READ_CHUNK = 1 << 16  # one read may carry several frames: fewer yamux reads, each a fixed cost
 
 
 class ByteStream(Protocol):
