@@ -53,13 +53,33 @@ def test_linear_module_keeps_nn_linear_state_dict():
 def test_padded_rows_follow_the_cpu(monkeypatch):
     monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX2)  # multiples of eight from seven rows
     assert [kernels.padded_rows(r) for r in (1, 2, 6, 7, 8, 9, 16, 17, 63)] == [1, 2, 6, 8, 8, 16, 16, 24, 64]
-    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # reordered weights: no padding
+    monkeypatch.setattr(kernels, "profile", lambda: kernels.AVX512)  # reordered weights: buckets of sixteen
     monkeypatch.setattr(kernels, "reorders", lambda dtype=None: True)
-    assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 4, 15, 16, 17, 33]
+    assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 4, 15, 16, 32, 48]
     monkeypatch.setattr(kernels, "reorders", lambda dtype=None: False)  # without oneDNN: multiples of sixteen from four
     assert [kernels.padded_rows(r) for r in (1, 3, 4, 15, 16, 17, 33)] == [1, 3, 16, 16, 16, 32, 48]
     # An exact session's products run in blocks of sixteen rows.
     assert [kernels.padded_rows(r, exact=True) for r in (1, 8, 16, 17, 25, 33)] == [16, 16, 16, 32, 32, 48]
+
+
+def test_onednn_products_meet_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN keeps a compiled kernel per row count: decoding's few rows as they are, more rows in
+    buckets of sixteen, and more than CHUNK_ROWS in chunks, each row's result where it belongs."""
+    seen, real = set(), torch.ops.mkldnn._linear_pointwise
+
+    def counting(x, *args):
+        seen.add(x.shape[0])
+        return real(x, *args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counting)
+    monkeypatch.setattr(kernels, "_takes_reordered", lambda weight, rows: True)
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    for rows in [*range(1, 40), 255, 256, 257, 300, 600]:
+        x = torch.randn(rows, 64, generator=g)
+        out = linear(x, w, b)
+        assert out.shape == (rows, 40)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert seen == {*range(1, 17), 32, 48, 256, 96}  # 257 and 600 end in chunks of 1 and 88 rows
 
 
 @pytest.mark.parametrize("rows", [1, 2, 9])

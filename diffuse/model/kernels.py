@@ -55,6 +55,8 @@ from torch import Tensor, nn
 WIDEN_FROM_ROWS = 8  # bf16/fp16 rows from which widening to fp32 beats the emulated kernel
 FP32_UP_TO_ROWS = 64  # fp32 rows up to which (W @ x.T).T beats x @ W.T
 EXACT_QUERY_BLOCK = 128  # query rows per fp64 score matrix (bounds its memory during a prefill)
+BUCKET_ROWS = 16  # oneDNN products of more rows than this run on a multiple of it (`_onednn`)
+CHUNK_ROWS = 256  # and of more rows than this, in chunks of it
 WIDEN_BLOCK = 2048  # weight rows widened at once, so the fp32 copy stays in cache (an LM head's would not)
 
 
@@ -134,8 +136,10 @@ def padded_rows(rows: int, exact: bool = False) -> int:
     in an exact session, products run in blocks of EXACT_ROWS rows: one row costs what sixteen do."""
     if exact:
         return max(1, -(-rows // EXACT_ROWS)) * EXACT_ROWS
+    if reorders():
+        return rows if rows <= BUCKET_ROWS else -(-rows // BUCKET_ROWS) * BUCKET_ROWS  # `_onednn`
     p = profile()
-    if rows < p.pad_from or reorders():
+    if rows < p.pad_from:
         return rows
     return -(-rows // p.pad_to) * p.pad_to
 
@@ -149,8 +153,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     flat = x.reshape(rows, x.shape[-1])
     if (not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))  # no autograd there
             and _takes_reordered(weight, rows)):
-        out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), reordered(weight), bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        return _onednn(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     if weight.dtype == torch.float32 and rows == 1 and p.double_one_row and torch.get_num_threads() > 1:
         out = (weight @ torch.cat([flat, flat]).t())[:, :1].t()  # a threaded GEMM beats MKL's threaded GEMV
     elif weight.dtype == torch.float32 and p.wide_from <= rows <= FP32_UP_TO_ROWS:
@@ -189,6 +192,21 @@ def reordered(weight: Tensor) -> Tensor:
             hit = (weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16))
             weight._diffuse_reordered = hit  # type: ignore[attr-defined]
         return hit[1]
+
+
+def _onednn(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """flat [rows, K] @ weight.T (+ bias) by oneDNN with the reordered weight, on a bounded set of
+    row counts: oneDNN compiles and keeps a kernel per row count it meets, a fraction of a MB
+    each, so a long-lived peer that met every row count of its batches and prompts would hold
+    hundreds of MB of them. Up to BUCKET_ROWS rows run as they are (decoding's shapes); more are
+    padded with zero rows to a multiple of BUCKET_ROWS, and more than CHUNK_ROWS run in chunks of
+    CHUNK_ROWS (enough rows per chunk for the kernel's full speed)."""
+    rows = flat.shape[0]
+    if rows > CHUNK_ROWS:
+        return torch.cat([_onednn(flat[s:s + CHUNK_ROWS], weight, bias) for s in range(0, rows, CHUNK_ROWS)])
+    extra = (-rows) % BUCKET_ROWS if rows > BUCKET_ROWS else 0
+    padded = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])]) if extra else flat.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(padded, reordered(weight), bias, "none", [], "")[:rows]
 
 
 def _padded(flat: Tensor) -> Tensor:
