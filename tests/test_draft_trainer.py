@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tokenizers import pre_tokenizers
 
-from diffuse.cli import draft_trainer as DT
+from diffuse.client import draft_trainer as DT
 from diffuse.client import draft_head
 from diffuse.model.tokenizer import build_tokenizer_json
 from tiny import make_tiny

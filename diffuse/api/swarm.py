@@ -141,7 +141,7 @@ class SwarmBackend:
 
     def _pick_up(self, client: SwarmClient) -> None:
         """A head that appeared in the store since the start (trained in the background,
-        cli/draft_trainer.py): loaded once per version of the file."""
+        client/draft_trainer.py): loaded once per version of the file."""
         file = draft_head.path(self.home, client.model_dir.name)
         try:
             version = file.stat().st_mtime_ns

@@ -16,8 +16,9 @@ from pathlib import Path
 import trio
 
 from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
-import diffuse.cli.draft_trainer as draft_trainer
+from diffuse.cli.common import add_train_draft_option, bootstrap_addrs, first_leaf, trio_run
 from diffuse.cli.reach import add_hole_punch_option
+from diffuse.client import draft_trainer
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="answers through the swarm send guessed continuations with each step where they pay "
                         "(default: on; with --local never: a step there is no round trip)")
     add_hole_punch_option(p)
-    draft_trainer.add_option(p)
+    add_train_draft_option(p)
     p.set_defaults(func=cmd_api)
 
 
@@ -89,12 +90,11 @@ async def local_backend(args) -> AsyncIterator:
 
 def swarm_backend(args):
     from diffuse.api.swarm import open_swarm_backend
-    from diffuse.cli.net import _bootstrap_addrs
     from diffuse.cli.reach import use_mdns
     from diffuse.cli.swarm import swarm_access
 
     access = swarm_access(args)
-    boot = _bootstrap_addrs(args, required=False)
+    boot = bootstrap_addrs(args, required=False)
     return open_swarm_backend(data_home(args.home), args.model or [None], boot, swarm_options(args, access),
                               args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot),
                               hole_punch=args.hole_punch, speculate=args.speculate)
@@ -117,7 +117,6 @@ async def swarm_or_local(args) -> AsyncIterator:
     """The swarm's backend; when no bootstrap peer answers at all (none refused us: another key or
     mode is an error), the served models that fit half the memory available, run here, said on
     stderr (`--fallback none` refuses instead)."""
-    from diffuse.cli.net import _first_leaf
     from diffuse.client.fallback import NONE
     from diffuse.control.dht import BootstrapError
 
@@ -128,7 +127,7 @@ async def swarm_or_local(args) -> AsyncIterator:
             opened = True
             yield backend
     except* BootstrapError as eg:
-        error = _first_leaf(eg)
+        error = first_leaf(eg)
         if opened or error.refused or args.fallback == NONE:
             raise error from None
         unreachable.append(error)
@@ -160,7 +159,6 @@ async def _local_instead(args, error) -> AsyncIterator:
 def cmd_api(args) -> int:
     from diffuse.api.app import Settings, create_app
     from diffuse.http import parse_listen, serve_http
-    from diffuse.cli.net import _trio_run
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
@@ -181,6 +179,7 @@ def cmd_api(args) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
-    with draft_trainer.background(args, (args.model or [None])[0], lambda: activity.get("requests", 0) > 0):
-        _trio_run(main)
+    with draft_trainer.background(data_home(args.home), (args.model or [None])[0],
+                                  lambda: activity.get("requests", 0) > 0, args.train_draft):
+        trio_run(main)
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import trio
 
+from diffuse.cli.common import bootstrap_addrs, first_leaf, trio_run
 from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, client_listen, use_mdns
 from diffuse.cli.swarm import add_swarm_options
 from diffuse.control.modes import SwarmAccess
@@ -191,7 +192,6 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
     process when no bootstrap peer answers at all and the store holds a model small enough."""
     from diffuse.control.identity import ephemeral
 
-    from diffuse.cli.net import _bootstrap_addrs, _first_leaf, _trio_run
     from diffuse.cli.swarm import swarm_access
     from diffuse.client import fallback
     from diffuse.client.swarm import SwarmClient
@@ -202,7 +202,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
     from diffuse.model.weights import load_manifest
     from diffuse.trust import reputation
 
-    boot = _bootstrap_addrs(args, required=False)
+    boot = bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
     access = swarm_access(args)
     home = data_home(args.home)
@@ -234,12 +234,12 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
                     return await _answer_swarm(other, node, args, messages, params, on_text, info, speculating,
                                                access)
         except* BootstrapError as eg:
-            error = _first_leaf(eg)
+            error = first_leaf(eg)
             if error.refused or args.fallback == fallback.NONE:
                 raise error from None
             unreachable.append(error)
 
-    result = _trio_run(run)
+    result = trio_run(run)
     if not unreachable:
         return result
     return _answer_in_process(args, home, asked, order, unreachable[0], messages, params, on_text, info,

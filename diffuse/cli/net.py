@@ -12,25 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import trio
 
+from diffuse.cli.common import add_train_draft_option, bootstrap_addrs, positive, trio_run, until_signal
 from diffuse.cli.reach import (
     add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, client_listen, use_mdns,
 )
-import diffuse.cli.draft_trainer as draft_trainer
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
-from diffuse.data.serve import LEVELS, Contribution
-from diffuse.errors import DiffuseError
+from diffuse.data.serve import LEVELS
 from diffuse.trust import reputation
 
 log = logging.getLogger("diffuse.net")
@@ -67,14 +62,14 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                    "the swarm needs most, re-planned as peers come and go (control/ladder.py)")
     p.add_argument("--models", metavar="A,B", help="with --model auto: the models it may choose from "
                    "(default: every model in the store)")
-    p.add_argument("--replan", type=_positive, metavar="SECONDS",
+    p.add_argument("--replan", type=positive, metavar="SECONDS",
                    help="with --model auto: how often to look whether the swarm needs this peer elsewhere "
                         "(default: 4 heartbeats)")
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default) picks "
                    "the least-served span that fits --num-blocks / --max-memory")
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
     p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
-    p.add_argument("--throughput", type=_positive,
+    p.add_argument("--throughput", type=positive,
                    help="tokens/s to announce (default: measured once the span is loaded)")
     p.add_argument("--cache-tokens", type=int, default=65536,
                    help="KV-cache tokens this peer lends to all sessions together")
@@ -97,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM: seconds open sessions get to finish before they are handed "
                         "to replicas (a second signal stops at once)")
-    draft_trainer.add_option(p)
+    add_train_draft_option(p)
     p.set_defaults(func=cmd_join)
 
     p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
@@ -152,9 +147,10 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 def cmd_sentinel(args: argparse.Namespace) -> int:
     from diffuse.control.sentinel import run_sentinel
+    from diffuse.metrics import DHT_RECORDS
 
     key_pair = _key_pair(args, hold=True)
-    boot = _bootstrap_addrs(args, required=False)
+    boot = bootstrap_addrs(args, required=False)
     listen = _listen(args)
     access = swarm_access(args, create=True)
     if access.created:
@@ -180,17 +176,11 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
                 urls = await nursery.start(serve_metrics, args.metrics)
                 print(f"metrics at {urls[0]}/metrics", file=sys.stderr, flush=True)
             await run_sentinel(key_pair, listen, boot, ready, args.announce, reputation.swarm_codecs(), access.key,
-                               access.allow, args.relay, bool(args.mdns), started=_count_records)
+                               access.allow, args.relay, bool(args.mdns),
+                               started=lambda node: DHT_RECORDS.set_function(node.stored_records))  # for /metrics
 
-    _trio_run(_until_signal, sentinel)
+    trio_run(until_signal, sentinel)
     return 0
-
-
-def _count_records(node) -> None:
-    """/metrics reports what the node's DHT store holds."""
-    from diffuse.metrics import DHT_RECORDS
-
-    DHT_RECORDS.set_function(node.stored_records)
 
 
 def _describe(access: SwarmAccess) -> str:
@@ -202,173 +192,33 @@ def _describe(access: SwarmAccess) -> str:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from diffuse.control.announce import Serving
-    from diffuse.control.coverage import coverage
-    from diffuse.control.identity import peer_id as peer_id_of
-    from diffuse.control.node import Node, NodeConfig
-    from diffuse.control.ladder import Hosting, Offer
-    from diffuse.control.placement import choose_span, requested_blocks
-    from diffuse.data.serve import contribution
+    from diffuse.control.node import NodeConfig
     from diffuse.home import data_home
-    from diffuse.model import store
-    from diffuse.model.config import ModelConfig
-    from diffuse.model.weights import load_manifest
+    from diffuse.peer.hooks import ServeConfig
+    from diffuse.peer.join import JoinConfig, Peer
 
-    key_pair = _key_pair(args, hold=True)
-    boot = _bootstrap_addrs(args, required=False)
-    mdns = use_mdns(args, boot)
-    auto = (args.model or "").lower() == "auto"
-    if not auto and (args.models or args.replan):
-        raise DiffuseError("--models and --replan only apply with --model auto")
-    offers, dirs, budget = _offers(args) if auto else ([], {}, 0)
-    model_dir = dirs[offers[0].model] if auto else store.resolve(data_home(args.home), args.model)
-    manifest = load_manifest(model_dir)
-    n = manifest.num_layers
-    span, length = None, 0
-    if not auto:
-        span, length = requested_blocks(args.blocks, args.num_blocks, args.max_memory, ModelConfig.load(model_dir),
-                                        manifest.dtype)
+    boot = bootstrap_addrs(args, required=False)
     access = swarm_access(args)
-    me = peer_id_of(key_pair).to_base58()
-    if access.allow is not None and me not in access.allow:
-        log.warning("this peer (%s) is not on the allow-list %s: the swarm will not store its record or route "
-                    "through it until it is", me, access.allow.path)
-    cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (taskset, a container's share)
-    lend = None if args.client_only else contribution(args.contribution, args.cache_tokens, cores)
-    if args.metrics:
-        from diffuse.http import parse_listen
+    node = NodeConfig(listen=_listen(args), bootstrap=boot, heartbeat=args.heartbeat, ttl=args.ttl,
+                      announce_addrs=args.announce, swarm_key=access.key, allow=access.allow,
+                      mdns=use_mdns(args, boot), relay=args.relay, hole_punch=args.hole_punch, upnp=args.upnp)
+    serve = ServeConfig(dtype=args.dtype, device=args.device, throughput=args.throughput,
+                        cache_tokens=args.cache_tokens, max_session_tokens=args.max_session_tokens,
+                        session_timeout=args.session_timeout, contribution=args.contribution,
+                        client_only=args.client_only, tamper=args.tamper, tamper_rate=args.tamper_rate,
+                        drain_timeout=args.drain_timeout)
+    models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
+    config = JoinConfig(home=data_home(args.home), node=node, model=args.model, models=models, replan=args.replan,
+                        blocks=args.blocks, num_blocks=args.num_blocks, max_memory=args.max_memory, serve=serve,
+                        metrics=args.metrics)
+    peer = Peer(_key_pair(args, hold=True), config, show=lambda text: print(text, flush=True),
+                say=lambda text: print(text, file=sys.stderr, flush=True))
+    from diffuse.client.draft_trainer import background
 
-        parse_listen(args.metrics)
-    if lend is not None:
-        import torch
-
-        torch.set_num_threads(lend.threads)
-    hooks = data_plane_hooks(args, model_dir, manifest, lend)
-    held = dirs or {manifest.model_id: model_dir}
-    files = DraftHeads(data_home(args.home), held) if lend else None
-    if args.drain_timeout < 0:
-        raise DiffuseError("--drain-timeout must be at least 0")
-    node: Node | None = None
-
-    async def drain() -> None:
-        """Leave gracefully: withdraw first (no new client picks us), then let sessions finish."""
-        if node is None or node.announcer is None or hooks.drain is None:
-            return
-        with trio.move_on_after(5.0):
-            await node.withdraw()
-        print(f"draining: announcement withdrawn, {hooks.status_fn().get('sessions', 0)} sessions open "
-              f"(up to {args.drain_timeout:g} s; signal again to stop now)", file=sys.stderr, flush=True)
-        handed = await hooks.drain(args.drain_timeout)
-        if handed:
-            print(f"handed {handed} sessions to replicas", file=sys.stderr, flush=True)
-
-    async def main() -> None:
-        nonlocal node
-        config = NodeConfig(listen=_listen(args), bootstrap=boot, heartbeat=args.heartbeat, ttl=args.ttl,
-                            announce_addrs=args.announce, swarm_key=access.key, allow=access.allow, mdns=mdns,
-                            relay=args.relay, hole_punch=args.hole_punch, upnp=args.upnp and lend is not None)
-        node = Node(key_pair, config, handlers=hooks.handlers | (files.handlers if files else {}),
-                    status_fn=_placed(hooks.status_fn) if auto else hooks.status_fn,
-                    codecs=reputation.swarm_codecs())
-        async with trio.open_nursery() as nursery:
-            await nursery.start(node.run)
-            _count_records(node)
-            print(f"reachability: {node.reach.describe()}", file=sys.stderr, flush=True)
-            if args.metrics:
-                from diffuse.metrics import serve_metrics
-
-                urls = await nursery.start(serve_metrics, args.metrics)
-                print(f"metrics at {urls[0]}/metrics", file=sys.stderr, flush=True)
-            if lend is None:
-                for a in node.full_addrs():
-                    print(a, flush=True)
-                why = "contribution pause" if args.contribution == "pause" else "client-only"
-                print(f"joined without serving (--{why})",
-                      flush=True)
-                return
-            printed: list[str] = []
-
-            async def serve(offer: Offer, start: int, end: int) -> None:
-                throughput = args.throughput
-                if hooks.prepare is not None:
-                    hooks.use(dirs.get(offer.model, model_dir), offer.model)
-                    throughput = await hooks.prepare(start, end) or throughput
-                await node.serve(Serving(
-                    model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
-                    block_hashes=offer.block_hashes[start:end], dtype=args.dtype,
-                    throughput=throughput, cache_tokens=lend.cache_tokens,
-                    protocols=hooks.protocols + ((files.protocol,) if files and offer.model in files.heads else ()),
-                    extra=files.heads.get(offer.model, {}) if files else {}))  # its draft head (client/draft_fetch.py)
-                if not printed:
-                    printed.extend(node.full_addrs())
-                    print("\n".join(printed), flush=True)
-                print(f"serving {offer.model} blocks {start}:{end} ({end - start} of {offer.num_blocks})", flush=True)
-
-            if files is not None:
-                nursery.start_soon(files.watch, node)
-            if auto:
-                async def leave() -> None:
-                    with trio.move_on_after(5.0):
-                        await node.withdraw()
-                    if hooks.drain is not None:
-                        await hooks.drain(args.drain_timeout)
-
-                hosting = Hosting(node, offers, budget, serve, leave, args.replan or 4 * args.heartbeat,
-                                  lambda line: print(line, file=sys.stderr, flush=True))
-                await nursery.start(hosting.run)
-                return
-            start, end = span or choose_span(
-                coverage(await node.records(manifest.model_id), manifest.model_id, n,
-                         expected_hashes=manifest.block_hashes).replicas, length)
-            await serve(Offer(manifest.model_id, n, 0, 0, tuple(manifest.block_hashes)), start, end)
-
-    with draft_trainer.background(args, model_dir, lambda: bool((hooks.status_fn or dict)().get("sessions"))):
-        _trio_run(_until_signal, main, drain)
+    with background(config.home, peer.model_dir, peer.busy, args.train_draft):
+        trio_run(until_signal, peer.run, peer.drain)
     print("stopped; announcement withdrawn", file=sys.stderr, flush=True)
     return 0
-
-
-def _placed(status_fn: Callable[[], Mapping[str, Any]] | None) -> Callable[[], Mapping[str, Any]]:
-    """The data plane's status, and that this peer places itself (its record's ext["placement"]):
-    other auto peers take turns with it to fill a gap (control/ladder.py)."""
-    from diffuse.control.ladder import AUTO
-
-    return lambda: {**(status_fn() if status_fn else {}), "placement": AUTO}
-
-
-def _offers(args: argparse.Namespace) -> tuple[list, dict[str, Path], int]:
-    """`join --model auto`: the models it may host (--models, else the store's), their
-    directories, and the weight budget (--max-memory, else half the memory available now)."""
-    from diffuse.control.ladder import Offer, choose
-    from diffuse.control.placement import DTYPE_BYTES, available_memory, block_bytes, parse_size
-    from diffuse.home import data_home, models_dir
-    from diffuse.model import store
-
-    if args.blocks.strip().lower() != "auto" or args.num_blocks is not None:
-        raise DiffuseError("--model auto chooses the blocks too: give --blocks auto (the default) and, to bound "
-                           "it, --max-memory rather than --num-blocks")
-    home = data_home(args.home)
-    models = store.list_models(home)
-    if args.models:
-        wanted = [m.strip() for m in args.models.split(",") if m.strip()]
-        known = {m.name: m for m in models} | {m.manifest.model_id: m for m in models}
-        missing = [w for w in wanted if w not in known]
-        if missing:
-            raise DiffuseError(f"--models names {', '.join(missing)}, not in the store {models_dir(home)} "
-                               f"(it holds {', '.join(m.name for m in models) or 'nothing'})")
-        models = list({known[w].name: known[w] for w in wanted}.values())
-    if not models:
-        raise DiffuseError(f"--model auto: the store {models_dir(home)} holds no model (`diffuse model pull`)")
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    # The ladder ranks models by all their weights (embeddings too: they are what "a larger model" means),
-    # as they would be in the serving dtype.
-    offers = [Offer(m.manifest.model_id, m.config.num_layers, block_bytes(m.config, dtype),
-                    m.size_bytes * DTYPE_BYTES[dtype] // DTYPE_BYTES.get(m.manifest.dtype, 4),
-                    tuple(m.manifest.block_hashes))
-              for m in models]
-    budget = parse_size(args.max_memory) if args.max_memory else available_memory() // 2
-    choose(offers, {o.model: [0.0] * o.num_blocks for o in offers}, budget)  # refuses a budget that holds nothing
-    return offers, {m.manifest.model_id: m.path for m in models}, budget
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -380,7 +230,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from diffuse.model import store
     from diffuse.model.weights import load_manifest
 
-    boot = _bootstrap_addrs(args, required=False)
+    boot = bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
     access = swarm_access(args)
     home = data_home(args.home)
@@ -410,7 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             result.extend([replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs])
             lan.extend(node.lan_peers)
 
-    _trio_run(main)
+    trio_run(main)
     if args.json:
         print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in result]}
                          | ({"lan_peers": lan} if mdns else {}), indent=1))
@@ -439,98 +289,7 @@ async def _evidence(node, peers) -> dict[str, list[dict]]:
     return dict(sorted(found.items()))
 
 
-# ---- the data plane's plug ----
-
-@dataclass
-class ServeHooks:
-    """What the data plane adds to `join`: stream handlers (registered before the host listens),
-    a status callback read at every heartbeat ({"cache_tokens": .., "throughput": .., ...}), the
-    protocols it serves, and `prepare(start, end)`, awaited once the span is chosen and before it
-    is announced (load and verify the blocks; return measured tokens/s or None)."""
-
-    handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = field(default_factory=dict)
-    status_fn: Callable[[], Mapping[str, Any]] | None = None
-    protocols: tuple[str, ...] = ()
-    prepare: Callable[[int, int], Awaitable[float | None]] | None = None
-    drain: Callable[[float], Awaitable[int]] | None = None
-    use: Callable[[Path, str], None] = lambda model_dir, model_id: None  # serve this model from the next prepare
-
-
-def data_plane_hooks(args: argparse.Namespace, model_dir: Path, manifest: Any, lend: Contribution | None) -> ServeHooks:
-    """The inference service: blocks are loaded (and checked against the manifest) once the span
-    is chosen, measured, and served on /diffuse/inference/1.0.0."""
-    from diffuse.data.serve import PeerService
-    from diffuse.data.server import ServerLimits
-    from diffuse.model.load import parse_dtype
-
-    limits = ServerLimits(max_session_tokens=args.max_session_tokens,
-                          max_total_tokens=lend.cache_tokens if lend else args.cache_tokens,
-                          idle_timeout=args.session_timeout, max_sessions=lend.max_sessions if lend else 0)
-    wrap = None
-    if args.tamper is not None:
-        from diffuse.trust.tamper import Tamper  # the test double loads only with --tamper
-
-        kind, strength = args.tamper
-        wrap = Tamper(kind, strength, args.tamper_rate).wrap
-        log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
-                    f"{args.tamper_rate:.0%}", kind, strength)
-    service = PeerService(model_dir, manifest.model_id, parse_dtype(args.dtype), args.device, limits, wrap,
-                          args.throughput)
-    handle = service.handle
-    if args.metrics:
-        from diffuse.metrics import watch_peer
-
-        handle = watch_peer(lambda: service.model_id, lambda: service.server.status() if service.server else {},
-                            handle)
-    return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
-                      protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use)
-
-
-class DraftHeads:
-    """The files protocol serving this peer's draft heads (client/draft_fetch.py), and per model id
-    the record fields announcing its head (`heads`; none: nothing to offer for it yet). Its handler
-    is always set (handlers go on before the host runs), so that a head trained after the start
-    (in the background, cli/draft_trainer.py) is served and announced without a restart."""
-
-    def __init__(self, home: Path, models: Mapping[str, Path]) -> None:
-        from diffuse.client import draft_fetch
-        from diffuse.data.files import PROTOCOL_ID, FileServer
-
-        self.home, self.models = home, models
-        self.server, self.protocol = FileServer(), PROTOCOL_ID
-        self.handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = {PROTOCOL_ID: self.server.serve}
-        self.heads = draft_fetch.offer(self.server, home, models)
-
-    async def watch(self, node: Any, every: float = 15.0) -> None:
-        """Every `every` seconds, offer a head that appeared for the model being served, and
-        amend the announcement to say so."""
-        from diffuse.client import draft_fetch
-
-        while True:
-            await trio.sleep(every)
-            serving = node.announcer.serving if node.announcer is not None else None
-            if serving is None or serving.model in self.heads or serving.model not in self.models:
-                continue
-            found = draft_fetch.offer(self.server, self.home, {serving.model: self.models[serving.model]})
-            if found:
-                self.heads.update(found)
-                node.amend(protocols=tuple(serving.protocols) + (self.protocol,),
-                           extra=dict(serving.extra) | found[serving.model])
-                print(f"offering the draft head of {serving.model} trained since the start", file=sys.stderr,
-                      flush=True)
-
-
 # ---- helpers ----
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
-    return value
-
 
 def _tamper_arg(text: str) -> tuple[str, float]:
     """--tamper's value (argparse calls this only when the option is given)."""
@@ -564,65 +323,3 @@ def _listen(args: argparse.Namespace) -> list[str]:
     for a in addrs:
         parse_multiaddr(a)
     return addrs
-
-
-def _bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
-    """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
-    from diffuse.control.host import parse_peer_addr
-
-    addrs = list(args.bootstrap)
-    if args.bootstrap_file is not None:
-        try:
-            text = args.bootstrap_file.read_text()
-        except OSError as e:
-            raise DiffuseError(f"cannot read {args.bootstrap_file}: {e.strerror or e}") from None
-        addrs += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
-        addrs = [a for a in addrs if a]
-    if required and not addrs:
-        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr)")
-    for a in addrs:
-        parse_peer_addr(a)
-    return addrs
-
-
-async def _until_signal(body: Callable[[], Awaitable[None]],
-                        leave: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run `body`, then keep running until SIGINT/SIGTERM; then `leave()` (a peer drains its
-    sessions), unless a second signal comes first. Cancellation unwinds every node, whose `run`
-    withdraws its announcement on the way out."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            async def leave_then_stop() -> None:
-                if leave is not None:
-                    await leave()
-                nursery.cancel_scope.cancel()
-
-            async def watch() -> None:
-                leaving = False
-                async for _ in signals:
-                    if leave is None or leaving:
-                        nursery.cancel_scope.cancel()
-                        return
-                    leaving = True
-                    nursery.start_soon(leave_then_stop)
-
-            nursery.start_soon(watch)
-            await body()
-
-
-def _trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """trio.run, with a DiffuseError buried in exception groups re-raised bare (so `main` prints
-    `error: ...`), and Ctrl-C before the signal handler is installed exiting quietly."""
-    try:
-        return trio.run(fn, *args)
-    except BaseExceptionGroup as eg:
-        match, _ = eg.split(DiffuseError)
-        if match is not None:
-            raise _first_leaf(match) from None
-        raise
-
-
-def _first_leaf(eg: BaseException) -> BaseException:
-    while isinstance(eg, BaseExceptionGroup):
-        eg = eg.exceptions[0]
-    return eg

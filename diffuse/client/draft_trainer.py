@@ -1,4 +1,4 @@
-"""Training the draft head in the background of `diffuse join` and `diffuse api`.
+"""Training the draft head in the background of a peer (`diffuse join`) and of `diffuse api`.
 
 A model without a draft head speculates poorly, and training one takes minutes of both cores, so
 a peer or API that has none trains it while nobody is asking anything of it: in a child process
@@ -12,7 +12,6 @@ ends); the head is written to a temporary file and renamed, so a killed run leav
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import fcntl
 import os
@@ -26,6 +25,9 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
 
+from diffuse.errors import ModelError
+from diffuse.model import store
+
 ENV = "DIFFUSE_TRAIN_DRAFT"
 _PR_SET_PDEATHSIG = 1
 
@@ -33,12 +35,6 @@ _PR_SET_PDEATHSIG = 1
 def enabled(flag: bool) -> bool:
     """Whether to train in the background: the flag (`--no-train-draft` clears it) and the environment."""
     return flag and os.environ.get(ENV, "1") != "0"
-
-
-def add_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--no-train-draft", dest="train_draft", action="store_false",
-                        help="do not train the model's draft head in the background while idle (on when the model "
-                             f"has none; {ENV}=0 turns it off too)")
 
 
 def _log(msg: str) -> None:
@@ -169,18 +165,13 @@ def counting(app: Callable[..., Awaitable[None]], activity: MutableMapping[str, 
     return wrapped
 
 
-def background(args: argparse.Namespace, model: str | Path | None,
-               busy: Callable[[], bool]) -> AbstractContextManager:
-    """What `join` and `api` run under: a trainer for `model` (a store name or directory) in the
-    command's home, or nothing when it is turned off or the model is not there (the command
-    itself says so)."""
-    from diffuse.errors import ModelError
-    from diffuse.home import data_home
-    from diffuse.model import store
-
-    if not enabled(getattr(args, "train_draft", True)):
+def background(home: Path, model: str | Path | None, busy: Callable[[], bool], wanted: bool = True
+               ) -> AbstractContextManager:
+    """What `join` and `api` run under: a trainer for `model` (a store name or directory) in
+    `home`, or nothing when it is not `wanted`, turned off by the environment, or the model is not
+    there (the command itself says so)."""
+    if not enabled(wanted):
         return nullcontext()
-    home = data_home(args.home)
     try:
         path = store.resolve(home, None if model is None else str(model))
     except ModelError:

@@ -1,0 +1,89 @@
+"""What every command shares: bootstrap addresses, running trio until a signal, options."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from diffuse.control.host import parse_peer_addr
+from diffuse.errors import DiffuseError
+
+
+def add_train_draft_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-train-draft", dest="train_draft", action="store_false",
+                   help="do not train the model's draft head in the background while idle (on when the model "
+                        "has none; DIFFUSE_TRAIN_DRAFT=0 turns it off too)")
+
+
+def positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
+
+
+def bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
+    """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
+    addrs = list(args.bootstrap)
+    if args.bootstrap_file is not None:
+        try:
+            text = args.bootstrap_file.read_text()
+        except OSError as e:
+            raise DiffuseError(f"cannot read {args.bootstrap_file}: {e.strerror or e}") from None
+        addrs += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+        addrs = [a for a in addrs if a]
+    if required and not addrs:
+        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr)")
+    for a in addrs:
+        parse_peer_addr(a)
+    return addrs
+
+
+async def until_signal(body: Callable[[], Awaitable[None]],
+                        leave: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run `body`, then keep running until SIGINT/SIGTERM; then `leave()` (a peer drains its
+    sessions), unless a second signal comes first. Cancellation unwinds every node, whose `run`
+    withdraws its announcement on the way out."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            async def leave_then_stop() -> None:
+                if leave is not None:
+                    await leave()
+                nursery.cancel_scope.cancel()
+
+            async def watch() -> None:
+                leaving = False
+                async for _ in signals:
+                    if leave is None or leaving:
+                        nursery.cancel_scope.cancel()
+                        return
+                    leaving = True
+                    nursery.start_soon(leave_then_stop)
+
+            nursery.start_soon(watch)
+            await body()
+
+
+def trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """trio.run, with a DiffuseError buried in exception groups re-raised bare (so `main` prints
+    `error: ...`), and Ctrl-C before the signal handler is installed exiting quietly."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as eg:
+        match, _ = eg.split(DiffuseError)
+        if match is not None:
+            raise first_leaf(match) from None
+        raise
+
+
+def first_leaf(eg: BaseException) -> BaseException:
+    while isinstance(eg, BaseExceptionGroup):
+        eg = eg.exceptions[0]
+    return eg
