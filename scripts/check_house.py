@@ -34,8 +34,8 @@ class Target:
 
 
 TARGETS = (
-    Target("lines in diffuse/cli/", 800, 1382),
-    Target(f"functions in diffuse/ over {MAX_FUNCTION_LINES} lines", 0, 4),
+    Target("lines in diffuse/cli/", 800, 1389),
+    Target(f"functions in diffuse/ over {MAX_FUNCTION_LINES} lines", 0, 0),
     Target("modules outside diffuse/control/ importing libp2p", 0, 0),
     Target("lines of DESIGN.md", 600, 600),
     Target("comment or docstring lines in diffuse/ carrying run figures", 10, 10),

@@ -11,10 +11,19 @@ import trio
 
 from diffuse.cli.common import bootstrap_addrs, first_leaf, trio_run
 from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, client_listen, use_mdns
-from diffuse.cli.swarm import add_swarm_options
+from diffuse.cli.swarm import add_swarm_options, swarm_access
+from diffuse.client import fallback
+from diffuse.client.swarm import SwarmClient
+from diffuse.control.dht import BootstrapError
+from diffuse.control.identity import ephemeral
 from diffuse.control.modes import SwarmAccess
+from diffuse.control.node import NodeConfig, open_node
+from diffuse.control.routing import NoRoute
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
+from diffuse.model import store
+from diffuse.model.weights import load_manifest
+from diffuse.trust import reputation
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -190,18 +199,6 @@ def cmd_ask(args) -> int:
 def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, exact: bool):
     """Through the swarm, with the asked model or the best fallback that is servable; in this
     process when no bootstrap peer answers at all and the store holds a model small enough."""
-    from diffuse.control.identity import ephemeral
-
-    from diffuse.cli.swarm import swarm_access
-    from diffuse.client import fallback
-    from diffuse.client.swarm import SwarmClient
-    from diffuse.control.dht import BootstrapError
-    from diffuse.control.node import NodeConfig, open_node
-    from diffuse.control.routing import NoRoute
-    from diffuse.model import store
-    from diffuse.model.weights import load_manifest
-    from diffuse.trust import reputation
-
     boot = bootstrap_addrs(args, required=False)
     mdns = use_mdns(args, boot)
     access = swarm_access(args)
@@ -218,12 +215,7 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
             config = NodeConfig(listen=client_listen(args), bootstrap=boot, server=False, swarm_key=access.key,
                                 allow=access.allow, mdns=mdns, hole_punch=args.hole_punch)
             async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
-                client = SwarmClient(node, asked_dir, opts)
-                deadline = trio.current_time() + args.wait
-                while not await client.covered() and trio.current_time() < deadline:
-                    await trio.sleep(0.25)
-                if not await client.covered():
-                    client = await _fallback_client(node, client, order, home, opts, await client.uncovered()) or client
+                client = await _covered_client(node, asked_dir, opts, args.wait, order, home)
                 try:
                     return await _answer_swarm(client, node, args, messages, params, on_text, info, speculating,
                                                access)
@@ -246,10 +238,20 @@ def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, e
                               speculating, exact)
 
 
+async def _covered_client(node, asked_dir: Path, opts, wait: float, order: list[str], home: Path):
+    """A client of the asked model once the swarm covers it (waiting up to `wait` s), else of the
+    first fallback it covers, else of the asked model still (the route will say what is missing)."""
+    client = SwarmClient(node, asked_dir, opts)
+    deadline = trio.current_time() + wait
+    while not await client.covered() and trio.current_time() < deadline:
+        await trio.sleep(0.25)
+    if not await client.covered():
+        client = await _fallback_client(node, client, order, home, opts, await client.uncovered()) or client
+    return client
+
+
 async def _fallback_client(node, client, order: list[str], home: Path, opts, why: str):
     """The first model of `order` the swarm covers now, with a notice on stderr; None if none."""
-    from diffuse.client import fallback
-    from diffuse.client.swarm import SwarmClient
     from diffuse.model import store
 
     for model_id in order:
@@ -307,7 +309,6 @@ def remote_rescue(pipeline) -> int | None:
 def _answer_in_process(args, home: Path, asked: str, order: list[str], error, messages, params, on_text,
                        info: dict, speculating: bool, exact: bool):
     """No swarm answered: the asked model here if it fits in memory, else the first fallback that does."""
-    from diffuse.client import fallback
     from diffuse.client.rescue import MEMORY_SHARE
     from diffuse.control.placement import available_memory
 

@@ -51,7 +51,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.set_defaults(func=cmd_sentinel)
 
-    p = subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them")
+    _register_join(subparsers.add_parser("join", parents=parents, help="serve blocks of a model and announce them"))
+    _register_status(subparsers.add_parser("status", parents=parents,
+                                           help="which peers serve which blocks, per model"))
+
+
+def _register_join(p: argparse.ArgumentParser) -> None:
     _identity_arg(p)
     _net_args(p, listen_default=DEFAULT_PEER_LISTEN)
     add_swarm_options(p)
@@ -95,7 +100,8 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     add_train_draft_option(p)
     p.set_defaults(func=cmd_join)
 
-    p = subparsers.add_parser("status", parents=parents, help="which peers serve which blocks, per model")
+
+def _register_status(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
                    help="a sentinel or peer multiaddr with /p2p/ (repeatable)")
     p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")

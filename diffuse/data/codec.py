@@ -662,6 +662,24 @@ class FrameDecoder:
 # --------------------------------------------------------------------------- validation
 
 
+def _validate_step(msg: Step) -> None:
+    t, keep, shape = len(msg.positions), msg.keep, msg.hidden.shape
+    if len(keep) > 1 and not all(a < b for a, b in zip(keep, keep[1:])):
+        raise WireError(f"STEP: keep indices must be strictly increasing, got {list(keep)}")
+    if t and min(msg.positions) < 0:
+        raise WireError("STEP: positions must be >= 0")
+    if len(shape) != 3 or shape[1] != t or shape[0] < 1 or shape[2] < 1:
+        raise WireError(f"STEP: hidden must be [batch, {t}, hidden] for {t} positions, got {list(shape)}")
+    m = msg.mask
+    if m is not None:
+        if m.dtype != torch.bool or tuple(m.shape) != (t, t):
+            raise WireError(f"STEP: mask must be bool [{t}, {t}], got {m.dtype} {list(m.shape)}")
+        if not bool(m.diagonal().all()):
+            raise WireError("STEP: mask must let every token attend to itself")
+    if msg.input_commitment is not None and len(msg.input_commitment) != 32:
+        raise WireError("STEP: input_commitment must be 32 bytes")
+
+
 def validate(msg: Message) -> None:
     """Field checks shared by encode and decode, so a peer never sends what it would reject.
 
@@ -675,23 +693,7 @@ def validate(msg: Message) -> None:
         if not 0 < typ <= 0xFFFF or len(data) > 0xFFFFFFFF:
             raise WireError(f"bad extension type {typ} or length")
     if isinstance(msg, Step):
-        t, keep, shape = len(msg.positions), msg.keep, msg.hidden.shape
-        if len(keep) > 1 and not all(a < b for a, b in zip(keep, keep[1:])):
-            raise WireError(f"STEP: keep indices must be strictly increasing, got {list(keep)}")
-        if t and min(msg.positions) < 0:
-            raise WireError("STEP: positions must be >= 0")
-        if len(shape) != 3 or shape[1] != t or shape[0] < 1 or shape[2] < 1:
-            raise WireError(f"STEP: hidden must be [batch, {t}, hidden] for {t} positions, "
-                            f"got {list(shape)}")
-        m = msg.mask
-        if m is not None:
-            if m.dtype != torch.bool or tuple(m.shape) != (t, t):
-                raise WireError(f"STEP: mask must be bool [{t}, {t}], "
-                                f"got {m.dtype} {list(m.shape)}")
-            if not bool(m.diagonal().all()):
-                raise WireError("STEP: mask must let every token attend to itself")
-        if msg.input_commitment is not None and len(msg.input_commitment) != 32:
-            raise WireError("STEP: input_commitment must be 32 bytes")
+        _validate_step(msg)
     elif isinstance(msg, StepOk):
         shape = msg.hidden.shape
         if len(shape) != 3 or shape[0] < 1 or shape[2] < 1:

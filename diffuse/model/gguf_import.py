@@ -244,6 +244,18 @@ def _read_config(reader, arch: str, tensors: dict) -> ModelConfig:
         rope_scaling=_rope(reader, arch, tensors, theta, rotary, context),
         partial_rotary_factor=rotary / head_dim,
     )
+    fields |= _family_fields(reader, arch, names, layers, hidden, heads, head_dim, window)
+    if qkv_bias != o_bias and arch not in ("qwen2",) or (arch == "qwen2" and o_bias):
+        raise ModelError(f"a {arch} file with q/k/v biases {'and' if o_bias else 'but no'} output bias "
+                         "is not supported")
+    return ModelConfig(**fields)
+
+
+def _family_fields(reader, arch: str, names: set, layers: int, hidden: int, heads: int, head_dim: int,
+                   window) -> dict:
+    """What one family's files say, or its runtime hard-codes, beyond the common fields."""
+    p = arch + "."
+    fields: dict = {}
     if arch == "phi3" and window:
         fields |= dict(layer_types=(SLIDING,) * layers, sliding_window=int(window))
     if arch in GEMMA:
@@ -257,10 +269,7 @@ def _read_config(reader, arch: str, tensors: dict) -> ModelConfig:
                        moe_intermediate_size=int(_field(reader, p + "expert_feed_forward_length")),
                        norm_topk_prob=True,  # llama.cpp always renormalises Qwen3-MoE's top-k weights
                        mlp_only_layers=tuple(i for i, s in enumerate(sparse) if not s))
-    if qkv_bias != o_bias and arch not in ("qwen2",) or (arch == "qwen2" and o_bias):
-        raise ModelError(f"a {arch} file with q/k/v biases {'and' if o_bias else 'but no'} output bias "
-                         "is not supported")
-    return ModelConfig(**fields)
+    return fields
 
 
 def _gemma(reader, arch: str, layers: int, hidden: int, heads: int, head_dim: int, window) -> dict:
