@@ -258,6 +258,9 @@ def test_evidence_round_trips_and_its_opening_still_verifies():
     k, opening = got.evidence.openings[0]
     flipped = replace(opening, chunk=bytes([opening.chunk[0] ^ 1]) + opening.chunk[1:])
     assert not replace(got.evidence, openings=((k, flipped),)).openings_verify()
+    forged = R.sign(replace(original, openings=((k, flipped),)), KP_ME)  # signed, but it does not hold together
+    with pytest.raises(R.InvalidEvidence, match="Merkle openings are not parts of the outputs"):
+        R.decode(forged.encode())
     verdict = C.CanaryVerdict(True, -40.0, -4.0, 12.5, 14.0, (1, 2, 3), (-1.9, -1.8, -1.7))
     ev = R.canary_evidence(verdict, ACCUSED, ME, "SmolLM2-135M-Instruct", 1, 10, "bfloat16")
     assert R.decode(R.sign(ev, KP_ME).encode()).evidence.detail == {"z_mean": 12.5, "z_max": 14.0, "m": 3}

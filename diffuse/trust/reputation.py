@@ -145,6 +145,9 @@ def verify(payload: bytes, signature: bytes) -> SignedEvidence:
     ev = Evidence.from_payload(decode_payload(payload, signature, MAX_PAYLOAD_BYTES, InvalidEvidence, "evidence"))
     check_signature(ev.reporter, SIG_DOMAIN, payload, signature, InvalidEvidence,
                     f"evidence reported by {ev.reporter}")
+    if not ev.openings_verify():  # the reporter's own claim must hold together before anyone keeps it
+        raise InvalidEvidence(f"evidence reported by {ev.reporter}: its Merkle openings are not parts of the "
+                              "outputs its step commitments commit to")
     return SignedEvidence(ev, payload, signature)
 
 
