@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,9 +51,9 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
+from support.servers import DIFFUSE, start_server  # noqa: E402
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"
-DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
 
 
 @dataclass
@@ -183,23 +182,6 @@ def serve_null(home: str, name: str | None) -> None:
             print("listening on", (await nursery.start(serve_http, app, "127.0.0.1:0"))[0], flush=True)
 
     trio.run(main)
-
-
-def start_server(cmd: list[str], ready: str = "listening on ") -> tuple[subprocess.Popen, str]:
-    """Start a process and wait for its stdout line starting with `ready`; return it and that
-    line's last word (a URL or multiaddr). Blocking reads with a kill timer: select() on a pipe
-    misses lines a buffered readline has already pulled in."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    timer = threading.Timer(300, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            if line.startswith(ready):
-                return proc, line.split()[-1]
-    finally:
-        timer.cancel()
-    proc.kill()
-    sys.exit(f"{' '.join(cmd[cmd.index('-c') + 2:][:4])}... did not start within 300 s")
 
 
 def start_swarm(home: str, model: list[str], dtype: str, max_sessions: int, servers: list) -> tuple[str, str]:

@@ -60,7 +60,6 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
-from bench_api import DIFFUSE, start_server  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from diffuse.client.generate import stream_tokens  # noqa: E402
@@ -77,6 +76,7 @@ from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
 from diffuse.trust import reputation  # noqa: E402
+from support.servers import DIFFUSE, start_server  # noqa: E402
 
 LISTEN = ["--listen", "/ip4/127.0.0.1/tcp/0"]
 TOPICS = ["the ocean", "volcanoes", "the moon", "bread", "rivers", "trains", "bees", "glass", "chess", "rain",

@@ -34,7 +34,6 @@ os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as `diffuse` sets it; before
 os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no draft head behind the measurement
 
 import trio  # noqa: E402
-from bench_swarm import LOCAL, PROMPT, Peers, decode  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
@@ -44,6 +43,7 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from support.swarm import LOCAL, PROMPT, Peers, decode  # noqa: E402
 
 SPANS = {"A": "0:30", "B": "0:30"}
 KINDS = ("plain", "exact, as sent", "exact, chunked")
@@ -90,7 +90,7 @@ async def bench(args, home: Path, peers: Peers) -> list[dict]:
             peers.start(victim)
             peers.wait(victim)
             for each in clients.values():
-                each.bans.until.clear()
+                each.bans.bans.clear()
             with trio.fail_after(120):  # its fresh record (new port) must be what routes read
                 while peers.ids[victim] not in {r.peer_id for r in await c.records()}:
                     await trio.sleep(0.5)

@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,97 +49,12 @@ from diffuse.client import draft_head  # noqa: E402
 from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig  # noqa: E402
-from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402
+from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
-from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
-from latency_relay import RelayProcess  # noqa: E402
-
-LOCAL = "/ip4/127.0.0.1/tcp/0"
-DIFFUSE = [sys.executable, "-m", "diffuse"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LoopbackSwarm:
-    """A sentinel and one peer per span, as processes, each peer behind a relay port.
-
-    `relay.set_rtt(s)` changes the emulated link for every peer while sessions stay up;
-    `proc[i]` is peer i's process (SIGKILL it to test failover), `close()` ends them all.
-    """
-
-    def __init__(self, home: Path, spans: list[str], dtype: str = "bf16", rtt: float = 0.0,
-                 timeout: float = 240.0):
-        self.tmp = Path(tempfile.mkdtemp(prefix="diffuse-swarm-"))
-        self.swarm_key = SwarmKey.generate()  # a private swarm of its own (the default mode)
-        write_key(self.tmp / "swarm.key", self.swarm_key)
-        key = ["--swarm-key", str(self.tmp / "swarm.key")]
-        self.env = os.environ | {"DIFFUSE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-        self.procs: list[subprocess.Popen] = []
-        self.relay: RelayProcess | None = None
-        try:
-            sentinel = self._start("sentinel", "--identity", str(self.tmp / "sentinel.key"), "--listen", LOCAL, *key)
-            self.boot = self._line(sentinel, timeout)
-            ports = [free_port() for _ in spans]
-            self.relay = RelayProcess([("127.0.0.1", p) for p in ports], rtt)
-            self.relay_ports = set(self.relay.ports)
-            self.proc = [self._start("join", "--identity", str(self.tmp / f"peer{i}.key"), "--bootstrap", self.boot,
-                                     "--listen", f"/ip4/127.0.0.1/tcp/{port}",
-                                     "--announce", f"/ip4/127.0.0.1/tcp/{rport}", "--blocks", span,
-                                     "--dtype", dtype, "--heartbeat", "2", "--ttl", "30", *key)
-                         for i, (span, port, rport) in enumerate(zip(spans, ports, self.relay.ports))]
-            for p in self.proc:
-                while not self._line(p, timeout).startswith("serving"):
-                    pass
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, *args: str) -> subprocess.Popen:
-        log = open(self.tmp / f"{args[0]}-{len(self.procs)}.log", "w")
-        p = subprocess.Popen(DIFFUSE + list(args), stdout=subprocess.PIPE, stderr=log, text=True, env=self.env)
-        self.procs.append(p)
-        return p
-
-    @staticmethod
-    def _line(p: subprocess.Popen, timeout: float) -> str:
-        """The next stdout line, bounded by a timeout (a stuck child must not hang the run)."""
-        out: list[str] = []
-        reader = __import__("threading").Thread(target=lambda: out.append(p.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not out or not out[0]:
-            raise RuntimeError(f"{' '.join(p.args[3:5])}: no output in {timeout} s or exited ({p.poll()})")
-        return out[0].strip()
-
-    def check_relayed(self, pipeline) -> None:
-        """Every hop's connection must end at a relay port, or the numbers would be meaningless."""
-        for hop in remote_of(pipeline).hops:
-            address = hop.stream.get_remote_address()
-            port = address[1] if address else None
-            if port not in self.relay_ports:
-                raise RuntimeError(f"hop to {hop.hop.peer_id} bypasses the relay (remote port {port})")
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait(10)
-        if self.relay:
-            self.relay.close()
-
-    def __enter__(self) -> "LoopbackSwarm":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+from support.relayed_swarm import LOCAL, LoopbackSwarm  # noqa: E402
 
 
 async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, prompt: list[int],
@@ -222,7 +135,7 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
 
 
 def report(args, dtype: str, results: dict, mismatches: int, prompts: list, modes: list[str]) -> None:
-    from eval_speculative_identity import CLASSES
+    from support.prompts import CLASSES
 
     spec_modes = modes[1:]
     kinds = list(CLASSES) + ["mixed"]
@@ -272,7 +185,7 @@ def report(args, dtype: str, results: dict, mismatches: int, prompts: list, mode
 
 
 def main() -> None:
-    from eval_speculative_identity import CLASSES
+    from support.prompts import CLASSES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")

@@ -51,98 +51,23 @@ os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no
 import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
-from diffuse.cli.demo import Child  # noqa: E402
-from diffuse.client.generate import stream_tokens  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.pipeline import Pipeline  # noqa: E402
-from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
-from diffuse.control.host import parse_peer_addr  # noqa: E402
-from diffuse.control.modes import MODES, PRIVATE  # noqa: E402
+from diffuse.control.modes import MODES  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.routing import Hop  # noqa: E402
-from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 from diffuse.data.client import RemoteSpan  # noqa: E402
 from diffuse.data.codec import FrameDecoder, Ping, Pong, encode  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from support.swarm import LOCAL, PATHS, PROMPT, REPLICA, Peers, decode, decode_tps  # noqa: E402
 
-LOCAL = "/ip4/127.0.0.1/tcp/0"
-PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # a count: greedy decoding never ends it by itself
-PATHS = {"1 hop": {"P": "0:30"}, "2 hops": {"Q0": "0:15", "Q1": "15:30"},
-         "3 hops": {"T0": "0:10", "T1": "10:20", "T2": "20:30"}}
-REPLICA = {"R": "15:30"}  # with Q0 and Q1: the failover group
 TARGETS = {"1 hop": 0.9, "3 hops": 0.75}
 PING_BATCHES, PINGS_PER_BATCH = 10, 100
 RECOVERY_TARGET_S = 1.5
-
-
-class Peers:
-    """The sentinel and peer processes of one swarm; a peer can be SIGKILLed and restarted on its
-    identity. mode private: a swarm key made in `tmp`, which in-process nodes take as `swarm_key`."""
-
-    def __init__(self, home: Path, tmp: Path, dtype: str, timeout: float = 300.0, mode: str = "public"):
-        self.home, self.tmp, self.dtype, self.timeout, self.mode = home, tmp, dtype, timeout, mode
-        self.spans = {n: s for group in [*PATHS.values(), REPLICA] for n, s in group.items()}
-        self.proc: dict[str, Child] = {}
-        self.ids: dict[str, str] = {}
-        self.sentinel: Child | None = None
-        self.swarm_key = SwarmKey.generate() if mode == PRIVATE else None
-        self.swarm_args = ["--mode", mode]
-        if self.swarm_key is not None:
-            tmp.mkdir(parents=True, exist_ok=True)
-            write_key(tmp / "swarm.key", self.swarm_key)
-            self.swarm_args += ["--swarm-key", str(tmp / "swarm.key")]
-
-    def launch(self) -> None:
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        self.sentinel = Child("sentinel", ["--home", str(self.home), "sentinel", "--identity", str(self.tmp / "s.key"),
-                                           "--listen", LOCAL, *self.swarm_args], self.tmp / "sentinel.log")
-        self.boot = self.sentinel.wait_for("/ip4/", self.timeout)
-        for name in self.spans:
-            self.start(name)
-        for name in self.spans:
-            self.wait(name)
-
-    def start(self, name: str) -> None:
-        self.proc[name] = Child(name, ["--home", str(self.home), "join", "--bootstrap", self.boot,
-                                       "--blocks", self.spans[name], "--dtype", self.dtype,
-                                       "--identity", str(self.tmp / f"{name}.key"), "--listen", LOCAL,
-                                       *self.swarm_args], self.tmp / f"{name}.log")
-
-    def wait(self, name: str) -> None:
-        addr = self.proc[name].wait_for("/ip4/", self.timeout)
-        self.ids[name] = parse_peer_addr(addr).peer_id.to_base58()
-        self.proc[name].wait_for("serving ", self.timeout)
-
-    def kill(self, name: str) -> None:
-        self.proc[name].p.kill()
-        self.proc[name].p.wait()
-        self.proc[name].stop()  # closes its log
-
-    def stop(self) -> None:
-        for child in [*self.proc.values(), *([self.sentinel] if self.sentinel else [])]:
-            child.stop()
-
-
-async def decode(pipe: Pipeline, prompt: list[int], tokens: int, on_token=None) -> tuple[list[int], list[float]]:
-    """Greedy tokens and the time each one appeared; on_token(i) runs after token i."""
-    ids, stamps = [], []
-    try:
-        async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=tokens)), set()):
-            stamps.append(time.perf_counter())
-            ids.append(t)
-            if on_token is not None:
-                on_token(len(ids) - 1)
-    finally:
-        await pipe.close()
-    return ids, stamps
-
-
-def decode_tps(stamps: list[float]) -> float:
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 class Side:
@@ -274,7 +199,7 @@ async def recover(args, side: Side, group: set[str], k: int, prompt: list[int], 
               **side.spent, "replayed": record.get("replayed_tokens", 0)}
     peers.start(victim)
     peers.wait(victim)
-    client.bans.until.clear()
+    client.bans.bans.clear()
     with trio.fail_after(120):  # its fresh record (new port) must be what routes read
         while peers.ids[victim] not in {r.peer_id for r in await client.records()}:
             await trio.sleep(0.5)

@@ -48,7 +48,7 @@ from diffuse.model.engine import Head  # noqa: E402
 
 
 def main() -> None:
-    from eval_speculative_identity import CLASSES
+    from support.prompts import CLASSES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")

@@ -28,7 +28,7 @@ import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_swarm as B  # noqa: E402
+import support.swarm as B  # noqa: E402
 
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.pipeline import Pipeline  # noqa: E402

@@ -9,17 +9,16 @@ in [0, jitter]) before writing it, and, with a bandwidth limit, for its serialis
 behind the chunks ahead of it; release times never decrease, so bytes keep their order.
 The CLI prints `LISTEN_PORT TARGET` per mapping, then `ready`, and reads commands on stdin to
 change the link while connections stay up: `rtt MS`, `jitter MS`, `mbps X` (0 = unlimited).
-As a library: `Link` + `relay()` (trio), or `RelayProcess` (a subprocess, driven the same way).
+As a library: `Link` + `relay()` (trio), or `RelayProcess` of scripts/support/relay.py (this
+script as a subprocess, driven the same way).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import trio
 
@@ -146,51 +145,6 @@ async def _main(mappings: list[tuple[int, tuple[str, int]]], link: Link) -> None
                 except ValueError as e:
                     print(f"error: {e}", flush=True)
         nursery.cancel_scope.cancel()  # stdin closed: the parent is gone
-
-
-class RelayProcess:
-    """The relay as a child process: `ports[i]` relays to `targets[i]`; `set_rtt` changes the
-    link of every mapping (and waits until the relay applied it); `close` ends it."""
-
-    def __init__(self, targets: list[tuple[str, int]], rtt: float = 0.0, jitter: float = 0.0,
-                 mbps: float = 0.0, timeout: float = 30.0):
-        args = [sys.executable, str(Path(__file__).resolve()), "--rtt-ms", str(rtt * 1e3),
-                "--jitter-ms", str(jitter * 1e3), "--mbps", str(mbps)] + [f"{h}:{p}" for h, p in targets]
-        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.timeout = timeout
-        self.ports = [int(self._line().split()[0]) for _ in targets]
-        if self._line() != "ready":
-            raise RuntimeError("latency relay did not start")
-
-    def _line(self) -> str:
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"latency relay exited with {self.p.wait(self.timeout)}")
-        return line.strip()
-
-    def command(self, line: str) -> None:
-        self.p.stdin.write(line + "\n")
-        self.p.stdin.flush()
-        if (answer := self._line()) != "ok":
-            raise ValueError(answer)
-
-    def set_rtt(self, seconds: float) -> None:
-        self.command(f"rtt {seconds * 1e3}")
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.stdin.close()
-            try:
-                self.p.wait(self.timeout)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-
-    def __enter__(self) -> "RelayProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def main() -> None:

@@ -33,8 +33,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-from chaos import PROMPTS, Injector, Load, Swarm, ask, client, launched
+os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # no child trains a draft head behind the measurement
+
+import httpx  # noqa: E402
+
+from support.churn import PROMPTS, Injector, Load, Swarm, ask, client, launched  # noqa: E402
 
 CHURNED = ["a1", "b1", "c0", "c1"]
 LONG_LIVED = ["api", "sentinel", "a0", "b0"]
