@@ -72,12 +72,12 @@ REACH_TIMEOUT_S = 10.0  # `reach_peers`: a dial (and a hole punch) to one peer, 
 REACH_AT_ONCE = 16  # `reach_peers`: peers dialled at once
 
 
-
 def _with_peer(handler: StreamHandler) -> Callable[[INetStream], Awaitable[None]]:
     """py-libp2p's handler shape, passing on the peer id its secure channel authenticated."""
     async def handle(stream: INetStream) -> None:
         await handler(stream, stream.muxed_conn.peer_id.to_base58())
     return handle
+
 
 @dataclass(frozen=True)
 class NodeConfig:
