@@ -243,15 +243,14 @@ async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: lis
     the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay;
     `speculate`: answers speculate (with each model's draft head from the store, if it has one)."""
     from diffuse.control.identity import ephemeral
-
     from diffuse.control.node import NodeConfig, open_node
     from diffuse.model import store
 
     # Punching holes, our dials must leave from a port our router maps: listen on every interface.
     listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
-    async with open_node(ephemeral(),
-                         NodeConfig(listen=listen, bootstrap=bootstrap, server=False, swarm_key=swarm_key, allow=allow,
-                                    mdns=mdns, hole_punch=hole_punch), codecs=reputation.swarm_codecs()) as node, \
+    config = NodeConfig(listen=listen, bootstrap=bootstrap, server=False, swarm_key=swarm_key, allow=allow,
+                        mdns=mdns, hole_punch=hole_punch)
+    async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node, \
             trio.open_nursery() as background:
         DHT_RECORDS.set_function(node.stored_records)
         clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]

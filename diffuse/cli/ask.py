@@ -252,8 +252,6 @@ async def _covered_client(node, asked_dir: Path, opts, wait: float, order: list[
 
 async def _fallback_client(node, client, order: list[str], home: Path, opts, why: str):
     """The first model of `order` the swarm covers now, with a notice on stderr; None if none."""
-    from diffuse.model import store
-
     for model_id in order:
         if model_id == client.model_id:
             continue
@@ -330,7 +328,6 @@ def _answer_here(args, name: str | None, messages, params, on_text, speculating:
     """The whole model `name` of the store in this process."""
     from diffuse.client.generate import complete, session_length
     from diffuse.client.local import open_local
-    from diffuse.model import store
 
     home = data_home(args.home)
     model, tokenizer = open_local(home, name, args.dtype, args.device)

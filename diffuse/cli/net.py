@@ -228,9 +228,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from diffuse.control.identity import ephemeral
-
     from diffuse.control.coverage import format_text
+    from diffuse.control.identity import ephemeral
     from diffuse.control.node import NodeConfig, open_node
     from diffuse.home import data_home
     from diffuse.model import store

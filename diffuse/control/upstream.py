@@ -50,7 +50,7 @@ class Adaptation:
 _YAMUX = "libp2p.stream_muxer.yamux.yamux"
 _DCUTR = "libp2p.relay.circuit_v2.dcutr:DCUtRProtocol"
 ADAPTATIONS: tuple[Adaptation, ...] = (
-    # process-global patches: eleven names replaced, one logger given a handler
+    # process-global patches: ten names replaced and the `libp2p` logger given a handler (eleven)
     Adaptation(PATCH, "libp2p.network.stream.net_stream:NetStream", ("__init__",), "quick_io", "yield-per-lock"),
     Adaptation(PATCH, f"{_YAMUX}:YamuxStream", ("__init__",), "quick_io", "yield-per-lock"),
     Adaptation(PATCH, f"{_YAMUX}:Yamux", ("__init__",), "quick_io", "yield-per-lock"),

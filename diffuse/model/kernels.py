@@ -137,7 +137,7 @@ def padded_rows(rows: int, exact: bool = False) -> int:
     if exact:
         return max(1, -(-rows // EXACT_ROWS)) * EXACT_ROWS
     if reorders():
-        return rows if rows <= BUCKET_ROWS else -(-rows // BUCKET_ROWS) * BUCKET_ROWS  # `_onednn`
+        return _onednn_rows(rows)
     p = profile()
     if rows < p.pad_from:
         return rows
@@ -194,6 +194,13 @@ def reordered(weight: Tensor) -> Tensor:
         return hit[1]
 
 
+def _onednn_rows(rows: int) -> int:
+    """Rows `_onednn` computes for `rows`: chunks of CHUNK_ROWS, the rest padded to a multiple of
+    BUCKET_ROWS when it has more than BUCKET_ROWS."""
+    full, rest = divmod(rows, CHUNK_ROWS)
+    return full * CHUNK_ROWS + (rest if rest <= BUCKET_ROWS else -(-rest // BUCKET_ROWS) * BUCKET_ROWS)
+
+
 def _onednn(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """flat [rows, K] @ weight.T (+ bias) by oneDNN with the reordered weight, on a bounded set of
     row counts: oneDNN compiles and keeps a kernel per row count it meets, a fraction of a MB
@@ -204,7 +211,7 @@ def _onednn(flat: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     rows = flat.shape[0]
     if rows > CHUNK_ROWS:
         return torch.cat([_onednn(flat[s:s + CHUNK_ROWS], weight, bias) for s in range(0, rows, CHUNK_ROWS)])
-    extra = (-rows) % BUCKET_ROWS if rows > BUCKET_ROWS else 0
+    extra = _onednn_rows(rows) - rows
     padded = torch.cat([flat, flat.new_zeros(extra, flat.shape[1])]) if extra else flat.contiguous()
     return torch.ops.mkldnn._linear_pointwise(padded, reordered(weight), bias, "none", [], "")[:rows]
 
