@@ -227,3 +227,34 @@ def test_dht_refuses_attacks_and_keeps_honest_records():
                 assert (await attacker.peer_record(honest)) == mine
 
     trio.run(main)
+
+
+# ---- the wire format holds still ----
+
+# A record value as encoded before (key pair seeded with bytes 0..31, issued at 1_700_000_000.123):
+# it keeps decoding, and signing the same record keeps giving these exact bytes.
+RECORD_VALUE = bytes.fromhex(
+    "81825901c8b26176016273776d646966667573652f302e312e306274731b0000018bcfe5687b63656e6406636578701b0000018b"
+    "cfe5ddab63657874a5636269671b4000000000000000646c6f6164f93400646d6f6465667075626c696365717565756522657265"
+    "6c6179f56470656572582600240801122003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531b8647470"
+    "7574f94a4065616464727382772f6970342f3132372e302e302e312f7463702f3430303178192f6970362f3a3a312f7564702f34"
+    "3030312f717569632d76316563616368651910006564747970656862666c6f61743136656d6f64656c75536d6f6c4c4d322d3133"
+    "354d2d496e7374727563746570726f746f8178182f646966667573652f696e666572656e63652f312e302e306573746172740365"
+    "7374617465666f6e6c696e656668617368657383582055eae50b75e2b2990f2c18be84ca079727a85f61b839c3359249801fe1ab"
+    "9e9c5820879cc67a846b570c4241f1880f79e6ed1646abd9eca44882782cb6c8c568ab535820bb349f269976d971294e3cdd5847"
+    "b128917eb85d2834cc5320a5142f8cc579b8676e626c6f636b73181e67737461727465641b0000018bcfe554f35840ba1642fadd"
+    "bfa0708f27881f4f18f35cd8583eb4d889bf2b9e5b65fb85e29f4150e4074e18571f78d6e4c9931a47dd8b3080784cec1be3d792"
+    "14954ff0b94d08"
+)
+
+
+def test_a_record_value_encoded_before_decodes_and_re_encodes_identically():
+    (sr,) = decode_set(RECORD_VALUE, blocks_key(MODEL), now=1_700_000_010.0)
+    r = sr.record
+    assert (r.start, r.end, r.num_blocks, r.throughput, r.cache_tokens) == (3, 6, 30, 12.5, 4096)
+    assert (r.timestamp, r.expires, r.started, r.state) == (1_700_000_000.123, 1_700_000_030.123, 1_699_999_995.123,
+                                                            "online")
+    assert r.extra == {"relay": True, "queue": -3, "load": 0.25, "mode": "public", "big": 2**62}
+    assert r.addrs == ("/ip4/127.0.0.1/tcp/4001", "/ip6/::1/udp/4001/quic-v1") and r.software == "diffuse/0.1.0"
+    assert r.block_hashes == tuple(fake_hashes(30)[3:6]) and r.protocols == ("/diffuse/inference/1.0.0",)
+    assert encode_set([sign(r, create_new_key_pair(bytes(range(32))))]) == RECORD_VALUE

@@ -293,3 +293,35 @@ def test_ban_list_bans_on_own_verdicts_and_counts_others():
     assert bans.active() == {ACCUSED}
     now[0] += 61
     assert not bans.banned(ACCUSED)
+
+
+# Evidence as encoded before (reporter's key pair seeded with bytes 0..31; a float16 output of 1x3x8
+# committed in 16-byte chunks, chunks 1 and 2 opened): it keeps decoding, and signing the same
+# evidence keeps giving these exact bytes.
+EVIDENCE_VALUE = bytes.fromhex(
+    "82590205ae6176016274731b0000018bcfe5680063656e641463746872fb3fc999999999999a646b696e646973706f7463686563"
+    "6b6473746174fb3feccccccccccccd6564747970656862666c6f61743136656d6f64656c75536d6f6c4c4d322d3133354d2d496e"
+    "7374727563746573746172740a657374657073818750000102030405060708090a0b0c0d0e0f0758200000000000000000000000"
+    "0000000000000000000000000000000000000000004e0103000000010000000300000008183010582059b47977b22dac91b64d69"
+    "d9c9ceadfec36a91970f2c1d0b70920593fa2f05f46664657461696ca4617af9be0063726f770065746f6b656e02677265666572"
+    "656567666c6f617433326761636375736564582600240801122079b5562e8fe654f94078b112e8a98ba7901f853ae695bed7e0e3"
+    "910bad049664686f70656e696e677382840001500048804800498049004a804a004b804b825820e7914e2b386038331f72315b80"
+    "7d919636feeef64d5dcf55172aa4b9b665f7875820f456064600d43f59b417d25972bf0706990579a0b04c01dfbd7fa157006a20"
+    "8484000250004c404c804cc04c004d404d804dc04d81582001a564d2bdb2d6eaa723834275957b18a5cc4c5d5f7fabbb477372a5"
+    "df179932687265706f72746572582600240801122003a107bff3ce10be1d70dd18e74bc09967e4d6309ba50d5f1ddc8664125531"
+    "b8584065beafeb27727a53bb5819e271db0d4973f3c069e30331d72c051c79653166f0286ccbad80940cea837ef9a43fe74e6d83"
+    "7d19ed8e3761c798944a5be6cf9a0d"
+)
+
+
+def test_evidence_encoded_before_decodes_and_re_encodes_identically():
+    got = R.decode(EVIDENCE_VALUE).evidence
+    assert (got.kind, got.model, got.start, got.end, got.timestamp, got.dtype) == (
+        "spotcheck", "SmolLM2-135M-Instruct", 10, 20, 1.7e9, "bfloat16")
+    assert (got.statistic, got.threshold) == (0.9, 0.2)
+    assert got.detail == {"row": 0, "token": 2, "referee": "float32", "z": -1.5}
+    (binding, commitment), = got.steps
+    assert (binding.session_id, binding.step, binding.n_bytes, binding.chunk_size) == (bytes(range(16)), 7, 48, 16)
+    assert [k for k, _ in got.openings] == [0, 0] and [o.index for _, o in got.openings] == [1, 2]
+    assert got.openings_verify()
+    assert R.sign(got, create_new_key_pair(bytes(range(32)))).encode() == EVIDENCE_VALUE
