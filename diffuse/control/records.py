@@ -15,19 +15,22 @@ byte string, and signatures cannot be malleated into look-alike duplicates).
 from __future__ import annotations
 
 import hashlib
-import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import cbor2
+import msgspec
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
+from msgspec import Meta
 
 from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
 from diffuse.errors import DiffuseError
+from diffuse.validate import Count, Finite, Hash, Int64, Malformed, PeerIdBytes, Text, convert
 
 RECORD_VERSION = 1
 SIG_DOMAIN = b"diffuse/peer-record/v1\x00"
@@ -44,7 +47,6 @@ MAX_SET_RECORDS = 64  # per stored value: a node keeps a bounded sample (dht.Mer
 MAX_VALUE_BYTES = MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES + 128)  # ~1 MiB, under py-libp2p's 4 MiB messages
 MAX_BLOCKS = 256
 MAX_ADDRS = 16
-MAX_TEXT = 256
 MAX_EXTRA = 32
 
 
@@ -101,42 +103,51 @@ class PeerRecord:
 
     @classmethod
     def from_payload(cls, d: Any) -> "PeerRecord":
-        """Strict: every field present with its exact type and within bounds."""
-        if not isinstance(d, dict) or set(d) != _FIELDS:
-            raise InvalidRecord("record fields missing or unknown")
-        if _int(d, "v") != RECORD_VERSION:
-            raise InvalidRecord(f"unsupported record version {d['v']!r}")
-        pid = ID(_bytes(d, "peer", 64))  # whether it embeds an Ed25519 key is checked in verify()
-        nblocks, start, end = _int(d, "nblocks"), _int(d, "start"), _int(d, "end")
-        if not (0 <= start < end <= nblocks <= MAX_BLOCKS):
-            raise InvalidRecord(f"bad block range [{start}, {end}) of {nblocks}")
-        hashes = _list(d, "hashes", MAX_BLOCKS)
-        if len(hashes) != end - start or not all(isinstance(h, bytes) and len(h) == 32 for h in hashes):
-            raise InvalidRecord("block hashes do not match the block range")
-        tput = d["tput"]
-        if not isinstance(tput, float) or not math.isfinite(tput) or tput < 0:
-            raise InvalidRecord("bad throughput")
-        addrs = tuple(_text_item(a) for a in _list(d, "addrs", MAX_ADDRS))
-        protos = tuple(_text_item(p) for p in _list(d, "proto", MAX_ADDRS))
-        state = _text(d, "state")
-        if state not in (ONLINE, OFFLINE):
-            raise InvalidRecord(f"bad state {state!r}")
-        ext = d["ext"]
-        if not isinstance(ext, dict) or len(ext) > MAX_EXTRA or not all(
-            isinstance(k, str) and len(k) <= 64 and is_scalar(v) for k, v in ext.items()
-        ):
-            raise InvalidRecord("bad extension fields")
+        """Strict: every field present with its exact type and within bounds (`RecordPayload`)."""
+        try:
+            p = convert(d, RecordPayload)
+        except Malformed as e:
+            raise InvalidRecord(f"malformed record: {e}") from None
         return cls(
-            peer_id=pid.to_base58(), model=_text(d, "model"), num_blocks=nblocks, start=start, end=end,
-            block_hashes=tuple(h.hex() for h in hashes), dtype=_text(d, "dtype"), throughput=tput,
-            cache_tokens=_int(d, "cache"), addrs=addrs, protocols=protos, software=_text(d, "sw"),
-            state=state, started=_int(d, "started") / 1000, timestamp=_int(d, "ts") / 1000,
-            expires=_int(d, "exp") / 1000, version=RECORD_VERSION, extra=ext,
+            peer_id=ID(p.peer).to_base58(), model=p.model, num_blocks=p.nblocks, start=p.start, end=p.end,
+            block_hashes=tuple(h.hex() for h in p.hashes), dtype=p.dtype, throughput=p.tput,
+            cache_tokens=p.cache, addrs=tuple(p.addrs), protocols=tuple(p.proto), software=p.sw,
+            state=p.state, started=p.started / 1000, timestamp=p.ts / 1000, expires=p.exp / 1000,
+            version=p.v, extra=p.ext,
         )
 
 
-_FIELDS = frozenset(["v", "peer", "model", "nblocks", "start", "end", "hashes", "dtype", "tput", "cache",
-                     "addrs", "proto", "sw", "state", "started", "ts", "exp", "ext"])
+Scalar = bool | Int64 | Finite | Text  # an extension value: what CBOR and JSON both carry losslessly
+
+
+class RecordPayload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The signed map as it is on the wire (protocols/dht-records.md); the Ed25519 key inside
+    `peer` is checked in verify()."""
+
+    v: Literal[RECORD_VERSION]
+    peer: PeerIdBytes
+    model: Text
+    nblocks: Count
+    start: Count
+    end: Count
+    hashes: list[Hash]  # as many as the block range spans (__post_init__)
+    dtype: Text
+    tput: Annotated[float, Meta(ge=0, le=sys.float_info.max)]
+    cache: Count
+    addrs: Annotated[list[Text], Meta(max_length=MAX_ADDRS)]
+    proto: Annotated[list[Text], Meta(max_length=MAX_ADDRS)]
+    sw: Text
+    state: Literal[ONLINE, OFFLINE]
+    started: Count
+    ts: Count
+    exp: Count
+    ext: Annotated[dict[Annotated[str, Meta(max_length=64)], Scalar], Meta(max_length=MAX_EXTRA)]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end <= self.nblocks <= MAX_BLOCKS:
+            raise ValueError(f"bad block range [{self.start}, {self.end}) of {self.nblocks}")
+        if len(self.hashes) != self.end - self.start:
+            raise ValueError("block hashes do not match the block range")
 
 
 @dataclass(frozen=True)
@@ -364,41 +375,10 @@ def _ms(t: float) -> int:
     return int(round(t * 1000))
 
 
-def _int(d: dict, k: str) -> int:
-    v = d[k]
-    if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v < 2**53):
-        raise InvalidRecord(f"field {k!r} must be a non-negative integer")
-    return v
-
-
-def _bytes(d: dict, k: str, limit: int) -> bytes:
-    v = d[k]
-    if not isinstance(v, bytes) or len(v) > limit:
-        raise InvalidRecord(f"field {k!r} must be bytes")
-    return v
-
-
-def _text(d: dict, k: str) -> str:
-    return _text_item(d[k], k)
-
-
-def _text_item(v: Any, k: str = "list item") -> str:
-    if not isinstance(v, str) or len(v) > MAX_TEXT:
-        raise InvalidRecord(f"field {k!r} must be a short string")
-    return v
-
-
-def _list(d: dict, k: str, limit: int) -> list:
-    v = d[k]
-    if not isinstance(v, list) or len(v) > limit:
-        raise InvalidRecord(f"field {k!r} must be a list of at most {limit}")
-    return v
-
-
 def is_scalar(v: Any) -> bool:
-    """Extension values are plain scalars: what CBOR and JSON both carry losslessly."""
-    if isinstance(v, float):
-        return math.isfinite(v)
-    if isinstance(v, str):
-        return len(v) <= MAX_TEXT
-    return isinstance(v, (bool, int)) and -(2**63) <= int(v) < 2**63
+    """Whether `v` may be an extension value (`Scalar`); a float subclass (numpy's) counts as the float it is."""
+    try:
+        convert(float(v) if isinstance(v, float) else v, Scalar)
+    except Malformed:
+        return False
+    return True
