@@ -26,3 +26,10 @@ class Rewind(Exception):
     def __init__(self, length: int):
         super().__init__(f"rewind to {length} committed tokens")
         self.length = length
+
+
+def first_leaf(eg: BaseException) -> BaseException:
+    """The first error inside nested exception groups (a nursery's), as itself."""
+    while isinstance(eg, BaseExceptionGroup):
+        eg = eg.exceptions[0]
+    return eg

@@ -15,7 +15,7 @@ import torch
 import trio
 from torch import Tensor
 
-from diffuse.api.backend import Backend, Overloaded
+from diffuse.client.backend import Backend, Overloaded
 from diffuse.client.generate import Completion, Generation, TokenSource, session_length, stream_tokens
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
@@ -171,14 +171,17 @@ class Answers:
                  choices: list[tuple[list[int], SamplingParams]], presence: float, frequency: float):
         self.sessions, self.model, self.tokenizer, self.choices = sessions, model, tokenizer, choices
         self.arrived = time.perf_counter()
-        self.speculate = sessions.backend.speculation(model)
-        self.source = token_source(model, presence, frequency, self.arrived, self.speculate,
-                                   lambda state: sessions.backend.speculated(model, state))
+        self.penalties = presence, frequency
+        self.speculate: SpecConfig | None = None
         self.pipelines: list[Pipeline] = []
         self.opened = 0.0
         self.reports: list[dict] = []  # where each finished choice's tokens were computed (swarm sessions)
 
     async def open(self) -> None:
+        backend = self.sessions.backend
+        self.speculate = await backend.speculation(self.model)
+        self.source = token_source(self.model, *self.penalties, self.arrived, self.speculate,
+                                   lambda state: backend.speculated(self.model, state))
         max_len = max(session_length(len(prompt), params.max_tokens, self.speculate) for prompt, params in self.choices)
         self.pipelines = await self.sessions.acquire(self.model, max_len, len(self.choices))
         self.opened = time.perf_counter()

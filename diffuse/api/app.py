@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -24,7 +24,8 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from diffuse.api.answers import Answers, Sessions
-from diffuse.api.backend import Backend, Overloaded, UnknownModel, Unservable
+from diffuse.client.backend import Overloaded, UnknownModel, Unservable
+from diffuse.client.service import Service, first_servable
 from diffuse.api.page import PAGE
 from diffuse.api.schema import (
     BadRequest, ChatShape, Options, Shape, TextShape, error_body, parse_messages, parse_options, parse_prompts,
@@ -32,7 +33,7 @@ from diffuse.api.schema import (
 )
 from diffuse.client.generate import Completion
 from diffuse.errors import DiffuseError, ModelError
-from diffuse.metrics import FALLBACKS, PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
+from diffuse.metrics import PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
 from diffuse.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,6 @@ class Settings:
     max_queue: int = 64  # sessions requests may wait for; past them a 429
     default_max_tokens: int = 256  # when a request gives none (every token reserves KV cache)
     max_n: int = 8  # choices per request
-    # asked model -> the models that answer instead when it is not servable, best first
-    # (client/fallback.py); a model not in it is refused with a 503 naming its uncovered blocks
-    fallback: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class ApiError(DiffuseError):
@@ -189,7 +187,7 @@ class Answering(Response):
 class Api:
     """The request handlers, bound to one backend and its session cap."""
 
-    def __init__(self, backend: Backend, settings: Settings):
+    def __init__(self, backend: Service, settings: Settings):
         self.backend, self.settings = backend, settings
         self.sessions = Sessions(backend, settings.max_sessions, settings.max_queue)
 
@@ -236,20 +234,14 @@ class Api:
         fallbacks that is (each encodes the prompts with its own tokenizer), said in the
         response's `model`, its headers and /metrics."""
         asked = options.model
-        for model in (asked, *self.settings.fallback.get(asked, ())):
-            try:
-                answering = await self._open(replace(options, model=model), encode(self.backend.tokenizer(model)),
-                                             shape(model))
-            except Unservable as e:
-                if model == asked:
-                    why = e
-                continue
-            if model != asked:
-                FALLBACKS.labels(asked, model).inc()
-                log.warning("%s; answering with %s", why, model)
-                answering.model_headers["x-diffuse-asked-model"] = asked
-            return answering
-        raise why
+
+        async def attempt(model: str) -> Answering:
+            return await self._open(replace(options, model=model), encode(self.backend.tokenizer(model)), shape(model))
+
+        model, answering = await first_servable(self.backend, asked, attempt, log.warning)
+        if model != asked:
+            answering.model_headers["x-diffuse-asked-model"] = asked
+        return answering
 
     async def _open(self, options: Options, prompts: list[list[int]], shape: Shape) -> Answering:
         context = self.backend.context_length(options.model)
@@ -337,7 +329,7 @@ class _CountRequests:
         await self.app(scope, receive, counted)
 
 
-def create_app(backend: Backend, settings: Settings = Settings()):
+def create_app(backend: Service, settings: Settings = Settings()):
     """The ASGI app: the OpenAI endpoints under /v1, /metrics, /status.json and the page at /."""
     api = Api(backend, settings)
     routes = [

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
 
-from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, swarm_options
-from diffuse.cli.common import add_train_draft_option, bootstrap_addrs, first_leaf, trio_run
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, check_reach, service_config
+from diffuse.cli.common import add_train_draft_option, trio_run
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.client import draft_trainer
 from diffuse.errors import DiffuseError
@@ -55,17 +52,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_api)
 
 
-def fallbacks(args) -> dict[str, tuple[str, ...]]:
-    """Each served model's fallback order, among the models this API serves."""
-    from diffuse.client.fallback import fallback_order
-    from diffuse.model import store
-
-    home = data_home(args.home)
-    served = [store.info(store.resolve(home, name)) for name in args.model or [None]]
-    held = {m.manifest.model_id: m.size_bytes for m in served}
-    return {m: tuple(fallback_order(args.fallback, m, held)) for m in held}
-
-
 def api_keys(args) -> frozenset[str]:
     keys = [k.strip() for k in args.api_key]
     if args.api_key_file:
@@ -79,99 +65,25 @@ def api_keys(args) -> frozenset[str]:
     return frozenset(keys)
 
 
-@asynccontextmanager
-async def local_backend(args) -> AsyncIterator:
-    from diffuse.api.backend import LocalBackend
-
-    backend = LocalBackend.open(data_home(args.home), args.model or [None], args.dtype, args.device)
-    await backend.warm_up()
-    yield backend
-
-
-def swarm_backend(args):
-    from diffuse.api.swarm import open_swarm_backend
-    from diffuse.cli.reach import use_mdns
-    from diffuse.cli.swarm import swarm_access
-
-    access = swarm_access(args)
-    boot = bootstrap_addrs(args, required=False)
-    return open_swarm_backend(data_home(args.home), args.model or [None], boot, swarm_options(args, access),
-                              args.wait, swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot),
-                              hole_punch=args.hole_punch, speculate=args.speculate)
-
-
-def open_backend(args):
-    """The backend as an async context manager: the swarm's runs a libp2p node for its lifetime."""
-    if args.local:
-        if args.bootstrap or args.bootstrap_file or args.client_only:
-            raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
-        return local_backend(args)
-    if not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
-        raise DiffuseError("give --bootstrap ADDR (a sentinel of the swarm to serve), or --local, or drop "
-                           "--no-mdns to find the swarm on the LAN")
-    return swarm_or_local(args)
-
-
-@asynccontextmanager
-async def swarm_or_local(args) -> AsyncIterator:
-    """The swarm's backend; when no bootstrap peer answers at all (none refused us: another key or
-    mode is an error), the served models that fit half the memory available, run here, said on
-    stderr (`--fallback none` refuses instead)."""
-    from diffuse.client.fallback import NONE
-    from diffuse.control.dht import BootstrapError
-
-    unreachable: list[BootstrapError] = []
-    opened = False
-    try:
-        async with swarm_backend(args) as backend:
-            opened = True
-            yield backend
-    except* BootstrapError as eg:
-        error = first_leaf(eg)
-        if opened or error.refused or args.fallback == NONE:
-            raise error from None
-        unreachable.append(error)
-    if unreachable:
-        async with _local_instead(args, unreachable[0]) as backend:
-            yield backend
-
-
-@asynccontextmanager
-async def _local_instead(args, error) -> AsyncIterator:
-    from diffuse.api.backend import LocalBackend
-    from diffuse.client.rescue import MEMORY_SHARE
-    from diffuse.control.placement import available_memory
-    from diffuse.model import store
-
-    home = data_home(args.home)
-    room = MEMORY_SHARE * available_memory()
-    names = [name for name in args.model or [None] if store.info(store.resolve(home, name)).size_bytes <= room]
-    if not names:
-        raise error
-    served = ", ".join(n or "the default model" for n in names)
-    print(f"notice: no swarm answered ({str(error).splitlines()[0]}); serving {served} from this process",
-          file=sys.stderr, flush=True)
-    backend = LocalBackend.open(home, names, args.dtype, args.device)
-    await backend.warm_up()
-    yield backend
-
-
 def cmd_api(args) -> int:
     from diffuse.api.app import Settings, create_app
+    from diffuse.client.service import open_service
     from diffuse.http import parse_listen, serve_http
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
     settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, max_queue=args.max_queue,
-                        default_max_tokens=args.max_tokens, fallback=fallbacks(args))
-
-    backend_cm = open_backend(args)
+                        default_max_tokens=args.max_tokens)
+    check_reach(args)
+    # Through the swarm answers speculate unless --no-speculate; in this process never (no round trips).
+    config = service_config(args, tuple(args.model or [None]), fallback_from_store=False,
+                            speculate=None if args.speculate else False, warm_up=True)
     activity: dict[str, float] = {}  # /v1 requests being answered: the draft head trains only while none are
 
     async def main() -> None:
-        async with backend_cm as backend, trio.open_nursery() as nursery:
-            app = draft_trainer.counting(create_app(backend, settings), activity)
+        async with open_service(config) as service, trio.open_nursery() as nursery:
+            app = draft_trainer.counting(create_app(service, settings), activity)
             binds = await nursery.start(serve_http, app, args.listen)
             print(f"listening on {binds[0]}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -7,23 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-import trio
-
-from diffuse.cli.common import bootstrap_addrs, first_leaf, trio_run
-from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, client_listen, use_mdns
+from diffuse.cli.common import bootstrap_addrs, trio_run
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, use_mdns
 from diffuse.cli.swarm import add_swarm_options, swarm_access
-from diffuse.client import fallback
-from diffuse.client.swarm import SwarmClient
-from diffuse.control.dht import BootstrapError
-from diffuse.control.identity import ephemeral
 from diffuse.control.modes import SwarmAccess
-from diffuse.control.node import NodeConfig, open_node
-from diffuse.control.routing import NoRoute
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
-from diffuse.model import store
-from diffuse.model.weights import load_manifest
-from diffuse.trust import reputation
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -75,16 +64,12 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long a session waits for a replica of blocks no live peer serves when it cannot "
                         "compute them here")
-    p.add_argument("--trust", choices=list(TRUST_MODES),
+    p.add_argument("--trust", choices=["public", "private", "off"],
                    help="public: canaries, 10%% spot checks, evidence published; private: fewer checks, nothing "
                         "published; off: no checks (only for peers you run yourself). Default: the --mode's")
     p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
     add_swarm_options(p)
     add_discovery_options(p)
-
-
-# Trust-plane settings per mode (see DESIGN.md, "Trust plane"); None turns the checks off.
-TRUST_MODES = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
 
 
 def trust_mode(args: argparse.Namespace, access: SwarmAccess) -> str:
@@ -96,16 +81,14 @@ def swarm_options(args: argparse.Namespace, access: SwarmAccess, exact: bool = F
     """SwarmOptions from the options add_swarm_client_options registered (and --dtype, --device)
     for a swarm joined with `access`; exact: batch-invariant kernels on every hop."""
     from diffuse.client.swarm import SwarmOptions
+    from diffuse.client.swarm_backend import trust_options
     from diffuse.model.load import parse_dtype
-    from diffuse.trust.guard import TrustOptions
 
-    mode = TRUST_MODES[trust_mode(args, access)]
     if args.step_timeout <= 0 or args.route_wait < 0:
         raise DiffuseError("--step-timeout must be positive and --route-wait not negative")
     return SwarmOptions(parse_local_blocks(args.local_blocks), parse_dtype(args.dtype), parse_dtype(args.wire_dtype),
-                        args.step_timeout, args.device, exact,
-                        None if mode is None else TrustOptions(**mode), rescue=args.rescue,
-                        route_wait=args.route_wait)
+                        args.step_timeout, args.device, exact, trust_options(trust_mode(args, access)),
+                        rescue=args.rescue, route_wait=args.route_wait)
 
 
 def parse_local_blocks(text: str) -> tuple[int, int]:
@@ -159,210 +142,62 @@ def _fallback_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def cmd_ask(args) -> int:
-    params = sampling_params(args)
-    if args.local and args.client_only:
-        raise DiffuseError("--client-only and --local contradict each other")
+def service_config(args, models: tuple[str | None, ...], *, fallback_from_store: bool, speculate: bool | None,
+                   warm_up: bool = False):
+    """The client service's config from the options registered above (`ask` and `api` share them)."""
+    from diffuse.client.service import ServiceConfig
+    from diffuse.client.swarm_backend import SwarmConfig
+
+    swarm, exact = None, getattr(args, "exact", False)
+    if not args.local:
+        boot = bootstrap_addrs(args, required=False)
+        access = swarm_access(args)
+        swarm = SwarmConfig(tuple(boot), access, swarm_options(args, access, exact), mdns=use_mdns(args, boot),
+                            hole_punch=args.hole_punch, wait=args.wait, trust=trust_mode(args, access))
+    return ServiceConfig(data_home(args.home), models, swarm, args.fallback, fallback_from_store, speculate, exact,
+                         args.dtype, args.device, warm_up)
+
+
+def check_reach(args) -> None:
+    """A client needs --local, or a swarm to find (bootstrap peers, or the LAN by mDNS)."""
+    if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
+        raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
     if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
                            "on the LAN)")
-    speculating = args.speculate if args.speculate is not None else not args.local
-    exact = args.exact
+
+
+def cmd_ask(args) -> int:
+    from diffuse.client.service import open_service
+
+    params = sampling_params(args)
+    check_reach(args)
+    config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
-    info: dict = {}
-    if args.local:
-        info["mode"] = "local"
-        result = _answer_here(args, args.model, messages, params, on_text, speculating, exact)
-    else:
-        result = _ask_swarm(args, messages, params, on_text, info, speculating, exact)
-    speculated = speculating if info.get("mode") == "swarm" else bool(args.speculate)  # in process: only if asked
+
+    async def run():
+        async with open_service(config) as service:
+            answer = await service.answer(messages, params, on_text)
+            return answer, service.mode, service.reason
+
+    answer, mode, reason = trio_run(run)
+    result = answer.completion
     if args.json:
+        swarm = {"swarm_mode": config.swarm.access.mode, "trust": config.swarm.trust} if mode == "swarm" else {}
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
                           "completion_tokens": len(result.token_ids), "timings": result.timings,
-                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": speculated,
-                          "exact": exact,
-                          "tokens_per_step": round(result.tokens_per_step, 3),
+                          "tokens_per_s": result.timings["tokens_per_s"], "speculate": answer.speculated,
+                          "exact": args.exact, "tokens_per_step": round(result.tokens_per_step, 3),
                           "positions_per_step": round(result.positions_per_step, 3), "steps": result.steps,
                           "positions": result.positions, "step_modes": result.modes,
-                          "modes": result.mode_counts()} | info))
+                          "modes": result.mode_counts(), "mode": mode, "model": answer.model}
+                         | ({"reason": reason} if reason else {}) | swarm | answer.report))
     else:
         print()
     if result.finish_reason.startswith("uncovered"):
         print(f"notice: the swarm lost {result.finish_reason.removeprefix('uncovered ')} mid-answer and this "
               "process does not hold them: the answer stops here", file=sys.stderr, flush=True)
     return 0
-
-
-def _ask_swarm(args, messages, params, on_text, info: dict, speculating: bool, exact: bool):
-    """Through the swarm, with the asked model or the best fallback that is servable; in this
-    process when no bootstrap peer answers at all and the store holds a model small enough."""
-    boot = bootstrap_addrs(args, required=False)
-    mdns = use_mdns(args, boot)
-    access = swarm_access(args)
-    home = data_home(args.home)
-    asked_dir = store.resolve(home, args.model)
-    asked = load_manifest(asked_dir).model_id
-    order = fallback.fallback_order(args.fallback, asked, fallback.held_models(home))
-    opts = swarm_options(args, access, exact)
-    unreachable: list[BootstrapError] = []
-
-    async def run():
-        # An ephemeral identity per question: nothing links two of a user's sessions.
-        try:
-            config = NodeConfig(listen=client_listen(args), bootstrap=boot, server=False, swarm_key=access.key,
-                                allow=access.allow, mdns=mdns, hole_punch=args.hole_punch)
-            async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
-                client = await _covered_client(node, asked_dir, opts, args.wait, order, home)
-                try:
-                    return await _answer_swarm(client, node, args, messages, params, on_text, info, speculating,
-                                               access)
-                except NoRoute as e:  # announced, but no replica opened a session (dead peers' records linger)
-                    other = await _fallback_client(node, client, order, home, opts, str(e))
-                    if other is None:
-                        raise
-                    return await _answer_swarm(other, node, args, messages, params, on_text, info, speculating,
-                                               access)
-        except* BootstrapError as eg:
-            error = first_leaf(eg)
-            if error.refused or args.fallback == fallback.NONE:
-                raise error from None
-            unreachable.append(error)
-
-    result = trio_run(run)
-    if not unreachable:
-        return result
-    return _answer_in_process(args, home, asked, order, unreachable[0], messages, params, on_text, info,
-                              speculating, exact)
-
-
-async def _covered_client(node, asked_dir: Path, opts, wait: float, order: list[str], home: Path):
-    """A client of the asked model once the swarm covers it (waiting up to `wait` s), else of the
-    first fallback it covers, else of the asked model still (the route will say what is missing)."""
-    client = SwarmClient(node, asked_dir, opts)
-    deadline = trio.current_time() + wait
-    while not await client.covered() and trio.current_time() < deadline:
-        await trio.sleep(0.25)
-    if not await client.covered():
-        client = await _fallback_client(node, client, order, home, opts, await client.uncovered()) or client
-    return client
-
-
-async def _fallback_client(node, client, order: list[str], home: Path, opts, why: str):
-    """The first model of `order` the swarm covers now, with a notice on stderr; None if none."""
-    for model_id in order:
-        if model_id == client.model_id:
-            continue
-        other = SwarmClient(node, store.resolve(home, fallback.store_name(home, model_id)), opts)
-        if await other.covered():
-            print(fallback.notice(client.model_id, other.model_id, why), file=sys.stderr, flush=True)
-            return other
-    return None
-
-
-async def _answer_swarm(client, node, args, messages, params, on_text, info: dict, speculating: bool, access):
-    from diffuse.client.draft_fetch import drop_fetched
-    from diffuse.client.generate import complete, session_length
-    from diffuse.client.speculative import SpecState
-    from diffuse.client.swarm import remotes_of, route_report
-    from diffuse.model.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(client.model_dir)
-    prompt = tokenizer.encode_chat(messages)
-    home = data_home(args.home)
-    speculate = await _swarm_spec_config(client, home) if speculating else None
-    state = SpecState() if speculate is not None else None
-    t0 = trio.current_time()
-    pipeline = await client.session(session_length(len(prompt), params.max_tokens, speculate))
-    info["route_s"] = round(trio.current_time() - t0, 4)
-    result = None
-    try:
-        result = await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate, state=state)
-        if speculate is not None and speculate.draft is not None:
-            info["draft_head"] = {"first_guesses": state.draft_trials, "right": state.draft_hits}
-            if state.draft_is_poor() and drop_fetched(home, client.model_dir.name):
-                _notice(f"the draft head fetched from the swarm guessed {state.draft_hits} of "
-                        f"{state.draft_trials} first tokens right: dropped, and not fetched again")
-        return result
-    finally:
-        tokens = len(prompt) + (len(result.token_ids) if result is not None else 0)
-        report = route_report(pipeline, tokens)
-        route = [dict(h) | {"reached": node.relaying.reached(h["peer"])} for h in report["route"]]
-        info.update(mode="swarm", model=client.model_id, route=route, in_process=report["in_process"],
-                    computed=report["tokens"], failovers=report["failovers"],
-                    finished_here_from=remote_rescue(pipeline), local_blocks=list(client.opts.local_blocks),
-                    swarm_mode=access.mode, trust=trust_mode(args, access),
-                    checks=client.guard.status() if client.guard else None)
-        await pipeline.close()
-        info["bytes_sent"] = sum(r.stats.bytes_sent for r in remotes_of(pipeline))
-
-
-def remote_rescue(pipeline) -> int | None:
-    """Committed tokens when this process took over blocks of the swarm's (None: it never did)."""
-    return min((s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None), default=None)
-
-
-def _answer_in_process(args, home: Path, asked: str, order: list[str], error, messages, params, on_text,
-                       info: dict, speculating: bool, exact: bool):
-    """No swarm answered: the asked model here if it fits in memory, else the first fallback that does."""
-    from diffuse.client.rescue import MEMORY_SHARE
-    from diffuse.control.placement import available_memory
-
-    held = fallback.held_models(home)
-    room = MEMORY_SHARE * available_memory()
-    model_id = next((m for m in [asked, *order] if m in held and held[m] <= room), None)
-    if model_id is None:
-        raise error
-    what = model_id if model_id == asked else f"{model_id} instead of {asked}"
-    print(f"notice: no swarm answered ({str(error).splitlines()[0]}); answering in this process with {what}",
-          file=sys.stderr, flush=True)
-    info.update(mode="local", model=model_id, reason="no swarm reachable")
-    # Here a step is no round trip: speculate only if asked to.
-    return _answer_here(args, fallback.store_name(home, model_id), messages, params, on_text, bool(args.speculate),
-                        exact)
-
-
-def _answer_here(args, name: str | None, messages, params, on_text, speculating: bool, exact: bool):
-    """The whole model `name` of the store in this process."""
-    from diffuse.client.generate import complete, session_length
-    from diffuse.client.local import open_local
-
-    home = data_home(args.home)
-    model, tokenizer = open_local(home, name, args.dtype, args.device)
-    prompt = tokenizer.encode_chat(messages)
-    speculate = _spec_config(home, store.resolve(home, name)) if speculating else None
-
-    async def run():
-        pipeline = model.session(session_length(len(prompt), params.max_tokens, speculate), exact=exact)
-        try:
-            return await complete(pipeline, tokenizer, prompt, params, on_text, speculate=speculate)
-        finally:
-            await pipeline.close()
-
-    return trio.run(run)
-
-
-async def _swarm_spec_config(client, home: Path):
-    """Speculation settings through the swarm: with this client's draft head, else one fetched
-    from a peer that offers it (verified against its announced hash; refusals said on stderr)."""
-    from diffuse.client.draft_fetch import obtain_draft_head
-    from diffuse.client.speculative import SpecConfig
-
-    return SpecConfig(draft=await obtain_draft_head(client.node, await client.records(), home, client.model_dir,
-                                                    say=_notice))
-
-
-def _notice(text: str) -> None:
-    print(f"notice: {text}", file=sys.stderr, flush=True)
-
-
-def _spec_config(home: Path, path: Path):
-    """Speculation settings for the model at `path`, with the draft head `diffuse model draft-head`
-    trained for it, if any (each model its own: a fallback never uses the asked model's)."""
-    from diffuse.client import draft_head
-    from diffuse.client.speculative import SpecConfig
-    from diffuse.model.config import ModelConfig
-
-    return SpecConfig(draft=draft_head.load(draft_head.path(home, path.name), ModelConfig.load(path).hidden_size))

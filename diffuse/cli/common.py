@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from diffuse.control.host import parse_peer_addr
-from diffuse.errors import DiffuseError
+from diffuse.errors import DiffuseError, first_leaf
 
 
 def add_train_draft_option(p: argparse.ArgumentParser) -> None:
@@ -81,9 +81,3 @@ def trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         if match is not None:
             raise first_leaf(match) from None
         raise
-
-
-def first_leaf(eg: BaseException) -> BaseException:
-    while isinstance(eg, BaseExceptionGroup):
-        eg = eg.exceptions[0]
-    return eg

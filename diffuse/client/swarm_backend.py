@@ -1,7 +1,8 @@
-"""The swarm backend: every API answer is an inference session of its own through the swarm.
+"""The swarm backend: every answer is an inference session of its own through the swarm.
 
-One libp2p node (a DHT client with an ephemeral identity, like `diffuse ask`) and one
-`SwarmClient` per model the API offers. The API holds what a swarm client holds (tokenizer,
+One libp2p node (a DHT client with an ephemeral identity: nothing links two of a user's runs) and
+one `SwarmClient` per model offered, plus one made when first needed for each model that may
+answer in an offered one's place. This process holds what a swarm client holds (tokenizer,
 embeddings, head, its local blocks), so token ids never leave it. Coverage is read from the DHT
 on every call (concurrent requests share one read, control/reads.py): the status page and
 /v1/models show the swarm as it is, not as it was.
@@ -11,29 +12,31 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from diffuse.api.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client import draft_head
+from diffuse.client.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.speculative import SpecConfig, SpecState
-from diffuse.client.swarm import RECORDS_TTL_S, SwarmBusy, SwarmClient, SwarmOptions, remotes_of
-from diffuse.control.allow import AllowList
+from diffuse.client.swarm import RECORDS_TTL_S, SwarmBusy, SwarmClient, SwarmOptions, remotes_of, route_report
 from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
-from diffuse.control.swarm_key import SwarmKey
+from diffuse.control.modes import SwarmAccess
+from diffuse.control.node import NodeConfig, open_node
 from diffuse.errors import ModelError
 from diffuse.metrics import DHT_RECORDS, FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
+from diffuse.trust.guard import TrustOptions
 
 log = logging.getLogger(__name__)
 WARM_RETRY_S = 5.0  # start-up trust warm-up: how often to look again for a route while there is none
@@ -64,31 +67,47 @@ class SwarmBackend:
     """The Backend protocol over the swarm, for the models whose client side is in the store."""
 
     def __init__(self, clients: list[SwarmClient], speculate: bool = True,
-                 drafts: dict[str, DraftHead] | None = None, home: Path | None = None):
-        self.clients = {c.model_id: c for c in clients}
+                 drafts: dict[str, DraftHead] | None = None, home: Path | None = None,
+                 spares: dict[str, str] | None = None, say: Callable[[str], None] = log.warning):
+        self.clients = {c.model_id: c for c in clients}  # the models offered, then spares as they are used
+        self.offered = list(self.clients)
+        self.spares = dict(spares or {})  # model id -> store name: models that may answer in an offered one's place
         self.speculate = speculate  # answers speculate: the planner keeps a step plain where guessing does not pay
         self.drafts = drafts or {}  # per model: the draft head its speculation drafts with
         self.home = home  # the store, where a fetched draft head that guesses poorly is dropped from
+        self.say = say  # notices for the user (a dropped draft head)
         self.judged: dict[str, SpecState] = {}  # per model: its draft head's first guesses over all answers
         self.seen: dict[str, int] = {}  # per model: the version of its head file last tried
+        self.asked_peers: set[str] = set()  # spares whose draft head was looked for in the swarm
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
         self.trust: dict[str, dict[str, Any]] = {}  # per model: the start-up trust warm-up, for status
 
     def _client(self, model_id: str) -> SwarmClient:
+        if model_id not in self.clients and model_id in self.spares and self.home is not None:
+            from diffuse.model import store
+
+            first = next(iter(self.clients.values()))
+            client = _MeteredClient(first.node, store.resolve(self.home, self.spares[model_id]), first.opts)
+            self.clients[model_id] = client
+            self.tokenizers[model_id] = Tokenizer.load(client.model_dir)
         if model_id not in self.clients:
-            raise UnknownModel(model_id, list(self.clients))
+            raise UnknownModel(model_id, self.offered)
         return self.clients[model_id]
 
     def tokenizer(self, model_id: str) -> Tokenizer:
         self._client(model_id)
         return self.tokenizers[model_id]
 
+    async def covered(self, model_id: str) -> bool:
+        """Whether the swarm covers every block the model needs from it (trusted records)."""
+        return await self._client(model_id).covered()
+
     def context_length(self, model_id: str) -> int:
         return self._client(model_id).cfg.max_position_embeddings
 
     async def models(self) -> list[dict[str, Any]]:
-        return [await self._coverage(c) for c in self.clients.values()]
+        return [await self._coverage(self.clients[m]) for m in self.offered]
 
     async def _records(self, client: SwarmClient) -> list[PeerRecord]:
         """Online records (Node.records: one shared read, records kept to their expiry)."""
@@ -131,10 +150,14 @@ class SwarmBackend:
         except SwarmBusy as e:
             raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly", 5) from None
 
-    def speculation(self, model_id: str) -> SpecConfig | None:
+    async def speculation(self, model_id: str) -> SpecConfig | None:
         client = self._client(model_id)
         if not self.speculate:
             return None
+        if model_id not in self.offered and model_id not in self.asked_peers and self.home is not None:
+            self.asked_peers.add(model_id)  # a spare's first answer: its head from the store, else a peer's
+            if (head := await _draft_head(client, self.home, self.say)) is not None:
+                self.drafts[model_id] = head
         if model_id not in self.drafts and self.home is not None:
             self._pick_up(client)
         return SpecConfig(draft=self.drafts.get(model_id))
@@ -170,8 +193,20 @@ class SwarmBackend:
         if seen.draft_is_poor() and self.home is not None and \
                 drop_fetched(self.home, self.clients[model_id].model_dir.name):
             del self.drafts[model_id]
-            log.warning("the draft head of %s fetched from the swarm guessed %d of %d first tokens right: dropped",
-                        model_id, seen.draft_hits, seen.draft_trials)
+            self.say(f"the draft head of {model_id} fetched from the swarm guessed {seen.draft_hits} of "
+                     f"{seen.draft_trials} first tokens right: dropped, and not fetched again")
+
+    def describe(self, model_id: str, pipeline: Pipeline, tokens: int) -> dict[str, Any]:
+        """The session's route report (client/swarm.py) with how each peer was reached, the blocks
+        this process ran, the trust plane's checks and the bytes sent (once the session closed)."""
+        client = self._client(model_id)
+        report = route_report(pipeline, tokens) or {"route": [], "in_process": [], "tokens": {}, "failovers": []}
+        rescued = [s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None]
+        return {"route": [dict(h) | {"reached": client.node.relaying.reached(h["peer"])} for h in report["route"]],
+                "in_process": report["in_process"], "computed": report["tokens"], "failovers": report["failovers"],
+                "finished_here_from": min(rescued, default=None), "local_blocks": list(client.opts.local_blocks),
+                "checks": client.guard.status() if client.guard else None,
+                "bytes_sent": sum(r.stats.bytes_sent for r in remotes_of(pipeline))}
 
     async def warm_trust(self, client: SwarmClient, retry_s: float = WARM_RETRY_S) -> None:
         """Compute the trust plane's canary material (canaries, calibration for the dtypes peers
@@ -222,44 +257,69 @@ def _torch_dtype_name(declared: str) -> str:
         return ""
 
 
-async def _draft_head(client: SwarmClient, home: Path) -> DraftHead | None:
-    """The model's draft head from the store, else fetched from a peer that offers one."""
+async def _draft_head(client: SwarmClient, home: Path, say: Callable[[str], None]) -> DraftHead | None:
+    """The model's draft head from the store, else fetched from a peer that offers one (verified
+    against its announced hash; refusals said)."""
     try:
-        return await obtain_draft_head(client.node, await client.records(), home, client.model_dir, say=log.warning)
+        return await obtain_draft_head(client.node, await client.records(), home, client.model_dir, say=say)
     except ModelError as e:  # a broken file of our own: speculate without it, and say so
-        log.warning("%s", e)
+        say(str(e))
         return None
 
 
+# The trust plane's forms (docs/trust.md): full and published in a public swarm; fewer checks and
+# nothing published in a private one, whose members are known; none among one's own peers.
+TRUST_FORMS = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
+
+
+def trust_options(form: str) -> TrustOptions | None:
+    """The trust plane's settings in the form `form` names (None: no checks)."""
+    settings = TRUST_FORMS[form]
+    return None if settings is None else TrustOptions(**settings)
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How a client joins its swarm: where to find it, its access (private swarm key, who may
+    serve), how sessions route (`options`), and how long to wait for full coverage at start."""
+
+    bootstrap: tuple[str, ...]
+    access: SwarmAccess
+    options: SwarmOptions
+    mdns: bool = False  # find the swarm on the LAN (control/mdns.py)
+    hole_punch: bool = False  # try DCUtR towards peers reached through a relay
+    wait: float = 10.0  # seconds to wait for the offered models' coverage (a client that starts with its swarm)
+    trust: str = "public"  # the trust plane's form (TRUST_FORMS) `options` carry, for reports
+
+    def node_config(self) -> NodeConfig:
+        # Punching holes, our dials must leave from a port our router maps: listen on every interface.
+        listen = ["/ip4/0.0.0.0/tcp/0" if self.hole_punch else "/ip4/127.0.0.1/tcp/0"]
+        return NodeConfig(listen=listen, bootstrap=list(self.bootstrap), server=False, swarm_key=self.access.key,
+                          allow=self.access.allow, mdns=self.mdns, hole_punch=self.hole_punch)
+
+
 @asynccontextmanager
-async def open_swarm_backend(home: Path, names: list[str | None], bootstrap: list[str],
-                             options: SwarmOptions, wait: float = 10.0, swarm_key: SwarmKey | None = None,
-                             allow: AllowList | None = None, mdns: bool = False,
-                             hole_punch: bool = False, speculate: bool = True) -> AsyncIterator[SwarmBackend]:
-    """Join the swarm as a client and load each model's client side; waits up to `wait` seconds
-    for full coverage (an API that starts with its swarm need not fail its first requests), then
-    warms the trust plane's material in the background while the caller serves. `swarm_key`,
-    `allow`: as `Node` takes them (a private swarm, who may serve it); `mdns`: find the swarm on
-    the LAN (control/mdns.py); `hole_punch`: try DCUtR towards peers reached through a relay;
-    `speculate`: answers speculate (with each model's draft head from the store, if it has one)."""
+async def open_swarm_backend(home: Path, names: list[str | None], config: SwarmConfig, speculate: bool = True,
+                             spares: dict[str, str] | None = None, say: Callable[[str], None] = log.warning
+                             ) -> AsyncIterator[SwarmBackend]:
+    """Join the swarm as a client and load each offered model's client side; wait up to
+    `config.wait` seconds for their full coverage, then warm the trust plane's material in the
+    background while the caller serves. `speculate`: answers speculate (with each model's draft
+    head from the store, else a peer's); `spares`: models (id -> store name) that may answer in
+    an offered one's place, loaded when first used."""
     from diffuse.control.identity import ephemeral
-    from diffuse.control.node import NodeConfig, open_node
     from diffuse.model import store
 
-    # Punching holes, our dials must leave from a port our router maps: listen on every interface.
-    listen = ["/ip4/0.0.0.0/tcp/0" if hole_punch else "/ip4/127.0.0.1/tcp/0"]
-    config = NodeConfig(listen=listen, bootstrap=bootstrap, server=False, swarm_key=swarm_key, allow=allow,
-                        mdns=mdns, hole_punch=hole_punch)
-    async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node, \
+    async with open_node(ephemeral(), config.node_config(), codecs=reputation.swarm_codecs()) as node, \
             trio.open_nursery() as background:
         DHT_RECORDS.set_function(node.stored_records)
-        clients = [_MeteredClient(node, store.resolve(home, name), options) for name in names]
-        deadline = trio.current_time() + wait
+        clients = [_MeteredClient(node, store.resolve(home, name), config.options) for name in names]
+        deadline = trio.current_time() + config.wait
         for client in clients:
             while not await client.covered() and trio.current_time() < deadline:
                 await trio.sleep(0.25)
-        drafts = {c.model_id: d for c in clients if speculate and (d := await _draft_head(c, home)) is not None}
-        backend = SwarmBackend(clients, speculate, drafts, home)
+        drafts = {c.model_id: d for c in clients if speculate and (d := await _draft_head(c, home, say)) is not None}
+        backend = SwarmBackend(clients, speculate, drafts, home, spares, say)
         for client in clients:
             background.start_soon(backend.warm_trust, client)
         try:
