@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 import cbor2
+import msgspec
+from msgspec import Meta
 
 from diffuse.control.identity import KeyPair, peer_id_bytes, peer_id_from_bytes
 from diffuse.control.node import Node
@@ -31,14 +33,12 @@ from diffuse.data.commitments import MerkleTree, Opening, StepBinding, chunks_of
 from diffuse.errors import DiffuseError
 from diffuse.trust.canary import CanaryVerdict
 from diffuse.trust.spotcheck import SpotVerdict
+from diffuse.validate import Count, Hash, Malformed, PeerIdBytes, Text, convert
 
 EVIDENCE_VERSION = 1
 SIG_DOMAIN = b"diffuse/evidence/v1\x00"
-KINDS = ("canary", "spotcheck")
 MAX_PAYLOAD_BYTES = 48 * 1024
 MAX_ITEMS = 64
-_FIELDS = frozenset(["v", "kind", "accused", "reporter", "model", "start", "end", "ts", "dtype", "stat",
-                     "thr", "steps", "openings", "detail"])
 
 
 class InvalidEvidence(DiffuseError, ValueError):
@@ -83,22 +83,47 @@ class Evidence:
 
     @classmethod
     def from_payload(cls, d: Any) -> "Evidence":
-        """Strict: every field present, with its type, within bounds."""
-        if not isinstance(d, dict) or set(d) != _FIELDS or d["v"] != EVIDENCE_VERSION:
-            raise InvalidEvidence("evidence fields missing, unknown, or of another version")
-        if d["kind"] not in KINDS:
-            raise InvalidEvidence(f"unknown evidence kind {d['kind']!r}")
-        start, end = _int(d["start"]), _int(d["end"])
-        if not start < end:
-            raise InvalidEvidence("bad block range")
-        detail = d["detail"]
-        if not isinstance(detail, dict) or len(detail) > MAX_ITEMS or not all(
-                isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in detail.items()):
-            raise InvalidEvidence("bad detail")
-        return cls(d["kind"], _peer(d["accused"]), _peer(d["reporter"]), _str(d["model"]), start, end,
-                   _int(d["ts"]) / 1000, _str(d["dtype"]), _float(d["stat"]), _float(d["thr"]),
-                   tuple(_step(s) for s in _list(d["steps"])),
-                   tuple(_opening(o) for o in _list(d["openings"])), detail)
+        """Strict: every field present, with its type, within bounds (`EvidencePayload`)."""
+        try:
+            p = convert(d, EvidencePayload)
+        except Malformed as e:
+            raise InvalidEvidence(f"malformed evidence: {e}") from None
+        steps = tuple((StepBinding(*s[:6]), s[6]) for s in p.steps)
+        openings = tuple((k, Opening(i, chunk, tuple(path))) for k, i, chunk, path in p.openings)
+        return cls(p.kind, _peer(p.accused), _peer(p.reporter), p.model, p.start, p.end, p.ts / 1000, p.dtype,
+                   p.stat, p.thr, steps, openings, p.detail)
+
+
+Few = Meta(max_length=MAX_ITEMS)  # lists and maps: at most MAX_ITEMS entries
+# [session, step, input commitment, header, bytes, chunk size, output commitment]
+Step = tuple[Annotated[bytes, Meta(min_length=16, max_length=16)], Count, Hash, Annotated[bytes, Meta(max_length=64)],
+             Count, Annotated[int, Meta(ge=1, le=2**53 - 1)], Hash]
+OpeningItem = tuple[Count, Count, bytes, Annotated[list[Hash], Few]]  # [step, index, chunk, Merkle path]
+
+
+class EvidencePayload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The signed evidence map as it is on the wire (protocols/dht-records.md, Evidence)."""
+
+    v: Literal[EVIDENCE_VERSION]
+    kind: Literal["canary", "spotcheck"]
+    accused: PeerIdBytes
+    reporter: PeerIdBytes
+    model: Text
+    start: Count
+    end: Count
+    ts: Count
+    dtype: Text
+    stat: float
+    thr: float
+    steps: Annotated[list[Step], Few]
+    openings: Annotated[list[OpeningItem], Few]
+    detail: Annotated[dict[str, bool | int | float | str], Few]
+
+    def __post_init__(self) -> None:
+        if not self.start < self.end:
+            raise ValueError("bad block range")
+        if math.isnan(self.stat) or math.isnan(self.thr):
+            raise ValueError("statistic and threshold must be numbers (not NaN)")
 
 
 def canary_evidence(verdict: CanaryVerdict, accused: str, reporter: str, model: str, start: int, end: int,
@@ -195,61 +220,11 @@ class BanList:
         return len({e.evidence.reporter for e in self.evidence.get(peer, ())} - {self.me})
 
 
-def _int(v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**53:
-        raise InvalidEvidence("expected a non-negative integer")
-    return v
-
-
-def _float(v: Any) -> float:
-    if not isinstance(v, float) or math.isnan(v):
-        raise InvalidEvidence("expected a float")
-    return v
-
-
-def _str(v: Any) -> str:
-    if not isinstance(v, str) or len(v) > 256:
-        raise InvalidEvidence("expected a short string")
-    return v
-
-
-def _list(v: Any) -> list:
-    if not isinstance(v, list) or len(v) > MAX_ITEMS:
-        raise InvalidEvidence(f"expected a list of at most {MAX_ITEMS}")
-    return v
-
-
-def _peer(v: Any) -> str:
-    if not isinstance(v, bytes) or len(v) > 64:
-        raise InvalidEvidence("bad peer id")
+def _peer(v: bytes) -> str:
     try:
         return peer_id_from_bytes(v)
     except ValueError:
-        raise InvalidEvidence("bad peer id") from None
-
-
-def _bytes(v: Any, n: int | None = None) -> bytes:
-    if not isinstance(v, bytes) or (n is not None and len(v) != n) or len(v) > 64:
-        raise InvalidEvidence("bad byte string")
-    return v
-
-
-def _step(v: Any) -> tuple[StepBinding, bytes]:
-    if not (isinstance(v, list) and len(v) == 7):
-        raise InvalidEvidence("a step is [session, step, input commitment, header, bytes, chunk, commitment]")
-    binding = StepBinding(_bytes(v[0], 16), _int(v[1]), _bytes(v[2], 32), _bytes(v[3]), _int(v[4]), _int(v[5]))
-    if binding.chunk_size < 1:
-        raise InvalidEvidence("bad chunk size")
-    return binding, _bytes(v[6], 32)
-
-
-def _opening(v: Any) -> tuple[int, Opening]:
-    if not (isinstance(v, list) and len(v) == 4 and isinstance(v[2], bytes)):
-        raise InvalidEvidence("an opening is [step, index, chunk, path]")
-    path = _list(v[3])
-    if not all(isinstance(h, bytes) and len(h) == 32 for h in path):
-        raise InvalidEvidence("a Merkle path holds 32-byte hashes")
-    return _int(v[0]), Opening(_int(v[1]), v[2], tuple(path))
+        raise InvalidEvidence("malformed evidence: bad peer id") from None
 
 
 # ---- evidence sets: the DHT value under evidence_key(accused) ----
