@@ -51,7 +51,7 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
-from support.servers import DIFFUSE, start_server  # noqa: E402
+from support.procs import DIFFUSE, start_server  # noqa: E402
 
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"
 

@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,17 +75,11 @@ from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.model.weights import load_manifest  # noqa: E402
 from diffuse.trust import reputation  # noqa: E402
-from support.servers import DIFFUSE, start_server  # noqa: E402
+from support.procs import DIFFUSE, free_port, start_server  # noqa: E402
 
 LISTEN = ["--listen", "/ip4/127.0.0.1/tcp/0"]
 TOPICS = ["the ocean", "volcanoes", "the moon", "bread", "rivers", "trains", "bees", "glass", "chess", "rain",
           "deserts", "owls", "copper", "tea", "clocks", "maps"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def questions(n: int) -> list[str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,27 +23,26 @@ from pathlib import Path
 import torch
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers it starts train no draft head behind the measurement
 
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
-from control_helpers import Procs  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.host import parse_peer_addr  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.routing import Hop  # noqa: E402
 from diffuse.data.hop import HopSession  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
+from support.procs import Procs, swarm_key  # noqa: E402
+from support.swarm import LOCAL, Swarm  # noqa: E402
 
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 H = 576
 
 
 async def measure(boot: str, peer: Hop, prefill: int, steps: int) -> dict[str, list[float]]:
     model_dir = models_dir(data_home()) / DEFAULT_MODEL
-    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False)) as node:
+    async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
+                                                                      swarm_key=swarm_key())) as node:
         client = SwarmClient(node, model_dir, SwarmOptions(trust=None, local_blocks=(0, 0)))
 
         async def session(max_len: int) -> HopSession:
@@ -94,15 +92,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, Procs(data_home()) as procs:
-        boot = procs.start("sentinel", "--identity", os.path.join(tmp, "s.key"), "--listen", LOCAL).readline(120)
-        p = procs.start("join", "--identity", os.path.join(tmp, "p.key"), "--bootstrap", boot, "--listen", LOCAL,
-                        "--blocks", "0:30", "--max-session-tokens", str(args.prefill + 64),
-                        "--cache-tokens", str(2 * args.prefill + 1024))
-        addr = p.read_until("/ip4/", 300)[-1]
-        p.read_until("serving", 300)
-        info = parse_peer_addr(addr)
+        sizes = ["--max-session-tokens", str(args.prefill + 64), "--cache-tokens", str(2 * args.prefill + 1024)]
+        swarm = Swarm(procs, Path(tmp), {"p": "0:30"}, join=sizes, timeout=300)
+        info = parse_peer_addr(swarm.addrs["p"])
         hop = Hop(info.peer_id.to_base58(), (str(info.addrs[0]),), 0, 30)
-        r = trio.run(measure, boot, hop, args.prefill, args.steps)
+        r = trio.run(measure, swarm.boot, hop, args.prefill, args.steps)
     med = {k: statistics.median(v) for k, v in r.items() if k != "prefill_s"}
     print("| B's decode step | median ms | ratio to alone |\n|---|---|---|")
     for k in ("alone", "during", "after"):

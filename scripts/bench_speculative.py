@@ -54,7 +54,8 @@ from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
-from support.relayed_swarm import LOCAL, LoopbackSwarm  # noqa: E402
+from support.relayed_swarm import LoopbackSwarm  # noqa: E402
+from support.swarm import LOCAL  # noqa: E402
 
 
 async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, prompt: list[int],

@@ -39,6 +39,7 @@ TARGETS = (
     Target("modules outside diffuse/control/ importing libp2p", 0, 0),
     Target("lines of DESIGN.md", 600, 600),
     Target("comment or docstring lines in diffuse/ carrying run figures", 10, 10),
+    Target("scripts importing another script or the tests (scripts/support is what they share)", 0, 0),
 )
 
 
@@ -102,7 +103,28 @@ def run_figures() -> tuple[int, list[str]]:
     return len(found), found
 
 
-MEASURES = (cli_lines, long_functions, libp2p_importers, design_lines, run_figures)
+def imported(path: Path) -> set[str]:
+    """The top-level names a module imports."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").split(".")[0])
+    return names
+
+
+def script_imports() -> tuple[int, list[str]]:
+    """A script is a tool: what scripts share lives in scripts/support, and support imports no script."""
+    scripts = ROOT / "scripts"
+    forbidden = {p.stem for p in scripts.glob("*.py")} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    modules = sorted([*scripts.glob("*.py"), *scripts.glob("support/*.py")])
+    found = [f"{path.relative_to(ROOT)}: {name}" for path in modules
+             for name in sorted(imported(path) & forbidden)]
+    return len(found), found
+
+
+MEASURES = (cli_lines, long_functions, libp2p_importers, design_lines, run_figures, script_imports)
 
 
 def main() -> int:

@@ -10,7 +10,6 @@ import atexit
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from diffuse.control.host import parse_peer_addr
 from diffuse.errors import DiffuseError
 from diffuse.home import DEFAULT_MODEL
 
+from .procs import free_port
+
 SPANS = {"a0": "0:10", "a1": "0:10", "b0": "10:20", "b1": "10:20", "c0": "20:30", "c1": "20:30"}
 # Chosen for a margin of at least 0.25 (two bf16 steps) between the greedy token's logit and the next
 # one's at every token of their answers, measured in one process: with the default bf16 most prompts
@@ -41,13 +42,6 @@ START_TIMEOUT = 300.0  # seconds a process may take to serve: six peers load at 
 PAUSE = 4.0  # seconds a killed process stays down, or a frozen one stopped
 READY = {"sentinel": "/ip4/", "join": "serving ", "api": "listening on"}  # stdout line once each serves
 GAPS = {"churn": (6, 12), "gentle": (15, 25), "cut": (6, 12), "sentinel": (6, 12), "span-down": (35, 45)}  # s
-
-
-def free_port() -> int:
-    """A loopback port free now, so a restarted sentinel or API gets the same one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(home: Path, *args: str, timeout: float = 600) -> None:
