@@ -1,4 +1,5 @@
-"""Helpers for the API tests: start `diffuse api`-like processes, and a fake swarm backend.
+"""Helpers for the API tests: a fake swarm backend, and the command line of a server on it (start
+it with support.procs.start_server).
 
 The fake stands in for the swarm where a test needs what one process cannot produce by itself:
 several peers, uncovered blocks, an excluded peer, busy peers. It speaks the Backend protocol
@@ -7,18 +8,11 @@ with the coverage format of `diffuse.control.coverage.Coverage.to_dict()`.
 
 from __future__ import annotations
 
-import os
-import select
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from diffuse.api.backend import Overloaded, UnknownModel, Unservable
+from diffuse.client.backend import Overloaded, UnknownModel, Unservable
 from diffuse.model.tokenizer import Tokenizer
-
-# The CLI entry point exactly as the `diffuse` console script runs it.
-DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
 
 PEER_A = "12D3KooWA1aRqSx6ZtVKZ9sKmUj1FpD8RkYb6cJqGvWm4n2hHxYz"
 PEER_B = "12D3KooWB7tQe3LnF4pPzW8yVxk9Jm2Rr5uCdS6gHh1aN3oTqEwK"
@@ -72,8 +66,11 @@ class FakeSwarm:
             raise Unservable(model_id, cov["missing"])
         raise Overloaded("every peer serving blocks 0-11 is busy")
 
-    def speculation(self, model_id: str) -> None:
+    async def speculation(self, model_id: str) -> None:
         return None
+
+    def fallbacks(self, model_id: str) -> tuple[str, ...]:
+        return ()
 
 
 FAKE_SERVER = """
@@ -95,37 +92,3 @@ trio.run(main)
 
 def fake_server_cmd(model_dir: Path) -> list[str]:
     return [sys.executable, "-c", FAKE_SERVER.format(tests=str(Path(__file__).parent), model_dir=str(model_dir))]
-
-
-def start(cmd: list[str], log: Path, timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
-    """Start a server that prints `listening on URL`; return it and the URL (stderr goes to `log`)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise TimeoutError(f"no 'listening on' within {timeout}s; stderr:\n{log.read_text()[-3000:]}")
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"server exited ({proc.wait()}); stderr:\n{log.read_text()[-3000:]}")
-            if line.startswith("listening on "):
-                return proc, line.split()[-1]
-    except BaseException:
-        stop(proc)
-        raise
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (a clean shutdown), then SIGKILL if it lingers."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout:
-        proc.stdout.close()

@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny-model helpers are importable, the real model is converted once.
+"""Shared fixtures: the tiny-model helpers, scripts/support (the processes, swarms and relays
+that tests and scripts share) and the scripts under test are importable; the real model is
+converted once.
 
 No claim is green by skipping: when `CI` is set, a test that skips (a missing browser, package,
 privilege or tool) fails the run, naming what it lacked; elsewhere the run ends by listing each
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "scripts")]
 os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # no peer or API a test starts trains a draft head behind it
 
 

@@ -18,7 +18,8 @@ import torch
 import trio
 import trio.testing
 
-from api_helpers import DIFFUSE, FULL, PARTIAL, fake_server_cmd, start, stop
+from api_helpers import FULL, PARTIAL, fake_server_cmd
+from support.procs import DIFFUSE, start_server, stop_server
 from diffuse.api.answers import Penalized, Sessions
 from diffuse.api.backend import Overloaded
 from diffuse.client.sampling import Sampler, SamplingParams
@@ -34,21 +35,21 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # a base-model continuation that does not 
 @pytest.fixture(scope="module")
 def api(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("api") / "api.log"
-    proc, url = start([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                       "--api-key", KEY, "--max-tokens", "32"], log)
+    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
+                              "--api-key", KEY, "--max-tokens", "32"], log)
     try:
         yield url
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")
 def fake(smollm2, tmp_path_factory):
-    proc, url = start(fake_server_cmd(smollm2), tmp_path_factory.mktemp("fake") / "fake.log")
+    proc, url = start_server(fake_server_cmd(smollm2), tmp_path_factory.mktemp("fake") / "fake.log")
     try:
         yield url
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from control_helpers import Procs
+from support.procs import Procs
 from diffuse.control.host import parse_peer_addr
 from diffuse.home import DEFAULT_MODEL, models_dir
 from test_status_page import ARTIFACTS, Elements, chromium, render

@@ -22,12 +22,12 @@ import trio
 import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import session_length, stream_tokens
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
-from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
@@ -35,7 +35,6 @@ from diffuse.trust import reputation
 from test_api_swarm import _metrics_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 TOKENS = 12
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Name three rivers.",
              "List the planets of the solar system in order, from the Sun outwards.", "Why is the sky blue?",
@@ -46,14 +45,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Nam
 def swarm(home, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batching")
     with Procs(home) as procs:
-        boot = procs.start("sentinel", "--identity", str(tmp / "s.key"), "--listen", LOCAL).readline(timeout=120)
-        peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
-                                   "--listen", LOCAL, "--blocks", "1:30", "--dtype", "fp32", "--heartbeat", "2",
-                                   "--ttl", "30", "--metrics", "127.0.0.1:0")
-                 for name in ("P", "R")}
-        ids = {n: parse_peer_addr(p.read_until("serving", timeout=300)[0]).peer_id.to_base58()
-               for n, p in peers.items()}
-        yield boot, peers, ids, {n: _metrics_url(p) for n, p in peers.items()}
+        s = Swarm(procs, tmp, {"P": "1:30", "R": "1:30"},
+                  join=["--dtype", "fp32", *QUICK_RECORDS, "--metrics", "127.0.0.1:0"], timeout=300)
+        yield s.boot, s.proc, s.ids, {n: _metrics_url(p) for n, p in s.proc.items()}
 
 
 def batched_steps(metrics: dict[str, str]) -> float:

@@ -4,13 +4,8 @@ fault-free one. Alone: on two cores any other test's load would change what it m
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import chaos
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-import chaos  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1200)]
 

@@ -14,8 +14,9 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
-from test_swarm import LOCAL, QUESTION, TOKENS, Swarm, reference_answer
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, Swarm
+from test_swarm import QUESTION, TOKENS, reference_answer
 from diffuse.client.generate import Generation
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of, route_report

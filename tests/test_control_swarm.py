@@ -18,7 +18,8 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, make_fake_model, swarm_key, swarm_key_file
+from control_helpers import make_fake_model
+from support.procs import Procs, swarm_key, swarm_key_file
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.identity import peer_id
 from diffuse.control.node import NodeConfig, open_node

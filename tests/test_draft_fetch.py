@@ -284,7 +284,7 @@ LOCAL = "/ip4/127.0.0.1/tcp/0"
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     """A sentinel and one `diffuse join` peer of a tiny model whose home holds a draft head."""
-    from control_helpers import Procs
+    from support.procs import Procs
     from diffuse.client import draft_head
     from diffuse.home import models_dir
     from tiny import make_tiny
@@ -321,7 +321,7 @@ async def obtain_through(boot: str, home, model_dir, said: list[str], wait: floa
     """What a client of the swarm gets: its SwarmClient's records, then obtain_draft_head."""
     from libp2p.crypto.ed25519 import create_new_key_pair
 
-    from control_helpers import swarm_key
+    from support.procs import swarm_key
     from diffuse.client.draft_fetch import announced, obtain_draft_head
     from diffuse.client.swarm import SwarmClient, SwarmOptions
     from diffuse.control.node import NodeConfig, open_node
@@ -388,7 +388,7 @@ def test_a_head_that_no_longer_matches_its_announced_hash_is_refused(swarm, tmp_
 def test_a_head_trained_after_the_peer_started_is_offered_without_a_restart(tmp_path):
     """join checks for a head that appeared since it started (a background training finished)
     and amends its announcement: no tombstone, no restart."""
-    from control_helpers import Procs
+    from support.procs import Procs
     from diffuse.client import draft_head
     from diffuse.home import models_dir
     from tiny import make_tiny

@@ -172,10 +172,6 @@ def test_training_requests_are_not_benchmark_prompts():
     """The head is judged on the benchmark's prompts: none of them, nor a rewording of one (most
     words shared, as "checks if a number is prime" with "checks whether a number is prime"), may
     be trained on."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from eval_speculative_identity import CLASSES
 
     def words(text):

@@ -10,14 +10,14 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, Swarm
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import models_dir
 from tiny import BRANCHES, FAMILIES, LEGACY, PREFIX, load_reference, make_tiny, tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 # One model per family (llama-linear is llama3 with another RoPE variant; the legacy shapes have
 # their swarm tests in test_swarm and test_sessions).
 NAMES = [n for n in FAMILIES if n not in LEGACY and n != "llama-linear"]
@@ -30,14 +30,12 @@ def swarm(tmp_path_factory):
     for name in NAMES:
         make_tiny(models_dir(home) / name, name)
     with Procs(home) as procs:
-        boot = procs.start("sentinel", "--identity", str(home / "sentinel.key"), "--listen", LOCAL).readline(120)
-        peers = [procs.start("join", "--model", name, "--dtype", "fp32", "--blocks", blocks, "--listen", LOCAL,
-                             "--identity", str(home / f"{name}-{blocks}.key"), "--bootstrap", boot,
-                             "--heartbeat", "30", "--ttl", "120")  # 18 peers: little background chatter
-                 for name in NAMES for blocks in ("1:3", "3:4")]
-        for peer in peers:
-            peer.read_until("serving", timeout=300)
-        yield home, boot
+        peers = {f"{name}-{blocks}": (name, blocks) for name in NAMES for blocks in ("1:3", "3:4")}
+        s = Swarm(procs, home, {p: blocks for p, (_, blocks) in peers.items()},
+                  {p: ["--model", name] for p, (name, _) in peers.items()},
+                  join=["--dtype", "fp32", "--heartbeat", "30", "--ttl", "120"],  # 18 peers: little chatter
+                  timeout=300)
+        yield home, s.boot
 
 
 @pytest.mark.parametrize("name", NAMES)

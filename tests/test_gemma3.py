@@ -13,10 +13,10 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.local import open_local
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
-from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.errors import ModelError
 from diffuse.home import models_dir
@@ -29,7 +29,6 @@ NAME = packages.GEMMA_3_270M.name
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Water boils at a temperature of"]
 TOKENS = 16
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 
 
 @pytest.fixture(scope="module")
@@ -116,34 +115,13 @@ def test_local_greedy_answers_equal_transformers(gemma, reference):
         assert trio.run(greedy, model.session(len(ids) + TOKENS), ids) == answer, prompt
 
 
-class Swarm:
-    """A sentinel and `diffuse join` peers serving gemma-3-270m in fp32."""
-
-    def __init__(self, procs: Procs, tmp, spans: dict[str, str]):
-        self.procs, self.tmp, self.spans = procs, tmp, spans
-        self.boot = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL).readline(120)
-        self.proc, self.ids = {}, {}
-        for name in spans:
-            self.start(name)
-        for name in spans:
-            self.wait(name)
-
-    def start(self, name: str) -> None:
-        self.proc[name] = self.procs.start(
-            "join", "--model", NAME, "--dtype", "fp32", "--identity", str(self.tmp / f"{name}.key"),
-            "--bootstrap", self.boot, "--listen", LOCAL, "--blocks", self.spans[name],
-            "--heartbeat", "2", "--ttl", "30")
-
-    def wait(self, name: str) -> None:
-        line = self.proc[name].read_until("serving", timeout=300)[0]
-        self.ids[name] = parse_peer_addr(line).peer_id.to_base58()
-
-
 @pytest.fixture(scope="module")
 def swarm(gemma, tmp_path_factory):
     home, _, _, _ = gemma
     with Procs(home) as procs:
-        yield Swarm(procs, tmp_path_factory.mktemp("swarm"), {"A": "1:9", "B": "9:18", "B2": "9:18"})
+        # peers serving gemma-3-270m in fp32
+        yield Swarm(procs, tmp_path_factory.mktemp("swarm"), {"A": "1:9", "B": "9:18", "B2": "9:18"},
+                    join=["--model", NAME, "--dtype", "fp32", *QUICK_RECORDS], timeout=300)
 
 
 def test_swarm_answers_equal_transformers_and_survive_a_sigkill(gemma, reference, swarm):

@@ -12,14 +12,14 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, Swarm
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.data.codec import PROTOCOL_ID, ErrorCode, ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
 from diffuse.home import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 H = 576
 
 
@@ -27,11 +27,8 @@ H = 576
 def peer(home, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
     with Procs(home) as procs:
-        boot = procs.start("sentinel", "--identity", str(tmp / "s.key"), "--listen", LOCAL).readline(timeout=120)
-        p = procs.start("join", "--identity", str(tmp / "p.key"), "--bootstrap", boot, "--listen", LOCAL,
-                        "--blocks", "0:4", "--dtype", "fp32")
-        addr = p.read_until("serving", timeout=240)[0]
-        yield boot, parse_peer_addr(addr)
+        s = Swarm(procs, tmp, {"p": "0:4"}, join=["--dtype", "fp32"], timeout=240)
+        yield s.boot, parse_peer_addr(s.addrs["p"])
 
 
 async def talk(peer, frames: list[bytes], replies: int) -> list:

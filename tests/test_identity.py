@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from control_helpers import Procs
+from support.procs import Procs
 from diffuse.control.identity import IdentityError, default_identity_path, load_or_create, lock, peer_id
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import trio
 
-from control_helpers import Procs, make_fake_model
+from control_helpers import make_fake_model
+from support.procs import Procs
 from diffuse.data.codec import ErrorCode, ErrorMsg, StepOk, encode
 from diffuse.data.serve import Contribution, contribution
 from diffuse.metrics import REGISTRY, MeteredStream, serve_metrics, watch_peer

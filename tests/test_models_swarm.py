@@ -24,7 +24,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
 from diffuse.client.local import open_local
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr

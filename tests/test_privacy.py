@@ -6,20 +6,17 @@ frequency baseline, and these asserts would fail."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+import eval_privacy as ep
 import trio
 
 from diffuse.model.config import ModelConfig
 from diffuse.model.load import load_head, load_span
 from tiny import make_tiny
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-import eval_privacy as ep  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 SPLIT = (1, 0)

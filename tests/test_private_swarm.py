@@ -23,7 +23,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import DIFFUSE, Procs, swarm_key
+from support.procs import DIFFUSE, Procs, swarm_key
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.allow import AllowList
 from diffuse.control.host import parse_peer_addr
@@ -33,7 +33,8 @@ from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import blocks_key, decode_set
 from diffuse.control.swarm_key import SwarmKey, write_key
 from diffuse.home import DEFAULT_MODEL, models_dir
-from test_swarm import QUESTION, Swarm, ask, reference_answer
+from support.swarm import Swarm
+from test_swarm import QUESTION, ask, reference_answer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LOCAL = "/ip4/127.0.0.1/tcp/0"

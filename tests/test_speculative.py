@@ -625,9 +625,6 @@ def test_server_cache_keeps_no_trace_of_rejected_guesses(tiny_model, tmp_path, m
 
 def test_latency_relay_keeps_bytes_and_order_under_jitter():
     """Jitter must delay chunks, never reorder them; the link is changeable; bad commands are refused."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     from latency_relay import Link, apply_command, parse_mapping, relay
 
     link = Link(rtt=0.004, jitter=0.01, bandwidth=2e6, seed=1)

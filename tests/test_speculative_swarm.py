@@ -15,19 +15,18 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import Generation, session_length
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
-from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ~4 min on a quiet 2-core machine
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 TOKENS = 40
 SPANS = {"A": "1:15", "A2": "1:15", "B": "15:30", "B2": "15:30"}
@@ -47,14 +46,8 @@ class Fixed(StepCost):
 def swarm(home, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("specswarm")
     with Procs(home) as procs:
-        boot = procs.start("sentinel", "--identity", str(tmp / "s.key"), "--listen", LOCAL).readline(timeout=120)
-        peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
-                                   "--listen", LOCAL, "--blocks", span, "--dtype", "fp32", "--heartbeat", "2",
-                                   "--ttl", "30")
-                 for name, span in SPANS.items()}
-        ids = {name: parse_peer_addr(p.read_until("serving", timeout=240)[0]).peer_id.to_base58()
-               for name, p in peers.items()}
-        yield procs, boot, peers, ids
+        s = Swarm(procs, tmp, SPANS, join=["--dtype", "fp32", *QUICK_RECORDS], timeout=240)
+        yield procs, s.boot, s.proc, s.ids
 
 
 async def generate(boot: str, home, spec: SpecState | None, kill=None) -> tuple[list[int], list[dict]]:

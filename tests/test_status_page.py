@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api_helpers import FULL, NUM_BLOCKS, PARTIAL, PEER_A, PEER_B, PEER_C, PEER_X, fake_server_cmd, start, stop
+from api_helpers import FULL, NUM_BLOCKS, PARTIAL, PEER_A, PEER_B, PEER_C, PEER_X, fake_server_cmd
+from support.procs import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -61,7 +62,7 @@ def render(browser: str, url: str, profile: Path, *args: str) -> str:
 
 def test_status_page_shows_every_peer_and_block(smollm2, tmp_path):
     browser = chromium()
-    proc, url = start(fake_server_cmd(smollm2), tmp_path / "server.log")
+    proc, url = start_server(fake_server_cmd(smollm2), tmp_path / "server.log")
     try:
         dom = render(browser, url + "/", tmp_path / "profile", "--dump-dom")
         ARTIFACTS.mkdir(exist_ok=True)
@@ -70,7 +71,7 @@ def test_status_page_shows_every_peer_and_block(smollm2, tmp_path):
         render(browser, url + "/", tmp_path / "profile2", "--window-size=1400,1000", f"--screenshot={shot}")
         metrics = httpx.get(url + "/metrics").text
     finally:
-        stop(proc)
+        stop_server(proc)
 
     page = Elements()
     page.feed(dom)

@@ -12,7 +12,8 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from control_helpers import Procs, swarm_key
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, Swarm
 from diffuse.client.generate import Generation
 from diffuse.client.local import open_local
 from diffuse.client.sampling import SamplingParams
@@ -25,37 +26,8 @@ from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 QUESTION = "Name three famous rivers and the countries they flow through."
 TOKENS = 24
-
-
-class Swarm:
-    """A sentinel plus peers; each peer's process, address and id, restartable by name."""
-
-    def __init__(self, procs: Procs, tmp, spans: dict[str, str], extra: dict[str, list[str]] | None = None):
-        tmp.mkdir(exist_ok=True)
-        self.procs, self.tmp, self.extra = procs, tmp, extra or {}
-        sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
-        self.boot = sentinel.readline(timeout=120)
-        self.spans, self.proc, self.ids, self.addrs = spans, {}, {}, {}
-        for name in spans:
-            self.start(name)
-        for name in spans:
-            self.wait(name)
-
-    def start(self, name: str) -> None:
-        self.proc[name] = self.procs.start(
-            "join", "--identity", str(self.tmp / f"{name}.key"), "--bootstrap", self.boot, "--listen", LOCAL,
-            "--blocks", self.spans[name], "--heartbeat", "2", "--ttl", "30", *self.extra.get(name, []))
-
-    def wait(self, name: str) -> None:
-        lines = self.proc[name].read_until("serving", timeout=180)
-        self.addrs[name] = lines[0]
-        self.ids[name] = parse_peer_addr(lines[0]).peer_id.to_base58()
-
-    def name_of(self, peer_id: str) -> str:
-        return next(n for n, p in self.ids.items() if p == peer_id)
 
 
 @pytest.fixture(scope="module")

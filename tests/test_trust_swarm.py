@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from control_helpers import Procs
-from test_swarm import QUESTION, TOKENS, Swarm, reference_answer
+from support.procs import Procs
+from support.swarm import Swarm
+from test_swarm import QUESTION, TOKENS, reference_answer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -11,7 +11,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IOException
 from libp2p.security import secure_session
 
-from control_helpers import swarm_key
+from support.procs import swarm_key
 from diffuse.control import whole_writes
 from diffuse.control.host import make_host, parse_peer_addr
 
