@@ -1,8 +1,9 @@
 """The OpenAI wire format: request fields checked into our types, and the JSON we answer with.
 
-Pure functions, no I/O. Checks name the offending field (`param`), as OpenAI's 400s do, so a
-client library shows which argument to fix. Fields we cannot honour faithfully (log-probs,
-tools, logit bias, echo) are refused rather than silently ignored.
+Pure functions, no I/O. Requests are checked against msgspec Structs (diffuse/validate.py);
+a failure names the offending field (`param`), as OpenAI's 400s do, so a client library shows
+which argument to fix. Fields we cannot honour faithfully (log-probs, tools, logit bias, echo)
+are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
 
 from diffuse.client.generate import Completion
 from diffuse.client.sampling import SamplingParams
 from diffuse.errors import DiffuseError
+from diffuse.validate import Int64, Malformed, convert
+
+T = TypeVar("T")
 
 MAX_STOP = 4  # as OpenAI
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 _REFUSED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
             "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
@@ -51,108 +57,86 @@ class Options:
         return replace(self.params, seed=seed, max_tokens=max_tokens)
 
 
-def _num(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise BadRequest(f"{name} must be a number between {lo} and {hi}, got {v!r}", name)
-    return float(v)
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Positive = Annotated[int, Meta(ge=1)]
 
 
-def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise BadRequest(f"{name} must be an integer {bound}, got {v!r}", name)
-    return v
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
 
 
-def _bool(body: dict, name: str) -> bool:
-    v = body.get(name, False)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise BadRequest(f"{name} must be a boolean, got {v!r}", name)
-    return v
+class Request(msgspec.Struct):
+    """The options shared by chat and text completions; a null field is an absent one, and fields
+    not named here are ignored (clients send many)."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    temperature: Annotated[float, Meta(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    seed: Int64 | None = None
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None  # the chat API's newer name for max_tokens
+    n: Positive = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] = []
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP:
-        raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
-    return stop
+class TextPart(msgspec.Struct):
+    type: Literal["text"]  # this model reads text only
+    text: str
+
+
+class Message(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+
+class Chat(msgspec.Struct):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+
+
+class Prompts(msgspec.Struct):
+    prompt: str | Annotated[list[str], Meta(min_length=1)]  # the legacy completions prompt: each gets n choices
+
+
+def _read(body: dict[str, Any], type_: type[T]) -> T:
+    """`body` checked into `type_`; a BadRequest naming the offending field where it does not fit."""
+    try:
+        return convert({k: v for k, v in body.items() if v is not None}, type_)
+    except Malformed as e:
+        raise BadRequest(str(e), e.field) from None
 
 
 def parse_options(body: dict[str, Any], default_max_tokens: int, max_n: int) -> Options:
     """The sampling and delivery options shared by chat and text completions."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("you must provide a model parameter", "model")
+    r = _read(body, Request)
     for name, allowed in _REFUSED.items():
         if name in body and body[name] not in allowed:
             raise BadRequest(f"{name} is not supported by this server", name, "unsupported_parameter")
-    # max_completion_tokens is the chat API's newer name for max_tokens.
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, key, 1)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("stream_options must be an object", "stream_options")
-    try:
-        params = SamplingParams(
-            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
-            seed=_int(body, "seed", -(2**63), 2**63 - 1),
-            max_tokens=max_tokens or default_max_tokens,
-            stop=_stop(body),
-        )
-    except ValueError as e:  # what the ranges above let through, e.g. top_p=0
-        raise BadRequest(str(e), str(e).split()[0]) from None
-    return Options(
-        model=model, params=params, max_tokens_given=max_tokens is not None,
-        n=_int(body, "n", 1, max_n) or 1,
-        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        stream=_bool(body, "stream"),
-        include_usage=_bool(stream_options, "include_usage"),
-    )
+    if r.n > max_n:
+        raise BadRequest(f"n: at most {max_n} choices per request", "n")
+    max_tokens = r.max_completion_tokens or r.max_tokens
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed,
+                            max_tokens=max_tokens or default_max_tokens,
+                            stop=[r.stop] if isinstance(r.stop, str) else r.stop)
+    return Options(model=r.model, params=params, max_tokens_given=max_tokens is not None, n=r.n,
+                   presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, stream=r.stream,
+                   include_usage=bool(r.stream_options and r.stream_options.include_usage))
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
     """Chat messages as the chat template wants them: role and plain-text content."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}", f"messages[{i}].role")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m.get("content"), f"messages[{i}].content")})
-    return out
-
-
-def _content(content: Any, param: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise BadRequest(f"{param} must be a string or a list of text parts (this model reads text only)", param)
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())}
+            for m in _read(body, Chat).messages]
 
 
 def parse_prompts(body: dict[str, Any]) -> list[str]:
     """The legacy completions prompt: one string or a list of them (each gets n choices)."""
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest("prompt must be a string or a non-empty list of strings", "prompt")
-    return prompts
+    prompt = _read(body, Prompts).prompt
+    return [prompt] if isinstance(prompt, str) else prompt
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
