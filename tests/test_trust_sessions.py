@@ -22,6 +22,7 @@ from diffuse.data.server import BlockServer
 from diffuse.model.load import load_head, load_span
 from diffuse.trust import reputation
 from diffuse.trust.bank import CanaryBank
+from diffuse.trust.checked import SessionChecks
 from diffuse.trust.guard import Guard, TrustOptions
 from diffuse.trust.tamper import Tamper
 from test_sessions import MODEL, PROMPT, Swarm, greedy, local_answer
@@ -61,10 +62,15 @@ async def guarded_answer(path, bank, spans, tamper, n, options, published, max_l
             published.append(ev)
 
         guard = Guard(MODEL, bank, create_new_key_pair(), options, publish, rng=random.Random(7))
-        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=max_len, timeout=10,
-                            route_wait=0, checks=guard)
+        checks = SessionChecks(guard)
+
+        async def route(start, end, exclude):  # as SwarmClient.route: never through a caught peer
+            return await swarm.route(start, end, exclude | guard.excluded())
+
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, route, Bans(), max_len=max_len, timeout=10,
+                            route_wait=0, checks=checks)
         await remote.open()
-        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), max_len), remote])
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), max_len), remote], behind=checks)
         out = await run(pipe, PROMPT, n)
         await pipe.close()
         nursery.cancel_scope.cancel()

@@ -37,10 +37,8 @@ def head_batcher(head: Head, lane: trio.CapacityLimiter | None = None, max_rows:
 
 
 class Stage(Protocol):
-    """Blocks [start, end) for one session. Besides the three verbs, a stage may verify what it
-    computed behind the generation (a remote span checked by the trust plane): after
-    `defer_checks` its forward may raise Rewind, and `unverified_from`/`settle` say what is still
-    pending and wait for it. A stage that checks nothing returns None and settles at once."""
+    """Blocks [start, end) for one session: the three verbs, and close. A remote stage's forward
+    may raise Rewind (a check behind the generation failed: see Behind)."""
 
     start: int
     end: int
@@ -49,9 +47,16 @@ class Stage(Protocol):
     async def commit(self, keep: Sequence[int] | None) -> None: ...
     async def rollback(self, length: int) -> None: ...
     async def close(self) -> None: ...
-    def defer_checks(self) -> None: ...
+
+
+class Behind(Protocol):
+    """Checks of a session's remote steps that run behind the generation (the trust plane's
+    audits): an output is used at once and judged later, and a failed judgement raises Rewind.
+    Only a caller that handles Rewind may `defer` checks so."""
+
+    def defer(self) -> None: ...
     def unverified_from(self) -> int | None: ...
-    async def settle(self, wait: bool = True) -> None: ...
+    async def settle(self) -> None: ...
 
 
 class LocalStage:
@@ -80,21 +85,14 @@ class LocalStage:
         if self.batcher is not None:
             self.batcher.leave(id(self.cache))
 
-    def defer_checks(self) -> None:
-        return None
-
-    def unverified_from(self) -> int | None:
-        return None
-
-    async def settle(self, wait: bool = True) -> None:
-        return None
-
 
 class Pipeline:
-    """One session: embed -> stages -> logits, tracking how many tokens are committed."""
+    """One session: embed -> stages -> logits, tracking how many tokens are committed; `behind`,
+    the checks of its remote steps that may run behind the generation (None: nothing checked so)."""
 
-    def __init__(self, head: Head, stages: list[Stage], exact: bool = False, logits: Logits | None = None):
-        self.head, self.stages = head, stages
+    def __init__(self, head: Head, stages: list[Stage], exact: bool = False, logits: Logits | None = None,
+                 behind: Behind | None = None):
+        self.head, self.stages, self.behind = head, stages, behind
         self.exact = exact  # batch-invariant LM head (the stages were opened exact too)
         self.logits = logits  # the head's batcher, shared with the model's other sessions
         self.length = 0  # committed tokens, identical in every stage's cache
@@ -148,23 +146,23 @@ class Pipeline:
         for stage in self.stages:
             await stage.close()
 
-    # Checks behind the generation (a remote span's trust plane).
+    # Checks behind the generation (the trust plane's, on remote steps).
 
     def defer_checks(self) -> None:
-        """The caller handles Rewind (stream_tokens does): let stages verify behind it."""
-        for stage in self.stages:
-            stage.defer_checks()
+        """The caller handles Rewind (stream_tokens does): plain steps may be checked behind it."""
+        if self.behind is not None:
+            self.behind.defer()
 
     def unverified_from(self) -> int | None:
         """Tokens past this committed length may still be rewound (None: nothing pending)."""
-        pending = [p for s in self.stages if (p := s.unverified_from()) is not None]
-        return min(pending, default=None)
+        return self.behind.unverified_from() if self.behind is not None else None
 
     async def settle(self) -> None:
         """Wait for every pending check; Rewind (after rolling back) if one fails."""
+        if self.behind is None:
+            return
         try:
-            for stage in self.stages:
-                await stage.settle()
+            await self.behind.settle()
         except Rewind as r:
             await self.rollback(r.length)
             raise

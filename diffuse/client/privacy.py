@@ -28,7 +28,7 @@ from diffuse.errors import DiffuseError
 
 class NoisyStage:
     """A stage whose outputs get secret noise of `sigma` x each row's RMS (the stage protocol of
-    client/pipeline.py: forward, commit, rollback, close and the check hooks pass through)."""
+    client/pipeline.py: forward, commit, rollback and close pass through)."""
 
     def __init__(self, inner, sigma: float, seed: int | None = None):
         if not sigma > 0:
@@ -48,15 +48,6 @@ class NoisyStage:
 
     async def close(self) -> None:
         await self.inner.close()
-
-    def defer_checks(self) -> None:
-        self.inner.defer_checks()
-
-    def unverified_from(self) -> int | None:
-        return self.inner.unverified_from()
-
-    async def settle(self, wait: bool = True) -> None:
-        await self.inner.settle(wait)
 
 
 class EmbedNoise:
@@ -80,15 +71,6 @@ class _Identity:
         return None
 
     async def close(self) -> None:
-        return None
-
-    def defer_checks(self) -> None:
-        return None
-
-    def unverified_from(self) -> int | None:
-        return None
-
-    async def settle(self, wait: bool = True) -> None:
         return None
 
 

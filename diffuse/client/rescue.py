@@ -35,11 +35,15 @@ LoadSpan = Callable[[int, int], BlockSpan]
 class Rescuable:
     """A remote span that becomes a local one when the swarm no longer covers it (the stage
     protocol of client/pipeline.py). `span_bytes` is what its weights would take here;
-    `load(start, end)` loads them from the store (and raises if the store lacks them)."""
+    `load(start, end)` loads them from the store (and raises if the store lacks them);
+    `unverified()`, the length checks behind the generation could still rewind the session to
+    (the pipeline's Behind.unverified_from; None: nothing pending)."""
 
     def __init__(self, remote: RemoteSpan, load: LoadSpan, span_bytes: int, max_len: int, batch: int = 1,
-                 exact: bool = False, batcher: Batcher[SpanWork, Tensor] | None = None, enabled: bool = True):
+                 exact: bool = False, batcher: Batcher[SpanWork, Tensor] | None = None, enabled: bool = True,
+                 unverified: Callable[[], int | None] = lambda: None):
         self.remote, self.load, self.span_bytes, self.enabled = remote, load, span_bytes, enabled
+        self.unverified = unverified
         self.start, self.end = remote.start, remote.end
         self.max_len, self.batch, self.exact, self.batcher = max_len, batch, exact, batcher
         self.local: LocalStage | None = None
@@ -52,7 +56,7 @@ class Rescuable:
             except NoRoute as e:
                 if not self.enabled:
                     raise
-                pending = self.remote.unverified_from()
+                pending = self.unverified()
                 await self._take_over(e, int(positions.min()))
                 if pending is not None:  # steps no check has passed yet are recomputed here
                     raise Rewind(pending) from e
@@ -103,13 +107,3 @@ class Rescuable:
 
     async def close(self) -> None:
         await (self.local or self.remote).close()
-
-    def defer_checks(self) -> None:
-        self.remote.defer_checks()
-
-    def unverified_from(self) -> int | None:
-        return None if self.local else self.remote.unverified_from()
-
-    async def settle(self, wait: bool = True) -> None:
-        if self.local is None:
-            await self.remote.settle(wait)

@@ -35,6 +35,7 @@ from diffuse.model.load import load_head, load_span
 from diffuse.model.weights import Manifest, load_manifest
 from diffuse.trust import reputation
 from diffuse.trust.bank import CanaryBank
+from diffuse.trust.checked import SessionChecks
 from diffuse.trust.guard import Guard, TrustOptions
 
 log = logging.getLogger(__name__)
@@ -296,38 +297,42 @@ class SwarmClient:
         start, end = self.remote_range
         exact = self.opts.exact if exact is None else exact
         await self.records()  # fresh, for this route and its failovers
-        middle = await self._middle(start, end, max_len, batch, exact)
+        checks = SessionChecks(self.guard) if self.guard is not None else None
+        middle = await self._middle(start, end, max_len, batch, exact, checks)
         stages = ([LocalStage(self.front, max_len, batch, exact, self.front_batcher)] if self.front else []) + [
             *middle] + ([LocalStage(self.back, max_len, batch, exact, self.back_batcher)] if self.back else [])
         if self.opts.noise:
             from diffuse.client import privacy  # a measured experiment, off by default: loaded only when on
 
             stages = privacy.wrap_front(stages, self.front is not None, self.opts.noise)
-        return Pipeline(self.head, stages, exact, self.logits)
+        return Pipeline(self.head, stages, exact, self.logits, behind=checks)
 
-    def _span(self, start: int, end: int, max_len: int, batch: int, exact: bool) -> Rescuable:
-        """Blocks [start, end) on peers (not opened yet), finished here if the swarm loses them
-        and the options allow it."""
+    def _span(self, start: int, end: int, max_len: int, batch: int, exact: bool,
+              checks: SessionChecks | None) -> Rescuable:
+        """Blocks [start, end) on peers (not opened yet), checked by the session's `checks`,
+        finished here if the swarm loses them and the options allow it."""
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
-                            self.opts.wire_dtype, self.opts.step_timeout, checks=self.guard, exact=exact,
+                            self.opts.wire_dtype, self.opts.step_timeout, checks=checks, exact=exact,
                             route_wait=MID_ANSWER_WAIT_S if self.opts.rescue else self.opts.route_wait)
         return Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
-                         self.rescue_batcher, enabled=self.opts.rescue)
+                         self.rescue_batcher, enabled=self.opts.rescue,
+                         unverified=checks.unverified_from if checks is not None else lambda: None)
 
-    async def _middle(self, start: int, end: int, max_len: int, batch: int, exact: bool) -> list[Rescuable]:
+    async def _middle(self, start: int, end: int, max_len: int, batch: int, exact: bool,
+                      checks: SessionChecks | None) -> list[Rescuable]:
         """Blocks [start, end) opened on peers. Where no replica of some blocks can take the
         session now, never refuse what can be served: compute those blocks here, the rest on
         peers (the options allowing, and the store and memory), else wait for a replica, at most
         `route_wait`, in a queue of at most `max_waiting` sessions (SwarmBusy past it; NoRoute if
         none came back in time). Blocks no record announces are unservable, not down: NoRoute."""
-        whole = self._span(start, end, max_len, batch, exact)
+        whole = self._span(start, end, max_len, batch, exact, checks)
         try:
             await whole.remote.open(wait=0.0)  # one look: fresh records, banned replicas probed
             return [whole]
         except NoRoute as e:
             if not await self._announced(start, end):
                 raise  # unservable, not down: a --fallback model, or the caller's refusal
-            if self.opts.rescue and (pieces := await self._split(start, end, e, max_len, batch, exact)):
+            if self.opts.rescue and (pieces := await self._split(start, end, e, max_len, batch, exact, checks)):
                 return pieces
             if self.waiting >= self.opts.max_waiting:
                 raise SwarmBusy(f"{e}; {self.waiting} sessions already wait for a replica") from None
@@ -339,14 +344,14 @@ class SwarmClient:
         return [whole]
 
     async def _split(self, start: int, end: int, lost: NoRoute, max_len: int, batch: int,
-                     exact: bool) -> list[Rescuable] | None:
+                     exact: bool, checks: SessionChecks | None) -> list[Rescuable] | None:
         """[start, end) as pieces: the blocks `lost` names computed here, the others on peers;
         None where the store or memory cannot take the lost ones, or the swarm changed meanwhile."""
         bounds = sorted({start, end, *(a for a, _ in lost.runs), *(b for _, b in lost.runs)})
         pieces: list[Rescuable] = []
         try:
             for a, b in zip(bounds, bounds[1:]):
-                pieces.append(self._span(a, b, max_len, batch, exact))
+                pieces.append(self._span(a, b, max_len, batch, exact, checks))
                 if any(x <= a and b <= y for x, y in lost.runs):
                     if not await pieces[-1].start_here(lost):
                         raise lost

@@ -1,10 +1,12 @@
-"""What a layer above may do around a remote span's steps, declared here so the data plane works alone.
+"""What a layer above may do around a remote span's hops, declared here so the data plane works alone.
 
-A client that does not trust its peers (the trust plane) vets each new hop before it carries
-traffic, checks some steps' outputs, and may reject a hop; the data plane only has to run every
-step through `StepChecks.step`, replace a rejected hop like a failed one, and rewind when a
-check behind the generation fails. `NoChecks` does nothing, which is what a private swarm of
-one's own peers needs.
+A client that does not trust its peers (the trust plane) vets each new hop before its session
+opens and steps every hop session through a wrapper of its own, which may check outputs and
+reject the hop. The data plane asks three things of it (`HopChecks`: vet a hop, wrap a session,
+hear that a span closed) and knows two answers: `Rejected`, upon which it replaces the hop as it
+replaces a failed one, and `errors.Rewind`, which it lets through to the pipeline (outputs
+already used were judged wrong). `NoChecks` does nothing, which is what a private swarm of one's
+own peers needs.
 """
 
 from __future__ import annotations
@@ -12,78 +14,54 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from torch import Tensor
-
 from diffuse.control.routing import Hop
-from diffuse.data.hop import HopSession, Sent
+from diffuse.data.hop import HopSession, Session
 from diffuse.errors import DiffuseError
 
 OpenSession = Callable[[Hop, int], Awaitable[HopSession]]  # a fresh session on a hop, room for n tokens
 
 
 class Rejected(DiffuseError):
-    """A layer above judged a hop's output wrong. The hop is replaced by a replica rebuilt from
-    `inputs` (what it had committed before the bad step); when the bad step was already used
-    (a check behind the generation), every stage also rolls back to `length` tokens."""
+    """A layer above judged a hop's outputs wrong from its `length`-th committed token on: the
+    span replaces the hop by a replica rebuilt from the inputs it had committed before that
+    token, then redoes the step. `behind`: judged behind the generation, which has been rewound
+    to `length` already (the wrapper raised Rewind first and rejects from then on)."""
 
-    def __init__(self, message: str, session: HopSession | None, inputs: list[Sent], length: int | None = None):
+    def __init__(self, message: str, length: int, behind: bool = False):
         super().__init__(message)
-        self.session, self.inputs, self.length = session, inputs, length
+        self.length, self.behind = length, behind
 
 
 class ChecksUnavailable(DiffuseError):
     """The layer above cannot judge any peer on these blocks: the session must not open."""
 
 
-class StepChecks(Protocol):
-    """Per-step work of a layer above, called by RemoteSpan. Sessions are identified by their
-    own `session_id`; each is forgotten once closed or replaced."""
+class HopChecks(Protocol):
+    """A layer above's part in a remote span. Peers it never trusts are kept out by the span's
+    route callable, whose builder knows them."""
 
-    commitments: bool  # open sessions with WANT_COMMITMENTS and check every reply's commitment
-    max_lag: int  # tokens a check behind the generation may trail it before forward() waits
+    commitments: bool  # open sessions with WANT_COMMITMENTS: checks hold a hop to its commitments
 
-    def excluded(self) -> set[str]: ...
-    async def vet(self, hop: Hop, open_session: OpenSession) -> None: ...
-    def opened(self, session: HopSession) -> None: ...
-    async def step(self, session: HopSession, h: Tensor, positions: Tensor, mask: Tensor | None,
-                   commit: bool, behind: bool) -> Tensor: ...
-    def unverified_from(self, sessions: Sequence[HopSession]) -> int | None: ...
-    async def settle(self, sessions: Sequence[HopSession], wait: bool) -> None: ...
-    def forget(self, session: HopSession) -> None: ...
-    def note_step(self, seconds: float, positions: int) -> None: ...
-    async def closed(self, hops: Sequence[Hop], open_session: OpenSession) -> None: ...
+    async def vet(self, hop: Hop, probe: OpenSession) -> None:
+        """Before a new hop's session opens (Rejected: route around it)."""
+
+    def wrap(self, session: HopSession) -> Session:
+        """The session the span steps through, instead of `session` (not opened yet)."""
+
+    async def closed(self, hops: Sequence[Hop], probe: OpenSession) -> None:
+        """The span closed with `hops` as its route."""
 
 
 class NoChecks:
     """Trust every peer: each step is just sent."""
 
     commitments = False
-    max_lag = 0
 
-    def excluded(self) -> set[str]:
-        return set()
-
-    async def vet(self, hop: Hop, open_session: OpenSession) -> None:
+    async def vet(self, hop: Hop, probe: OpenSession) -> None:
         return None
 
-    def opened(self, session: HopSession) -> None:
-        return None
+    def wrap(self, session: HopSession) -> Session:
+        return session
 
-    async def step(self, session: HopSession, h: Tensor, positions: Tensor, mask: Tensor | None,
-                   commit: bool, behind: bool) -> Tensor:
-        return await session.step(h, positions, mask, commit)
-
-    def unverified_from(self, sessions: Sequence[HopSession]) -> int | None:
-        return None
-
-    async def settle(self, sessions: Sequence[HopSession], wait: bool) -> None:
-        return None
-
-    def forget(self, session: HopSession) -> None:
-        return None
-
-    def note_step(self, seconds: float, positions: int) -> None:
-        return None
-
-    async def closed(self, hops: Sequence[Hop], open_session: OpenSession) -> None:
+    async def closed(self, hops: Sequence[Hop], probe: OpenSession) -> None:
         return None

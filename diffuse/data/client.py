@@ -7,6 +7,10 @@ its peer is banned for a while, a new route for that hop's blocks is built from 
 the committed inputs are replayed into the replacement to rebuild its KV cache (as first sent,
 or in an exact session as a few long chunks), and the step is retried. commit/rollback never
 cost a round trip: they ride on the next STEP (keep, cache_len).
+
+A layer above (the trust plane) takes part through `HopChecks` (data/checks.py): it vets a new
+hop before its session opens and wraps each hop session, so a step here is the same whether or
+not anything checks it; a hop it rejects is replaced like one that failed.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from torch import Tensor
 
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
-from diffuse.data.checks import ChecksUnavailable, NoChecks, Rejected, StepChecks
+from diffuse.data.checks import ChecksUnavailable, HopChecks, NoChecks, Rejected
 from diffuse.data.codec import ErrorCode, Fp16Overflow, WireError
-from diffuse.data.hop import HopFailed, HopSession, Sent, deadline, rechunked, truncated
+from diffuse.data.hop import HopFailed, HopSession, Sent, Session, deadline, rechunked, truncated
 from diffuse.data.stream import ByteStream
 from diffuse.errors import DiffuseError, Rewind
 
@@ -113,33 +117,32 @@ class RemoteStats:
 class RemoteSpan:
     """Blocks [start, end) computed by the swarm: a Stage for the client's Pipeline.
 
-    Every step of every hop goes through `checks` (a layer above's vetting and spot checks;
-    NoChecks by default): a hop it rejects is replaced like one that failed."""
+    `checks` (a layer above's; NoChecks by default) vets every new hop and wraps its session;
+    `route` must leave out the peers that layer never trusts."""
 
     def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
                  max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
                  timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0,
-                 checks: StepChecks | None = None, exact: bool = False):
+                 checks: HopChecks | None = None, exact: bool = False):
         self.model_id, self.start, self.end = model_id, start, end
         self.exact = exact  # every hop must compute with batch-invariant kernels
-        self.checks: StepChecks = checks or NoChecks()
+        self.checks: HopChecks = checks or NoChecks()
         self.dial, self.route, self.bans = dial, route, bans
         self.max_len, self.batch, self.dtype, self.timeout = max_len, batch, dtype, timeout
         self.max_failovers, self.route_wait = max_failovers, route_wait
-        self.hops: list[HopSession] = []
+        self.hops: list[Session] = []
         self.stats = RemoteStats()
-        self.deferred = False  # checks of plain steps may run behind the generation (and Rewind)
 
     @property
     def route_taken(self) -> list[dict]:
         return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
 
-    async def _build(self, start: int, end: int, inputs: list[Sent], wait: float | None = None) -> list[HopSession]:
+    async def _build(self, start: int, end: int, inputs: list[Sent], wait: float | None = None) -> list[Session]:
         """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
         routing around every peer that fails on the way; NoRoute when replicas run out (after
         `wait` seconds, default route_wait, of looking for one)."""
         while True:
-            new: list[HopSession] = []
+            new: list[Session] = []
             hop = None
             try:
                 route = await self._route(start, end, self.route_wait if wait is None else wait)
@@ -147,11 +150,11 @@ class RemoteSpan:
                     await self.checks.vet(hop, self._canary_session)
                 feed = rechunked(inputs) if self.exact else inputs
                 for hop in route:  # each hop opens when its inputs are ready: the last one's outputs
-                    session = HopSession(hop, await self._dial(hop), self.model_id, self.max_len, self.batch,
-                                         self.dtype, self.timeout, self.checks.commitments, self.exact)
+                    session = self.checks.wrap(HopSession(hop, await self._dial(hop), self.model_id, self.max_len,
+                                                          self.batch, self.dtype, self.timeout,
+                                                          self.checks.commitments, self.exact))
                     new.append(session)
                     await session.open()
-                    self.checks.opened(session)
                     rows = sum(sent.h.shape[0] * sent.h.shape[1] for sent in feed)
                     outs = await session.replay(feed, timeout=deadline(hop, rows, self.timeout * 4) + 0.05 * len(feed))
                     feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
@@ -175,17 +178,16 @@ class RemoteSpan:
         except Exception as e:  # noqa: BLE001 - py-libp2p's many dial failures
             raise HopFailed(hop, f"cannot reach it: {type(e).__name__}: {e}", cause="unreachable") from e
 
-    async def _discard(self, sessions: Sequence[HopSession]) -> None:
+    async def _discard(self, sessions: Sequence[Session]) -> None:
         for session in sessions:
             await session.close()
-            self.checks.forget(session)
 
     async def _route(self, start: int, end: int, wait: float) -> list[Hop]:
         """A route, waiting up to `wait` seconds for a replica to come back before NoRoute."""
         deadline = trio.current_time() + wait
         while True:
             try:
-                return await self.route(start, end, self.bans.active() | self.checks.excluded())
+                return await self.route(start, end, self.bans.active())
             except NoRoute:
                 if trio.current_time() >= deadline:
                     raise
@@ -220,49 +222,27 @@ class RemoteSpan:
         return session
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
-        if self.deferred:  # judge what the checks behind the generation have done; wait if they trail
-            pending = self.unverified_from()
-            await self.settle(wait=pending is not None and int(positions.min()) - pending > self.checks.max_lag)
-        # Plain steps of a generation that can rewind may be checked behind it; others before use.
-        behind = self.deferred and commit and tree_mask is None
-        i, t0 = 0, time.perf_counter()
+        """The step through every hop in turn, a failed or rejected hop replaced and the step
+        redone there. A Rewind from a hop's wrapper passes through: the pipeline rolls back."""
+        i = 0
         while i < len(self.hops):
             sent = time.perf_counter()
             try:
-                h = await self.checks.step(self.hops[i], h, positions, tree_mask, commit, behind)
+                h = await self.hops[i].step(h, positions, tree_mask, commit)
                 i += 1
-            except Rejected as e:
-                await self._failover(i, e, e.inputs)  # the step it failed is redone on a replica
+            except (Rewind, ChecksUnavailable):
+                raise
+            except Rejected as e:  # its outputs from e.length on are wrong: rebuilt from its inputs before
+                await self._failover(i, e, truncated(self.hops[i].inputs(), e.length),
+                                     "check" if e.behind else "step")
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
                 await self._failover(i, e, noticed_s=time.perf_counter() - sent)
-        self.checks.note_step(time.perf_counter() - t0, positions.shape[0])
         return h
-
-    def defer_checks(self) -> None:
-        self.deferred = True
-
-    def unverified_from(self) -> int | None:
-        """Committed length a pending check behind the generation could still rewind to (None:
-        all verified)."""
-        return self.checks.unverified_from(self.hops)
-
-    async def settle(self, wait: bool = True) -> None:
-        """Judge the checks behind the generation (all of them with `wait`). On a rejection:
-        replace the hop by a replica rebuilt from the inputs it had committed before the bad
-        step, roll every other hop back to that length, and raise Rewind."""
-        try:
-            await self.checks.settle(self.hops, wait)
-        except Rejected as e:
-            await self._failover(self.hops.index(e.session), e, e.inputs, "check")
-            length = sum(x.tokens for x in e.inputs) if e.length is None else e.length
-            for s in self.hops:
-                s.rollback(length)
-            raise Rewind(length) from e
 
     async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None,
                         during: str = "step", noticed_s: float | None = None) -> None:
         """Replace hop i by fresh hops over the same blocks, rebuilt from its committed inputs
-        (or from `inputs`, what it had committed before a step it was rejected on).
+        (or from `inputs`: those before the output it was rejected for).
         `noticed_s`: how long after the step was sent its failure was known."""
         old = self.hops[i]
         t0 = time.perf_counter()
@@ -270,8 +250,8 @@ class RemoteSpan:
         record = self.stats.failovers[-1]
         if noticed_s is not None:
             record["noticed_s"] = round(noticed_s, 4)
-        await self._discard([old])
         inputs = old.inputs() if inputs is None else inputs
+        await self._discard([old])
         new = await self._build(old.hop.start, old.hop.end, inputs)
         self.hops[i:i + 1] = new
         record.update(

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import trio
@@ -99,6 +100,23 @@ def rechunked(inputs: Sequence[Sent], rows: int = REPLAY_ROWS) -> list[Sent]:
     parts = [sent.committed() for sent in inputs]
     h, positions = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts])
     return [Sent(h[:, i:i + rows], positions[i:i + rows]) for i in range(0, positions.shape[0], rows)]
+
+
+class Session(Protocol):
+    """What a remote span does with a hop session: a `HopSession`, or the wrapper a layer above
+    puts around one (data/checks.py) to check its steps."""
+
+    hop: Hop
+
+    @property
+    def bytes_sent(self) -> int: ...
+    async def open(self) -> None: ...
+    async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool) -> Tensor: ...
+    async def replay(self, inputs: Sequence[Sent], timeout: float) -> list[Tensor]: ...
+    def commit(self, keep: Sequence[int] | None) -> None: ...
+    def rollback(self, length: int) -> None: ...
+    def inputs(self) -> list[Sent]: ...
+    async def close(self) -> None: ...
 
 
 class HopSession:

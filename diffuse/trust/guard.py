@@ -1,4 +1,4 @@
-"""The client's trust plane in a live swarm: vet peers with canaries, spot-check steps, act on verdicts.
+"""The client's trust plane in a live swarm: vet peers with canaries, judge checked steps, act on verdicts.
 
 - Vetting: before a peer carries a session's traffic it must have answered `vet_canaries`
   canaries for the blocks it will serve, and after every session it carried it gets one more
@@ -6,21 +6,15 @@
   max_length, a prefill of the canary's first tokens, then single-token steps paced like the
   client's real decode steps. Replies are scored against the peer's declared compute dtype
   (canary.CanaryMonitor), so benign dtype drift is not tampering.
-- Spot checks: recomputed by the referee (referee.py) and compared within the calibrated
-  tolerance. Behind the generation (plain steps of a generation that can rewind): each hop
-  session is audited with probability `spot_rate`, decided in secret as it opens, and then
-  every step of it is checked: a check needs the referee to recompute the session's whole
-  history anyway, so checking all of it costs what checking one late step would (TOPLOC audits
-  whole sequences for the same reason). The output is used at once, the referee trails by at
-  most `max_lag` tokens, and a failure rewinds the generation to before the bad step (the data
-  plane's Rewind); no token after it has been shown (the generation holds back tokens with
-  checks pending). Otherwise (candidate trees): each step with probability `spot_rate`,
-  verified before its output is used. Either way a caught step never reaches the answer.
+- Spot checks: which steps are checked, and when, is the hop wrapper's business (checked.py);
+  the referee (referee.py) recomputes them and `verdict` compares within the calibrated
+  tolerance.
 - Verdicts: a failed canary test or spot check becomes signed Evidence, bans the peer locally for
   a day, is published in the DHT (public mode), and raises `Caught`, which the data plane treats
   like any rejected hop: route around it and replay into a replica.
 
-`Guard` is the data plane's StepChecks (data/checks.py) for one client and model.
+`Guard` is per client and model and shared by its sessions; each session's checks
+(`checked.SessionChecks`) use it.
 """
 
 from __future__ import annotations
@@ -38,11 +32,11 @@ from torch import Tensor
 from diffuse.control.identity import KeyPair, peer_id
 from diffuse.control.routing import Hop
 from diffuse.data.checks import ChecksUnavailable, OpenSession, Rejected
-from diffuse.data.hop import HopSession, Sent
+from diffuse.data.hop import HopSession
 from diffuse.data.commitments import bind
 from diffuse.trust.bank import CanaryBank, SpanMaterial
 from diffuse.trust.canary import DECODE_TAIL, CanaryMonitor
-from diffuse.trust.referee import Check, Referee
+from diffuse.trust.referee import Referee
 from diffuse.trust.reputation import BanList, Evidence, SignedEvidence, canary_evidence, sign, spot_evidence
 from diffuse.trust.spotcheck import DEFAULT_RATE, SpotChecker, compare
 
@@ -62,13 +56,12 @@ class TrustOptions:
 
 
 class Caught(Rejected):
-    """A peer failed a trust check; `evidence` says how."""
+    """A peer failed a trust check; `evidence` says how (`length`, `behind`: as Rejected's)."""
 
-    def __init__(self, evidence: SignedEvidence, session: HopSession | None = None,
-                 inputs: Sequence[Sent] = (), length: int | None = None):
+    def __init__(self, evidence: SignedEvidence, length: int = 0, behind: bool = False):
         e = evidence.evidence
         super().__init__(f"failed a {e.kind} check on blocks {e.start}-{e.end - 1} "
-                         f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})", session, list(inputs), length)
+                         f"(statistic {e.statistic:.3g} vs threshold {e.threshold:.3g})", length, behind)
         self.evidence = evidence
 
 
@@ -78,8 +71,6 @@ class TrustUnavailable(ChecksUnavailable):
 
 class Guard:
     """Per client and model: canary monitors per (peer, span), the referee, bans and evidence."""
-
-    commitments = True  # every session asks for, and checks, output commitments: evidence needs them
 
     def __init__(self, model_id: str, bank: CanaryBank, key_pair: KeyPair, options: TrustOptions | None = None,
                  publish: Callable[[SignedEvidence], Awaitable[None]] | None = None,
@@ -94,13 +85,8 @@ class Guard:
         self.referee = Referee()
         self.monitors: dict[tuple[str, int, int, str], CanaryMonitor] = {}
         self.passed: dict[tuple[str, int, int], int] = {}
-        self.audited: set[bytes] = set()  # session ids whose every plain step is checked behind
-        self.pace = 0.0  # seconds between the client's real decode steps (EMA), for canary timing
+        self.pace = 0.0  # seconds a hop waits between the client's real decode steps (EMA), for canaries
         self.counts = {"canaries": 0, "spot_checks": 0, "caught": 0}
-
-    @property
-    def max_lag(self) -> int:
-        return self.opts.max_lag
 
     async def material(self, start: int, end: int, dtype: str | None = None) -> SpanMaterial:
         """Canaries, calibration and referee for a span, able to judge a peer computing in `dtype`."""
@@ -118,9 +104,9 @@ class Guard:
     def excluded(self) -> set[str]:
         return self.bans.active()
 
-    def note_step(self, seconds: float, positions: int) -> None:
-        if positions <= PACED_ROWS:
-            self.pace = seconds if self.pace == 0 else 0.8 * self.pace + 0.2 * seconds
+    def note_pace(self, seconds: float) -> None:
+        """A hop waited `seconds` between a reply and the client's next decode step."""
+        self.pace = seconds if self.pace == 0 else 0.8 * self.pace + 0.2 * seconds
 
     # ---- canaries ----
 
@@ -173,86 +159,24 @@ class Guard:
             raise Caught(await self._convict(canary_evidence(verdict, hop.peer_id, self.me, self.model_id,
                                                              hop.start, hop.end, dtype, steps)))
 
-    # ---- spot checks ----
-
-    def opened(self, session: HopSession) -> None:
-        if self.spot.pick():
-            self.audited.add(session.session_id)
-
-    async def step(self, session: HopSession, h: Tensor, positions: Tensor, mask: Tensor | None,
-                   commit: bool, behind: bool) -> Tensor:
-        """The session's step, checked with probability spot_rate before its output is used, or
-        behind the generation for every plain step of an audited session."""
-        if not (session.session_id in self.audited if behind else self.spot.pick()):
-            return await session.step(h, positions, mask, commit)
-        context = session.inputs()
-        material = await self.material(session.hop.start, session.hop.end, session.peer_dtype)
-        if behind:
-            out = await session.step(h, positions, mask, commit)
-            self.referee.queue(Check(session, session.committed - session.history[-1].tokens, context,
-                                     session.history[-1], out, session.receipt_context, material))
-            return out
-        sent = h.to(session.dtype)
-        refs: list[Tensor] = []
-
-        async def recompute() -> None:  # while the peer computes the same step
-            refs.append(await self.referee.recompute(session, material, context, sent, positions, mask))
-
-        failed: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(recompute)
-            try:
-                out = await session.step(h, positions, mask, commit)
-            except Exception as e:  # noqa: BLE001 - re-raised bare below, not in an exception group
-                failed = e
-        if failed is not None:
-            raise failed
-        await self._verdict(session, session.receipt_context, out, refs[0], positions, material, context, None)
-        return out
-
-    def unverified_from(self, sessions: Sequence[HopSession]) -> int | None:
-        """The smallest length a pending check of these sessions could rewind to, or None."""
-        return min((c.length for c in self.referee.pending if c.session in sessions), default=None)
-
-    async def settle(self, sessions: Sequence[HopSession], wait: bool) -> None:
-        """Judge the finished checks of these sessions (with `wait`, all of them), oldest first.
-        Raises Caught at the first failure, with the length to rewind to; its and all later
-        checks of these sessions are dropped (the caller rewinds past them)."""
-        for check in [c for c in self.referee.pending if c.session in sessions]:
-            if not check.done.is_set():
-                if not wait:
-                    return
-                await check.done.wait()
-            self.referee.pending.remove(check)
-            if check.error is not None:
-                raise check.error
-            try:
-                await self._verdict(check.session, check.receipt, check.out, check.reference,
-                                    check.step.positions, check.material, check.context, check.length)
-            except Caught:
-                self.referee.cancel([c for c in self.referee.pending if c.session in sessions])
-                raise
-
-    def forget(self, session: HopSession) -> None:
-        self.audited.discard(session.session_id)
-        self.referee.forget(session)
-
     # ---- verdicts ----
 
-    async def _verdict(self, session: HopSession, receipt: tuple[int, bytes | None], out: Tensor, ref: Tensor,
-                       positions: Tensor, material: SpanMaterial, context: list[Sent], length: int | None) -> None:
-        """Compare a peer's output with the referee's, both as sent on the wire; Caught if they disagree."""
+    async def verdict(self, session: HopSession, receipt: tuple[int, bytes | None], out: Tensor, ref: Tensor,
+                      positions: Tensor, material: SpanMaterial) -> SignedEvidence | None:
+        """Compare a peer's output of one step with the referee's, both as sent on the wire; the
+        evidence convicting the peer if they disagree. `receipt` (the step's number and the input
+        commitment the peer bound its output to) ties the evidence to what the peer committed."""
         self.counts["spot_checks"] += 1
         verdict = compare(out.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
                           torch.float32, positions.tolist())
         if verdict.ok:
-            return
+            return None
         step, inputs = receipt
         binding, tree = bind(session.session_id, step, inputs, out, out.dtype)
         hop = session.hop
         evidence = spot_evidence(verdict, hop.peer_id, self.me, self.model_id, hop.start, hop.end,
                                  session.peer_dtype, "self", binding, tree)
-        raise Caught(await self._convict(evidence), session, context, length)
+        return await self._convict(evidence)
 
     async def _convict(self, evidence: Evidence) -> SignedEvidence:
         """Sign, ban locally, publish (public mode): what every failed check leads to."""
