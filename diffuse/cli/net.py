@@ -14,14 +14,13 @@ import json
 import logging
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import trio
 
 from diffuse.cli.common import add_train_draft_option, bootstrap_addrs, positive, trio_run, until_signal
 from diffuse.cli.reach import (
-    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, client_listen, use_mdns,
+    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
 )
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.control.modes import SwarmAccess
@@ -32,7 +31,6 @@ log = logging.getLogger("diffuse.net")
 
 DEFAULT_SENTINEL_LISTEN = "/ip4/0.0.0.0/tcp/31330"
 DEFAULT_PEER_LISTEN = "/ip4/0.0.0.0/tcp/0"
-MDNS_WAIT_S = 5.0  # status with no bootstrap: how long the LAN gets to answer
 
 
 def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser | None = None) -> None:
@@ -198,7 +196,7 @@ def _describe(access: SwarmAccess) -> str:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from diffuse.control.node import NodeConfig
+    from diffuse.control.node_config import NodeConfig
     from diffuse.home import data_home
     from diffuse.peer.hooks import ServeConfig
     from diffuse.peer.join import JoinConfig, Peer
@@ -228,70 +226,22 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from diffuse.client.survey import manifests, survey
+    from diffuse.client.swarm_backend import SwarmConfig
     from diffuse.control.coverage import format_text
-    from diffuse.control.identity import ephemeral
-    from diffuse.control.node import NodeConfig, open_node
     from diffuse.home import data_home
-    from diffuse.model import store
-    from diffuse.model.weights import load_manifest
 
     boot = bootstrap_addrs(args, required=False)
-    mdns = use_mdns(args, boot)
     access = swarm_access(args)
-    home = data_home(args.home)
-    if args.model:
-        manifests = [load_manifest(store.resolve(home, name)) for name in args.model]
-    else:  # every model in the store (the swarm's other models have no manifest to judge them by)
-        manifests = [m.manifest for m in store.list_models(home)] or [load_manifest(store.resolve(home, None))]
-    result: list = []
-    lan: list[str] = []
-
-    async def main() -> None:
-        # An ephemeral identity: a status query must never impersonate a running peer.
-        config = NodeConfig(listen=client_listen(args), bootstrap=boot, server=False, swarm_key=access.key,
-                            allow=access.allow, mdns=mdns, hole_punch=args.hole_punch)
-        async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
-            if mdns and not boot:  # the swarm is whoever answers on the LAN: give them a moment
-                with trio.move_on_after(max(args.wait, MDNS_WAIT_S)):
-                    while not node.lan_peers:
-                        await trio.sleep(0.1)
-            deadline = trio.current_time() + max(0.0, args.wait)
-            while True:
-                covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in manifests]
-                if all(c.servable for c in covs) or trio.current_time() >= deadline:
-                    break
-                await trio.sleep(0.5)
-            reached = await node.reach_peers([r for c in covs for r in c.peers.values()]) if args.reach else {}
-            result.extend([replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs])
-            lan.extend(node.lan_peers)
-
-    trio_run(main)
+    swarm = SwarmConfig(tuple(boot), access, mdns=use_mdns(args, boot), hole_punch=args.hole_punch, wait=args.wait)
+    found = trio_run(survey, swarm, manifests(data_home(args.home), args.model), args.reach)
     if args.json:
-        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in result]}
-                         | ({"lan_peers": lan} if mdns else {}), indent=1))
+        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in found.coverages]}
+                         | ({"lan_peers": found.lan} if swarm.mdns else {}), indent=1))
     else:
-        found = [f"found on the LAN by mDNS: {len(lan)} node(s) of this swarm"] if mdns else []
-        print("\n\n".join([_describe(access), *found, *(format_text(c) for c in result)]))
+        lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []
+        print("\n\n".join([_describe(access), *lan, *(format_text(c) for c in found.coverages)]))
     return 0
-
-
-async def _evidence(node, peers) -> dict[str, list[dict]]:
-    """Verified evidence published against each peer, summarised for people and --json."""
-    found: dict[str, list[dict]] = {}
-
-    async def one(pid: str) -> None:
-        with trio.move_on_after(5.0):
-            reports = await reputation.reports(node, pid)
-            if reports:
-                found[pid] = [{"reporter": e.evidence.reporter, "kind": e.evidence.kind, "start": e.evidence.start,
-                               "end": e.evidence.end, "dtype": e.evidence.dtype, "statistic": e.evidence.statistic,
-                               "threshold": e.evidence.threshold, "time": e.evidence.timestamp,
-                               "detail": dict(e.evidence.detail)} for e in reports]
-
-    async with trio.open_nursery() as nursery:
-        for pid in peers:
-            nursery.start_soon(one, pid)
-    return dict(sorted(found.items()))
 
 
 # ---- helpers ----

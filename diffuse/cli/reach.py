@@ -42,8 +42,3 @@ def add_upnp_option(p: argparse.ArgumentParser) -> None:
                    help="ask the LAN's router to map this peer's port (UPnP IGD) and, if the swarm can dial it "
                         "there, announce the router's external address instead of using a relay (default: on)")
 
-
-def client_listen(args: argparse.Namespace) -> list[str]:
-    """Where a client node listens: loopback, unless it punches holes (its dials must leave from
-    a port its router maps)."""
-    return ["/ip4/0.0.0.0/tcp/0"] if getattr(args, "hole_punch", False) else ["/ip4/127.0.0.1/tcp/0"]

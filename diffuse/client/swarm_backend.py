@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from diffuse.control.coverage import coverage
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.control.modes import SwarmAccess
-from diffuse.control.node import NodeConfig, open_node
+from diffuse.control.node import open_node
+from diffuse.control.node_config import NodeConfig
 from diffuse.errors import ModelError
 from diffuse.metrics import DHT_RECORDS, FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
@@ -285,7 +286,7 @@ class SwarmConfig:
 
     bootstrap: tuple[str, ...]
     access: SwarmAccess
-    options: SwarmOptions
+    options: SwarmOptions = field(default_factory=SwarmOptions)
     mdns: bool = False  # find the swarm on the LAN (control/mdns.py)
     hole_punch: bool = False  # try DCUtR towards peers reached through a relay
     wait: float = 10.0  # seconds to wait for the offered models' coverage (a client that starts with its swarm)

@@ -22,7 +22,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from collections import Counter
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -35,12 +34,10 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
-from diffuse.control.allow import AllowList
-from diffuse.control.announce import DEFAULT_HEARTBEAT_S, Announcer, Serving, StatusFn
+from diffuse.control.announce import Announcer, Serving, StatusFn
 from diffuse.control.coverage import Coverage, coverage
 from diffuse.control.dht import PREFIX, QUERY_TIMEOUT_S, MergingValueStore, bootstrap, fetch_set, make_dht, put_set
 from diffuse.control.host import (
-    DEFAULT_LISTEN,
     advertised_addrs,
     connect_at,
     make_host,
@@ -49,12 +46,12 @@ from diffuse.control.host import (
 )
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.mdns import LanDiscovery
+from diffuse.control.node_config import NodeConfig
 from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
 from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key, relays_key
-from diffuse.control.swarm_key import SwarmKey
 from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
 
@@ -79,37 +76,7 @@ def _with_peer(handler: StreamHandler) -> Callable[[INetStream], Awaitable[None]
     return handle
 
 
-@dataclass(frozen=True)
-class NodeConfig:
-    """What a node is and which services it runs; every caller (join, sentinel, clients) fills
-    one in and hands it over, so the defaults live here once.
-
-    server=False: a DHT client (status, pure clients) that stores nothing for others.
-    `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve.
-    `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each one
-    found that shares our swarm joins the routing table as a bootstrap peer would. `relay`: serve
-    circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check` (default: a DHT
-    server with bootstrap peers and no `announce_addrs`): ask the bootstrap peers to dial us back;
-    unreachable, the node becomes a DHT client, reserves relay slots on them and announces its
-    /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed connections to or from peers
-    that run it too turn direct where the NATs allow. `upnp`: with the reach check, first map our
-    port on the LAN's UPnP router (control/upnp.py) and offer its external address to the
-    dial-back."""
-
-    listen: Sequence[str] = (DEFAULT_LISTEN,)
-    bootstrap: Sequence[str | PeerInfo] = ()
-    server: bool = True
-    heartbeat: float = DEFAULT_HEARTBEAT_S
-    ttl: float | None = None
-    announce_addrs: Sequence[str] = ()
-    bootstrap_timeout: float = 5.0
-    swarm_key: SwarmKey | None = None
-    allow: AllowList | None = None
-    mdns: bool = False
-    relay: bool = False
-    reach_check: bool | None = None
-    hole_punch: bool = False
-    upnp: bool = False
+DEFAULTS = NodeConfig()  # a node of the public swarm with every optional service off
 
 
 class Node:
@@ -121,7 +88,7 @@ class Node:
     listens. `status_fn`: the live numbers each heartbeat announces. `codecs`: what the DHT
     accepts under /diffuse/ (default: peer records only)."""
 
-    def __init__(self, key_pair: KeyPair, config: NodeConfig = NodeConfig(), *,
+    def __init__(self, key_pair: KeyPair, config: NodeConfig = DEFAULTS, *,
                  handlers: Mapping[str, StreamHandler] | None = None, status_fn: StatusFn | None = None,
                  codecs: SetCodecs | None = None) -> None:
         self.config, self.key_pair, self.status_fn = config, key_pair, status_fn
@@ -465,7 +432,7 @@ class _Started:
 
 
 @asynccontextmanager
-async def open_node(key_pair: KeyPair, config: NodeConfig = NodeConfig(), **services: Any) -> AsyncIterator[Node]:
+async def open_node(key_pair: KeyPair, config: NodeConfig = DEFAULTS, **services: Any) -> AsyncIterator[Node]:
     """Run a Node for the duration of the block; leaving it withdraws and shuts down.
     `services`: Node's handlers, status_fn and codecs."""
     async with trio.open_nursery() as nursery:

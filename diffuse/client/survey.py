@@ -1,0 +1,75 @@
+"""What `diffuse status` shows: each model's coverage as the DHT says, with the evidence published
+against its peers and how this machine reaches each of them.
+
+A survey joins as a client with an ephemeral identity: a status query must never impersonate a
+running peer, and nothing links two of a user's queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import trio
+
+from diffuse.client.swarm_backend import SwarmConfig
+from diffuse.control.coverage import Coverage
+from diffuse.control.identity import ephemeral
+from diffuse.control.node import Node, open_node
+from diffuse.model import store
+from diffuse.model.weights import Manifest, load_manifest
+from diffuse.trust import reputation
+
+MDNS_WAIT_S = 5.0  # with no bootstrap peer: how long the LAN gets to answer
+EVIDENCE_WAIT_S = 5.0  # per peer: how long its published evidence may take to read
+
+
+@dataclass
+class Survey:
+    coverages: list[Coverage]  # one per model, with evidence and (if asked) how each peer is reached
+    lan: list[str]  # nodes of this swarm found on the LAN by mDNS
+
+
+def manifests(home: Path, names: list[str]) -> list[Manifest]:
+    """The named models' manifests; by default every model in the store (the swarm's other models
+    have no manifest to judge them by), else the default model's."""
+    if names:
+        return [load_manifest(store.resolve(home, name)) for name in names]
+    return [m.manifest for m in store.list_models(home)] or [load_manifest(store.resolve(home, None))]
+
+
+async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Survey:
+    """Coverage of `models`, polled until all are servable or `swarm.wait` seconds pass."""
+    async with open_node(ephemeral(), swarm.node_config(), codecs=reputation.swarm_codecs()) as node:
+        if swarm.mdns and not swarm.bootstrap:  # the swarm is whoever answers on the LAN: give them a moment
+            with trio.move_on_after(max(swarm.wait, MDNS_WAIT_S)):
+                while not node.lan_peers:
+                    await trio.sleep(0.1)
+        deadline = trio.current_time() + max(0.0, swarm.wait)
+        while True:
+            covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in models]
+            if all(c.servable for c in covs) or trio.current_time() >= deadline:
+                break
+            await trio.sleep(0.5)
+        reached = await node.reach_peers([r for c in covs for r in c.peers.values()]) if reach else {}
+        covs = [replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs]
+        return Survey(covs, list(node.lan_peers))
+
+
+async def _evidence(node: Node, peers) -> dict[str, list[dict]]:
+    """Verified evidence published against each peer, summarised for people and --json."""
+    found: dict[str, list[dict]] = {}
+
+    async def one(pid: str) -> None:
+        with trio.move_on_after(EVIDENCE_WAIT_S):
+            reports = await reputation.reports(node, pid)
+            if reports:
+                found[pid] = [{"reporter": e.evidence.reporter, "kind": e.evidence.kind, "start": e.evidence.start,
+                               "end": e.evidence.end, "dtype": e.evidence.dtype, "statistic": e.evidence.statistic,
+                               "threshold": e.evidence.threshold, "time": e.evidence.timestamp,
+                               "detail": dict(e.evidence.detail)} for e in reports]
+
+    async with trio.open_nursery() as nursery:
+        for pid in peers:
+            nursery.start_soon(one, pid)
+    return dict(sorted(found.items()))
