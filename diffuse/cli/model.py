@@ -59,20 +59,12 @@ def cmd_import(args) -> int:
 
 
 def cmd_draft_head(args) -> int:
-    from diffuse.client import draft_head, draft_training
-    from diffuse.client.local import open_local
+    from diffuse.client.draft_training import build_for
     from diffuse.errors import DiffuseError
-    from diffuse.model.load import load_head
 
     if args.unroll < 1 or args.answers < 0 or args.text < 0 or args.answers + args.text < 100 or args.epochs < 1:
         raise DiffuseError("--unroll and --epochs must be >= 1, --answers and --text >= 0 with at least 100 in all")
-    home = data_home(args.home)
-    path = store.resolve(home, args.name)
-    model, tok = open_local(home, path.name, "bf16")  # decodes the answers; trained against the fp32 head
-    file = draft_head.path(home, path.name)
-    draft_training.build(model, tok, file, args.answers, args.text, args.epochs, args.unroll, _progress,
-                         head=load_head(path))
-    print(file)
+    print(build_for(data_home(args.home), args.name, args.answers, args.text, args.epochs, args.unroll, _progress))
     return 0
 
 

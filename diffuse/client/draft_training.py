@@ -306,3 +306,19 @@ def build(model: LocalModel, tok: Tokenizer, file: Path, answers: int = 60_000, 
     log(f"draft head: held-out hits {', '.join(f'{a:.2f}' for a in report.hits)}, chains "
         f"{', '.join(f'{a:.2f}' for a in report.chain)} ({time.perf_counter() - t0:.0f} s) -> {file}")
     return report
+
+
+def build_for(home: Path, name: str | None, answers: int, text: int, epochs: int, unroll: int,
+              log: Callable[[str], None]) -> Path:
+    """The draft head of the store's model `name`, written where speculation looks for it: its
+    answers decoded in bf16 (fast), trained against the fp32 head it will feed."""
+    from diffuse.client import draft_head
+    from diffuse.client.local import open_local
+    from diffuse.model import store
+    from diffuse.model.load import load_head
+
+    path = store.resolve(home, name)
+    model, tok = open_local(home, path.name, "bf16")
+    file = draft_head.path(home, path.name)
+    build(model, tok, file, answers, text, epochs, unroll, log, head=load_head(path))
+    return file
