@@ -46,9 +46,10 @@ from diffuse.client.local import open_local  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
-from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost, kv_headroom, speculative_tokens  # noqa: E402
+from diffuse.client.speculative import Cost, SpecConfig, SpecState, kv_headroom, speculative_tokens  # noqa: E402
 from diffuse.home import data_home  # noqa: E402
 from support.prompts import CLASSES  # noqa: E402
+from support.speculation import FixedCost  # noqa: E402
 
 # fp32, 2 threads, 300-token context, an idle 2-core AVX2 machine, seconds.
 IDLE_FP32 = {"1": 0.038, "2": 0.058, "8": 0.055, "16": 0.067, "32": 0.092, "64": 0.145, "128": 0.240}
@@ -59,21 +60,6 @@ async def cached(path: Path, compute: Callable[[], Awaitable]):
         return json.loads(path.read_text())
     path.write_text(json.dumps(await compute()))
     return json.loads(path.read_text())  # the same types (string keys) whether fresh or cached
-
-
-class Modelled(StepCost):
-    """The planner's cost model fixed to the measured curve plus an assumed round trip, so a
-    run plans as it would across that network and is not at the mercy of a shared CPU."""
-
-    def __init__(self, cost: Cost):
-        super().__init__()
-        self.cost = cost
-
-    def fit(self) -> Cost:
-        return self.cost
-
-    def charged(self, positions: int, seconds: float) -> float:
-        return self.cost(positions)
 
 
 class Recording:
@@ -142,7 +128,7 @@ async def run_plain(sessions: Sessions, prompts, n: int) -> list[dict]:
 async def run_spec(sessions: Sessions, prompts, n: int, cost: Cost, draft=None) -> list[dict]:
     out = []
     for i, (_, prompt) in enumerate(prompts):
-        cfg, state = SpecConfig(draft=draft), SpecState(cost=Modelled(cost))
+        cfg, state = SpecConfig(draft=draft), SpecState(cost=FixedCost(cost))  # measured curve + assumed round trip
         pipe = await sessions(len(prompt) + n + kv_headroom(cfg))
         try:
             sampler = Sampler(SamplingParams(max_tokens=n))

@@ -19,6 +19,7 @@ from diffuse.client.speculative import (
     kv_headroom, speculative_tokens, tree_inputs, verify,
 )
 from diffuse.model.load import load_head, load_span
+from support.speculation import ROUND_TRIP_80MS, FixedCost
 from tiny import Sync, make_tiny
 
 
@@ -31,23 +32,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-class Fixed(StepCost):
-    """A step cost that does not depend on this (shared, noisy) machine's timing."""
-
-    def __init__(self, cost: Cost):
-        super().__init__()
-        self.cost = cost
-
-    def fit(self) -> Cost:
-        return self.cost
-
-    def charged(self, positions: int, seconds: float) -> float:
-        return self.cost(positions)
-
-
 def network(**kw) -> tuple[SpecConfig, SpecState]:
     """Plan as over an 80 ms round trip to CPU peers: speculation pays, trees get sent."""
-    return SpecConfig(**kw), SpecState(cost=Fixed(Cost(0.118, 0.128, 0.0016)))
+    return SpecConfig(**kw), SpecState(cost=FixedCost(ROUND_TRIP_80MS))
 
 
 async def collect(source, pipe, prompt, params, eos, *config) -> list[int]:
@@ -232,7 +219,7 @@ def test_step_cost_fit_and_best_size(avx2):
 
 def test_plan_fills_the_rows_the_kernels_pad(avx2):
     cfg = SpecConfig(lookahead_gain=10.0)  # always add the window
-    spec = Speculator(cfg, SpecState(cost=Fixed(Cost(0.1, 0.1, 0.002))), [1, 2, 3])
+    spec = Speculator(cfg, SpecState(cost=FixedCost(Cost(0.1, 0.1, 0.002))), [1, 2, 3])
     spec.acceptance = Acceptance({"sure": 0.9, "long shot": 0.001})
     draft = Draft(3, cfg.max_nodes, cfg.max_depth)
     draft.add(list(range(10, 18)), "sure")
@@ -250,7 +237,7 @@ def test_positions_are_priced_for_every_session_in_the_batch():
     """Batched with 15 others, a position costs each of them what it costs this session: guesses
     worth their own slope alone stop being worth it."""
     cfg = SpecConfig(lookahead_gain=0.0)
-    spec = Speculator(cfg, SpecState(cost=Fixed(Cost(0.1, 0.1, 0.004))), [1, 2, 3])
+    spec = Speculator(cfg, SpecState(cost=FixedCost(Cost(0.1, 0.1, 0.004))), [1, 2, 3])
     spec.acceptance = Acceptance({"fair": 0.5})
     draft = Draft(3, cfg.max_nodes, cfg.max_depth)
     for t in range(20, 26):
@@ -269,7 +256,7 @@ def test_exact_sessions_never_pay_for_fewer_than_sixteen_rows(avx2):
     assert best_size([0.3, 0.1, 0.05], dear_jump, exact=True) == 3
     cfg = SpecConfig()
     for exact, rows in ((False, 1), (True, 16)):
-        spec = Speculator(cfg, SpecState(cost=Fixed(dear_jump)), [1, 2, 3], exact=exact)
+        spec = Speculator(cfg, SpecState(cost=FixedCost(dear_jump)), [1, 2, 3], exact=exact)
         spec.acceptance = Acceptance({"long shot": 0.001})
         draft = Draft(3, cfg.max_nodes, cfg.max_depth)
         for t in range(20, 60):
@@ -395,12 +382,12 @@ def test_exact_max_tokens_and_eos_as_an_accepted_guess():
         assert ours == ([2, 3, 4, eos, 1] * 6)[:max_tokens]
 
 
-class Misjudged(Fixed):
+class Misjudged(FixedCost):
     """Forecasts speculation over an 80 ms round trip but charges each wide step `wide` seconds
     (plain steps 0.1 s): the forecast is wrong while `wide` is high."""
 
     def __init__(self, wide: float):
-        super().__init__(Cost(0.118, 0.128, 0.0016))
+        super().__init__(ROUND_TRIP_80MS)
         self.wide = wide
 
     def charged(self, positions: int, seconds: float) -> float:
@@ -499,7 +486,7 @@ def test_a_generation_opens_with_a_tree():
 def test_widest_steps_fit_the_kv_headroom():
     eos, max_tokens = 5, 30
     prompt = [1, 2, 3, 4, eos] * 3 + [1]
-    cfg, state = SpecConfig(max_nodes=6, width=3, levels=2), SpecState(cost=Fixed(Cost(1.0, 1.0, 0.0)))
+    cfg, state = SpecConfig(max_nodes=6, width=3, levels=2), SpecState(cost=FixedCost(Cost(1.0, 1.0, 0.0)))
     pipe = cyclic_pipe(eos, max_len=len(prompt) + max_tokens + kv_headroom(cfg))
     out = trio.run(collect, speculative_tokens, pipe, prompt, SamplingParams(max_tokens=max_tokens), set(), cfg, state)
     assert len(out) == max_tokens and pipe.widest == 1 + kv_headroom(cfg)  # full trees were sent

@@ -16,10 +16,11 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from support.procs import Procs, swarm_key
+from support.speculation import ROUND_TRIP_80MS, FixedCost
 from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import Generation, session_length
 from diffuse.client.sampling import SamplingParams
-from diffuse.client.speculative import Cost, SpecConfig, SpecState, StepCost
+from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
@@ -30,16 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # ~4 min on a quiet 
 QUESTION = "Write a Python function that returns the n-th Fibonacci number."
 TOKENS = 40
 SPANS = {"A": "1:15", "A2": "1:15", "B": "15:30", "B2": "15:30"}
-
-
-class Fixed(StepCost):
-    """Plan as over an 80 ms round trip, whatever this machine's timing: trees get sent."""
-
-    def fit(self) -> Cost:
-        return Cost(0.118, 0.128, 0.0016)
-
-    def charged(self, positions: int, seconds: float) -> float:
-        return self.fit()(positions)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +77,7 @@ def plain(swarm, home) -> list[int]:
 
 def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     procs, boot, _, _ = swarm
-    spec = SpecState(cost=Fixed())
+    spec = SpecState(cost=FixedCost(ROUND_TRIP_80MS))
     tokens, failovers = trio.run(generate, boot, home, spec)
     assert tokens == plain, failovers
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
@@ -115,7 +106,7 @@ def test_sigkill_while_speculating_keeps_the_greedy_answer(swarm, home, plain):
     change."""
     _, boot, peers, ids = swarm
     for half, kill_after_steps in ((0, 3), (1, 7)):
-        spec = SpecState(cost=Fixed())
+        spec = SpecState(cost=FixedCost(ROUND_TRIP_80MS))
         victim: list[str] = []
 
         def kill(remote, half=half, steps=kill_after_steps, spec=spec, victim=victim):
