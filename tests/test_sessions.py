@@ -11,13 +11,17 @@ import torch
 import trio
 import trio.testing
 
+from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalModel, LocalStage, Pipeline
 from diffuse.client.rescue import Rescuable
+from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.control.routing import Hop, NoRoute
+from diffuse.data.checks import Rejected
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.hop import Sent, rechunked
 from diffuse.data.codec import Close, ErrorMsg, FrameDecoder, Open, OpenOk, Step, StepOk, encode
 from diffuse.data.server import BlockServer, ServerLimits
+from diffuse.errors import Rewind
 from diffuse.model.load import load_head, load_span
 from tiny import make_tiny
 
@@ -320,6 +324,78 @@ def test_peer_answering_errors_is_replaced(tiny):
     (failover,) = remote.stats.failovers
     assert failover["peer"] == "bad" and "simulated fault" in failover["error"]
     assert failover["replaced_by"] == ["good"]
+
+
+class Judge:
+    """A layer above (data/checks.py's HopChecks) that wraps every hop session and judges the
+    first one wrong at one position: before use (Rejected at once) or behind the generation
+    (Rewind to `length`, then Rejected at its next step), as the trust plane's checks do."""
+
+    commitments = False
+
+    def __init__(self, at: int, length: int, behind: bool):
+        self.at, self.length, self.behind = at, length, behind
+        self.condemned: Judged | None = None
+        self.wrapped: list[Judged] = []
+
+    async def vet(self, hop, probe):
+        return None
+
+    def wrap(self, session):
+        self.wrapped.append(Judged(session, self))
+        return self.wrapped[-1]
+
+    async def closed(self, hops, probe):
+        return None
+
+
+class Judged:
+    def __init__(self, inner, judge: Judge):
+        self.inner, self.judge, self.hop = inner, judge, inner.hop
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def step(self, h, positions, mask, commit):
+        judge = self.judge
+        if judge.condemned is self:
+            raise Rejected("judged wrong behind the generation", judge.length, behind=True)
+        if judge.condemned is None and self is judge.wrapped[0] and int(positions.min()) == judge.at:
+            judge.condemned = self
+            if judge.behind:
+                raise Rewind(judge.length)
+            await self.inner.step(h, positions, mask, commit)
+            raise Rejected("judged wrong before use", judge.length)
+        return await self.inner.step(h, positions, mask, commit)
+
+
+@pytest.mark.parametrize("behind", [False, True], ids=["before-use", "behind"])
+def test_a_hop_its_wrapper_rejects_is_replaced_with_the_same_answer(tiny, behind):
+    """The data plane alone, with a layer above's wrapper: a hop judged wrong before use is replaced
+    and the step redone; one judged wrong behind the generation first rewinds it (stream_tokens
+    recomputes from there), then is replaced when that step comes again."""
+    expected = local_answer(tiny, PROMPT, 10)
+    at = len(PROMPT) + 4
+    judge = Judge(at, len(PROMPT) + 2 if behind else at, behind)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery, tiny, {"x": (1, 4), "y": (1, 4)})
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, timeout=10, checks=judge)
+            await remote.open()
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = [t async for t in stream_tokens(pipe, PROMPT, Sampler(SamplingParams(max_tokens=10)), set())]
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, remote
+
+    out, remote = trio.run(run)
+    assert out == expected
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == judge.wrapped[0].hop.peer_id and failover["cause"] == "rejected"
+    assert failover["during"] == ("check" if behind else "step")
+    assert failover["replayed_tokens"] == judge.length  # its inputs before the output judged wrong
+    assert remote.route_taken[0]["peer"] != failover["peer"]
 
 
 def test_exact_session_tree_steps_match_plain_steps_bit_for_bit(tiny):
