@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers it starts train no draft head behind the measurement
 
-from diffuse.cli.demo import CLI, Child  # noqa: E402
+from diffuse.peer.loopback import CLI, Child  # noqa: E402
 from diffuse.control.modes import KEY_ENV  # noqa: E402
 from diffuse.control.swarm_key import SwarmKey, write_key  # noqa: E402
 

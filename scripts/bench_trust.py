@@ -35,7 +35,7 @@ os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # the peers and APIs it starts train no
 import trio  # noqa: E402
 from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 
-from diffuse.cli.demo import Child  # noqa: E402
+from diffuse.peer.loopback import Child  # noqa: E402
 from diffuse.client.generate import stream_tokens  # noqa: E402
 from diffuse.client.sampling import Sampler, SamplingParams  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of  # noqa: E402

@@ -21,7 +21,7 @@ import trio.testing
 from api_helpers import FULL, PARTIAL, fake_server_cmd
 from support.procs import DIFFUSE, start_server, stop_server
 from diffuse.api.answers import Penalized, Sessions
-from diffuse.api.backend import Overloaded
+from diffuse.client.backend import Overloaded
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.home import DEFAULT_MODEL
 from diffuse.model.tokenizer import Tokenizer

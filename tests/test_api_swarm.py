@@ -262,7 +262,7 @@ def _record(peer: str, *, ago: float = 0.0, ttl: float = 30.0, state: str = "onl
 def test_trust_material_is_warmed_for_the_route_at_start_up():
     """Once a route exists, the API computes the canary material of its spans (calibrated for the
     dtype each peer declares) and the referee, so the first request does not wait for it."""
-    from diffuse.api.swarm import SwarmBackend
+    from diffuse.client.swarm_backend import SwarmBackend
     from diffuse.control.routing import Hop, NoRoute
     from diffuse.data.client import Bans
 

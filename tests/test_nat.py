@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diffuse.cli.demo import CLI, Child
+from diffuse.peer.loopback import CLI, Child
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.modes import KEY_ENV
 from diffuse.control.swarm_key import SwarmKey, write_key

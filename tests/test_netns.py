@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from diffuse.cli.demo import CLI, Child
+from diffuse.peer.loopback import CLI, Child
 from diffuse.control.host import parse_peer_addr
 from test_swarm import QUESTION, TOKENS, reference_answer
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import openai
 
-from diffuse.cli.demo import CLI, Child
+from diffuse.peer.loopback import CLI, Child
 from diffuse.control.host import parse_peer_addr
 from diffuse.errors import DiffuseError
 from diffuse.home import DEFAULT_MODEL
