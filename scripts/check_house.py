@@ -34,7 +34,7 @@ class Target:
 
 
 TARGETS = (
-    Target("lines in diffuse/cli/", 800, 1385),
+    Target("lines in diffuse/cli/", 800, 800),
     Target(f"functions in diffuse/ over {MAX_FUNCTION_LINES} lines", 0, 0),
     Target("modules outside diffuse/control/ importing libp2p", 0, 0),
     Target("lines of DESIGN.md", 600, 600),

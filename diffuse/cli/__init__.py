@@ -17,16 +17,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="diffuse", description=__doc__)
     parser.add_argument("--home", help="data directory (default: $DIFFUSE_HOME or ~/.diffuse)")
-    parser.add_argument("--client-only", action="store_true",
-                        help="consume the swarm without serving any block")
+    parser.add_argument("--client-only", action="store_true", help="consume the swarm without serving any block")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs on stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model.register(sub)
-    ask.register(sub)
-    demo.register(sub)
-    net.register(sub)
-    api.register(sub)
-    swarm.register(sub)
+    for module in (model, ask, demo, net, api, swarm):
+        module.register(sub)
     return parser
 
 
@@ -46,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The `diffuse` executable: `main`, then an exit that skips the interpreter's finalisation.
-    Every command has closed its hosts, files and sessions by the time `main` returns; what
-    finalisation would still do is stop daemon threads (a draft head's trainer, a worker inside
-    torch) mid-call and run torch's static destructors, which can abort the process with
-    "terminate called without an active exception" after a correct answer."""
+    """The `diffuse` executable: `main`, whose commands close what they open, then an exit that skips
+    finalisation, which would stop daemon threads (a draft head's trainer, torch's workers) mid-call
+    and run torch's static destructors ("terminate called without an active exception")."""
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

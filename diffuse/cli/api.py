@@ -1,8 +1,5 @@
-"""`diffuse api`: an OpenAI-compatible endpoint backed by the swarm (or by a local model).
-
-Prints `listening on http://HOST:PORT` on stdout once it accepts connections (the real port
-when --listen asked for port 0); logs go to stderr. SIGINT and SIGTERM stop it cleanly.
-"""
+"""`diffuse api`: an OpenAI-compatible endpoint backed by the swarm (or by a local model). Prints
+`listening on http://HOST:PORT` (the real port) once it accepts connections; SIGINT or SIGTERM stops it."""
 
 from __future__ import annotations
 
@@ -12,8 +9,8 @@ from pathlib import Path
 
 import trio
 
-from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, check_reach, service_config
-from diffuse.cli.common import add_train_draft_option, trio_run
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config
+from diffuse.cli.common import add_compute_options, add_train_draft_option, from_args, trio_run
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.client import draft_trainer
 from diffuse.errors import DiffuseError
@@ -21,32 +18,24 @@ from diffuse.home import data_home
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("api", help="serve the OpenAI API (chat/completions, completions, models), "
-                                   "/metrics and a status page")
+    p = sub.add_parser("api", help="serve the OpenAI API (chat/completions, completions, models), /metrics, status")
     p.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8000; port 0 picks a free one)")
     p.add_argument("--local", action="store_true", help="run the whole model in this process instead of the swarm")
     add_swarm_client_options(p)
     p.add_argument("--model", action="append", default=[],
                    help="store name or HF-layout directory (repeatable; default: the embedded model)")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
-                   help="compute dtype of the blocks this process runs")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                   help="accept this Bearer token (repeatable; prefer --api-key-file: argv is visible to "
-                        "other users). Without keys the API is open.")
+    add_compute_options(p)
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY", help="accept this Bearer token "
+                   "(repeatable; prefer --api-key-file: argv is visible to other users). Without keys the API is open.")
     p.add_argument("--api-key-file", type=Path, help="file with one accepted key per line (# comments)")
-    p.add_argument("--max-sessions", type=int, default=16,
-                   help="concurrent inference sessions; requests beyond them wait in a queue (default 16)")
+    p.add_argument("--max-sessions", type=int, default=16, help="concurrent sessions; more requests queue (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="sessions requests may wait for when all are in use; beyond, HTTP 429 with Retry-After "
-                        "(default 64)")
-    p.add_argument("--max-tokens", type=int, default=256,
-                   help="answer length when a request gives no max_tokens (default 256)")
+                   help="requests that may queue; beyond, HTTP 429 with Retry-After (default 64)")
+    p.add_argument("--max-tokens", type=int, default=256, help="answer length if a request gives none (default 256)")
     add_fallback_option(p, "the other --model models, largest first")
-    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True,
-                   help="answers through the swarm send guessed continuations with each step where they pay "
-                        "(default: on; with --local never: a step there is no round trip)")
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True, help="through the swarm, send "
+                   "guessed continuations with each step where they pay (default: on; never with --local)")
     add_hole_punch_option(p)
     add_train_draft_option(p)
     p.set_defaults(func=cmd_api)
@@ -73,9 +62,7 @@ def cmd_api(args) -> int:
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
-    settings = Settings(api_keys=api_keys(args), max_sessions=args.max_sessions, max_queue=args.max_queue,
-                        default_max_tokens=args.max_tokens)
-    check_reach(args)
+    settings = from_args(Settings, args, api_keys=api_keys(args), default_max_tokens=args.max_tokens)
     # Through the swarm answers speculate unless --no-speculate; in this process never (no round trips).
     config = service_config(args, tuple(args.model or [None]), fallback_from_store=False,
                             speculate=None if args.speculate else False, warm_up=True)
@@ -84,8 +71,7 @@ def cmd_api(args) -> int:
     async def main() -> None:
         async with open_service(config) as service, trio.open_nursery() as nursery:
             app = draft_trainer.counting(create_app(service, settings), activity)
-            binds = await nursery.start(serve_http, app, args.listen)
-            print(f"listening on {binds[0]}", flush=True)
+            print(f"listening on {(await nursery.start(serve_http, app, args.listen))[0]}", flush=True)
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()

@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import trio
 
 from diffuse.control.host import parse_peer_addr
 from diffuse.errors import DiffuseError, first_leaf
 
+T = TypeVar("T")
+
+
+def add_bootstrap_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", action="append", default=[], metavar="ADDR",
+                   help="a sentinel or peer multiaddr with /p2p/ (repeatable; the others are tried when one is down)")
+    p.add_argument("--bootstrap-file", type=Path, help="file with one bootstrap multiaddr per line")
+
+
+def add_compute_options(p: argparse.ArgumentParser, device: bool = True) -> None:
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype of the blocks this process runs (bf16: about 2x fp32's speed on CPUs)")
+    if device:
+        p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+
 
 def add_train_draft_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-train-draft", dest="train_draft", action="store_false",
                    help="do not train the model's draft head in the background while idle (on when the model "
                         "has none; DIFFUSE_TRAIN_DRAFT=0 turns it off too)")
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """A config dataclass whose fields, where not `given`, are the options of the same name."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)} | given)
 
 
 def positive(text: str) -> float:
@@ -48,9 +70,8 @@ def bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
 
 async def until_signal(body: Callable[[], Awaitable[None]],
                         leave: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run `body`, then keep running until SIGINT/SIGTERM; then `leave()` (a peer drains its
-    sessions), unless a second signal comes first. Cancellation unwinds every node, whose `run`
-    withdraws its announcement on the way out."""
+    """Run `body`, then until SIGINT/SIGTERM; then `leave()` (a peer drains its sessions) unless a
+    second signal comes first. Cancelled, every node's `run` withdraws its announcement."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             async def leave_then_stop() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffuse.cli.common import add_compute_options
 from diffuse.control.modes import MODES, PRIVATE
 from diffuse.home import data_home
 
@@ -16,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("question", nargs="?", default="What is the capital of France?")
     p.add_argument("--peers", type=int, default=4, help="peers (even; each remote block is served twice)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    add_compute_options(p, device=False)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds allowed for the swarm to start")
     p.add_argument("--mode", default=PRIVATE, choices=MODES,
                    help="private (default: a swarm key made for this demo) or public (no key, the full trust plane)")

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model import store
 from diffuse.model.packages import PACKAGED
@@ -38,8 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
                          "(self-distilled from the model on requests and text Python ships; ~8 min on 2 cores)")
     dh.add_argument("name", nargs="?")
-    dh.add_argument("--answers", type=int, default=60_000,
-                    help="positions of the model's own answers to train on (default 60000)")
+    dh.add_argument("--answers", type=int, default=60_000, help="positions of its own answers (default 60000)")
     dh.add_argument("--text", type=int, default=12_000, help="positions of teacher-forced text (default 12000)")
     dh.add_argument("--epochs", type=int, default=4)
     dh.add_argument("--unroll", type=int, default=3, help="draft steps trained on its own predictions (default 3)")
@@ -47,20 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_pull(args) -> int:
-    path = store.pull(data_home(args.home), args.name, _progress)
-    print(path)
+    print(store.pull(data_home(args.home), args.name, _progress))
     return 0
 
 
 def cmd_import(args) -> int:
-    path = store.import_gguf(data_home(args.home), args.path, args.name, _progress)
-    print(path)
+    print(store.import_gguf(data_home(args.home), args.path, args.name, _progress))
     return 0
 
 
 def cmd_draft_head(args) -> int:
     from diffuse.client.draft_training import build_for
-    from diffuse.errors import DiffuseError
 
     if args.unroll < 1 or args.answers < 0 or args.text < 0 or args.answers + args.text < 100 or args.epochs < 1:
         raise DiffuseError("--unroll and --epochs must be >= 1, --answers and --text >= 0 with at least 100 in all")

@@ -9,9 +9,8 @@ from diffuse.errors import DiffuseError
 
 
 def add_discovery_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mdns", action=argparse.BooleanOptionalAction, default=None,
-                   help="find nodes of the swarm on the LAN by mDNS (default: on when no --bootstrap is "
-                        "given); in a private swarm only nodes with its key can connect")
+    p.add_argument("--mdns", action=argparse.BooleanOptionalAction, default=None, help="find nodes of the swarm on "
+                   "the LAN by mDNS (default: on without --bootstrap); in a private swarm only key holders connect")
 
 
 def use_mdns(args: argparse.Namespace, bootstrap: list[str]) -> bool:
@@ -25,20 +24,18 @@ def use_mdns(args: argparse.Namespace, bootstrap: list[str]) -> bool:
 
 
 def add_relay_options(p: argparse.ArgumentParser, default: bool) -> None:
-    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=default,
-                   help="serve circuit relay v2 hops for peers behind NAT, with bounded reservations "
-                        f"(default: {'on' if default else 'off'})")
+    p.add_argument("--relay", action=argparse.BooleanOptionalAction, default=default, help="serve circuit relay "
+                   f"v2 hops, with bounded reservations, for peers behind NAT (default: {'on' if default else 'off'})")
 
 
 def add_hole_punch_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hole-punch", action=argparse.BooleanOptionalAction, default=True,
-                   help="over a relayed connection, try DCUtR hole punching to open a direct one through both "
-                        "routers (both ends must; a client then listens on every interface, as its dials must "
-                        "leave from a port its router maps; default: on)")
+                   help="turn relayed connections direct by DCUtR hole punching where both ends do (a client then "
+                        "listens on every interface, so its router maps the port it dials from; default: on)")
 
 
 def add_upnp_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--upnp", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask the LAN's router to map this peer's port (UPnP IGD) and, if the swarm can dial it "
-                        "there, announce the router's external address instead of using a relay (default: on)")
+    p.add_argument("--upnp", action=argparse.BooleanOptionalAction, default=True, help="map this peer's port on "
+                   "the LAN's router (UPnP IGD) and, if the swarm dials it there, announce that, not a relay "
+                   "(default: on)")
 

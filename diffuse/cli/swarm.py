@@ -11,14 +11,12 @@ from diffuse.home import data_home
 
 
 def add_swarm_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default=PRIVATE, choices=MODES,
-                   help="private (default): only nodes holding the swarm key can connect; the light trust plane, "
-                        "nothing published. public: anyone may join; the full trust plane, evidence published")
+    p.add_argument("--mode", default=PRIVATE, choices=MODES, help="private (default): only holders of the swarm key "
+                   "connect; light checks, nothing published. public: anyone joins; full checks, evidence published")
     p.add_argument("--swarm-key", type=Path, metavar="FILE",
                    help=f"the private swarm's key (default: ${KEY_ENV}, then <home>/{KEY_FILE})")
-    p.add_argument("--allow-peers", type=Path, metavar="FILE",
-                   help="private swarms: only the peer ids in FILE (one per line, # comments) serve; "
-                        "re-read when it changes, so removing a line stops that peer's traffic")
+    p.add_argument("--allow-peers", type=Path, metavar="FILE", help="private swarms: only the peer ids in FILE (one "
+                   "per line, # comments) serve; re-read on change, so removing a line stops that peer's traffic")
 
 
 def swarm_access(args: argparse.Namespace, create: bool = False) -> SwarmAccess:

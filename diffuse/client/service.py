@@ -100,6 +100,18 @@ class Service:
     def describe(self, model_id: str, pipeline: Pipeline, tokens: int) -> dict[str, Any]:
         return self.backend.describe(model_id, pipeline, tokens)
 
+    def answer_dict(self, answer: Answer) -> dict[str, Any]:
+        """An answer as `ask --json` prints it: text, token ids, timings, steps, where it was computed."""
+        c, swarm = answer.completion, self.config.swarm
+        where = ({"reason": self.reason} if self.reason else {}) | (
+            {"swarm_mode": swarm.access.mode, "trust": swarm.trust} if self.mode == "swarm" and swarm else {})
+        return {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids), "timings": c.timings,
+                "tokens_per_s": c.timings["tokens_per_s"], "speculate": answer.speculated, "exact": self.config.exact,
+                "tokens_per_step": round(c.tokens_per_step, 3), "positions_per_step": round(c.positions_per_step, 3),
+                "steps": c.steps, "positions": c.positions, "step_modes": c.modes, "modes": c.mode_counts(),
+                "mode": self.mode, "model": answer.model} | where | answer.report
+
     async def answer(self, messages: list[dict[str, str]], params: SamplingParams,
                      on_text: Callable[[str], None] | None = None, model: str | None = None) -> Answer:
         """One chat answer from `model` (default: the first offered), or from the first of its

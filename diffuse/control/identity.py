@@ -123,3 +123,16 @@ def lock(path: str | os.PathLike) -> IO[bytes]:
             f"--identity KEYFILE (a new file is created on first use)"
         ) from None
     return f
+
+
+_held: list[IO[bytes]] = []  # locks of the identities this process runs with, held until it exits
+
+
+def node_key(path: str | os.PathLike | None, home: str | os.PathLike | None, hold: bool = False) -> KeyPair:
+    """A node's key from `path` (default: <home>/identity.key); hold: lock its file for the life of
+    the process, so a second node cannot run with the same identity."""
+    path = path or default_identity_path(home)
+    key_pair = load_or_create(path)
+    if hold:
+        _held.append(lock(path))
+    return key_pair

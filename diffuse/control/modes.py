@@ -43,6 +43,13 @@ class SwarmAccess:
         private swarm, whose members are known; full and published in a public one."""
         return self.mode
 
+    def describe(self) -> str:
+        """One line on how a node joined: "private swarm, key FILE (fingerprint F)" or "public swarm"."""
+        if self.key is None:
+            return "public swarm"
+        allow = f", serving allowed to the peers in {self.allow.path}" if self.allow else ""
+        return f"private swarm, key {self.key_path} (fingerprint {self.key.fingerprint}){allow}"
+
 
 def resolve(mode: str, home: Path, *, key_file: Path | None = None, allow_file: Path | None = None,
             env: Mapping[str, str] = os.environ, create: bool = False) -> SwarmAccess:

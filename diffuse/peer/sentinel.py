@@ -1,0 +1,55 @@
+"""`diffuse sentinel` as a library call: a swarm's DHT bootstrap node (control/sentinel.py), its
+evidence codecs and /metrics, checked before the network as a peer is (join.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from diffuse.control.identity import KeyPair
+from diffuse.control.modes import SwarmAccess
+from diffuse.control.sentinel import run_sentinel
+from diffuse.http import parse_listen
+from diffuse.metrics import DHT_RECORDS, serve_metrics
+from diffuse.trust import reputation
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SentinelConfig:
+    """Which swarm (`access`), where it listens and what it announces instead, the fellow
+    sentinels it dials, whether it relays and answers mDNS, where it exports /metrics (HOST:PORT)."""
+
+    access: SwarmAccess
+    listen: Sequence[str]
+    bootstrap: Sequence[str] = ()
+    announce: Sequence[str] = ()
+    relay: bool = True
+    mdns: bool = False
+    metrics: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics:
+            parse_listen(self.metrics)
+
+
+async def serve_sentinel(key_pair: KeyPair, config: SentinelConfig, show: Say, say: Say) -> None:
+    """Run until cancelled; `show` gets its full multiaddrs (what peers bootstrap from) once it
+    listens, `say` the notices."""
+    access = config.access
+
+    def ready(addrs: list[str]) -> None:
+        for a in addrs:
+            show(a)
+        say(f"sentinel ready ({access.describe()}); stop with Ctrl-C")
+
+    async with trio.open_nursery() as nursery:
+        if config.metrics:
+            urls = await nursery.start(serve_metrics, config.metrics)
+            say(f"metrics at {urls[0]}/metrics")
+        await run_sentinel(key_pair, config.listen, config.bootstrap, ready, config.announce,
+                           reputation.swarm_codecs(), access.key, access.allow, config.relay, config.mdns,
+                           started=lambda node: DHT_RECORDS.set_function(node.stored_records))  # for /metrics
