@@ -1,2 +1,3 @@
-"""A peer that lends its machine to a swarm: `diffuse join` as a library call (join.py), what
-the data plane plugs into its node (hooks.py), and the draft heads it offers (heads.py)."""
+"""Nodes that lend their machine to a swarm, as library calls: `diffuse join` (join.py), what the
+data plane plugs into a peer's node (hooks.py), the draft heads it offers (heads.py), a sentinel
+with its metrics (sentinel.py), and a whole loopback swarm of processes (loopback.py, `demo`)."""
