@@ -1,18 +1,21 @@
 """Tokenizer: tokenizer.json + tokenizer_config.json, chat templates, streaming detokenisation.
 
 Built on the `tokenizers` library directly rather than transformers, which is a test-only
-dependency; chat templates are rendered the way transformers renders them, so prompts match.
+dependency; chat templates are rendered the way transformers renders them, so prompts match,
+tools included (`tools=` given to the template). A template that takes no tools gets them in the
+Hermes form, written into the system prompt, with past calls and results written as text.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
@@ -40,6 +43,12 @@ _SPLITS = {
 # Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Gemma, Phi).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# How a model writes a tool call, and the text of its template that says it writes them so.
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+_CALL_MARKS = ((MISTRAL, "[TOOL_CALLS]"), (HERMES, "<tool_call>"), (LLAMA3, '"parameters"'))
+_CALL_SHAPES = {HERMES: '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+                LLAMA3: '{"name": ..., "parameters": {...}}',
+                MISTRAL: '[TOOL_CALLS][{"name": ..., "arguments": {...}}]'}
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -151,8 +160,8 @@ def _raise(message: str):
     raise jinja2.TemplateError(message)
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     """Same environment as transformers: templates are untrusted code from model repos."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, "jinja2.ext.loopcontrols"]
@@ -162,7 +171,72 @@ def _compile(template: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+@lru_cache(maxsize=8)
+def _takes_tools(template: str) -> bool:
+    """Whether a template reads `tools`, as those of Qwen 2.5/3, Llama 3.1+ and Mistral do."""
+    try:
+        return "tools" in meta.find_undeclared_variables(_environment().parse(template))
+    except jinja2.TemplateError:
+        return False  # rendering will say what is wrong with it
+
+
+@dataclass(frozen=True)
+class ToolForm:
+    """How a model is told of tools and writes its calls: `call` is the shape of a call (HERMES,
+    LLAMA3, MISTRAL); `in_template` says whether its chat template renders the tools, or they go
+    into the system prompt in the Hermes form because the template takes none."""
+
+    call: str
+    in_template: bool
+
+    def __str__(self) -> str:
+        where = "rendered by the chat template" if self.in_template else "in the system prompt (Hermes form)"
+        return f"{self.call}: {_CALL_SHAPES[self.call]}, {where}"
+
+
+def hermes_tools_prompt(tools: list[dict]) -> str:
+    """The system prompt's tools block in the Hermes form (as Qwen 2.5's template writes it)."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>"
+            "\n\nFor each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+
+
+def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """A conversation with tools for a template that takes none: the tools in the system prompt,
+    each call as `<tool_call>` JSON in its assistant message, consecutive results as one user
+    message of `<tool_response>` blocks."""
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "tool":
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if i and messages[i - 1]["role"] == "tool":
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + text}
+            else:
+                out.append({"role": "user", "content": text})
+        elif m.get("tool_calls"):
+            calls = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                ensure_ascii=False) for c in m["tool_calls"]]
+            text = "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+            out.append({"role": m["role"], "content": f"{m['content']}\n{text}" if m.get("content") else text})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{hermes_tools_prompt(tools)}"}
+        else:
+            out.insert(0, {"role": "system", "content": hermes_tools_prompt(tools)})
+    return out
 
 
 def _token_str(v) -> str | None:
@@ -217,18 +291,36 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def tool_form(self) -> ToolForm | None:
+        """How this model is given tools and calls them; None without a chat template. A template
+        that takes tools but writes calls in none of the known shapes gets the Hermes form too."""
+        if not self.chat_template:
+            return None
+        if _takes_tools(self.chat_template):
+            for call, mark in _CALL_MARKS:
+                if mark in self.chat_template:
+                    return ToolForm(call, True)
+        return ToolForm(HERMES, False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools` as transformers takes them: OpenAI's {"type": "function", "function": {...}}."""
         if not self.chat_template:
             raise ModelError("this model has no chat template")
         try:
             return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._specials
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self._specials
             )
         except jinja2.TemplateError as e:
             raise ModelError(f"the chat template rejected the conversation: {e}") from None
+        except TypeError as e:  # e.g. a template adding a string to a message's missing content
+            raise ModelError(f"the chat template cannot render this conversation: {e}") from None
 
-    def encode_chat(self, messages: list[dict], system: str | None = None) -> list[int]:
-        """Prompt ids for `messages`; `system` replaces any leading system message.
+    def encode_chat(self, messages: list[dict], system: str | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for `messages` (assistant `tool_calls` with arguments as objects, `tool`
+        results), offering `tools`; `system` replaces any leading system message.
 
         No BOS is added: chat templates write their own, as in transformers. A model without a
         template gets the plain prompt (see _encode_plain).
@@ -238,9 +330,14 @@ class Tokenizer:
             if msgs and msgs[0].get("role") == "system":
                 msgs = msgs[1:]
             msgs = [{"role": "system", "content": system}, *msgs]
-        if not self.chat_template:
+        form = self.tool_form
+        if form is None:
+            if tools:
+                raise ModelError("this is a base model without a chat template: it cannot be offered tools")
             return self._encode_plain(msgs)
-        return self.encode(self.apply_chat_template(msgs, add_generation_prompt=True))
+        if not form.in_template:
+            msgs, tools = _hermes_messages(msgs, tools), None
+        return self.encode(self.apply_chat_template(msgs, add_generation_prompt=True, tools=tools or None))
 
     def _encode_plain(self, messages: list[dict]) -> list[int]:
         """A base model (no chat template) continues text: one user message is sent as it is
