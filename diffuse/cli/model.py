@@ -9,7 +9,7 @@ from pathlib import Path
 
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
-from diffuse.model import store
+from diffuse.model import store, tokenizer
 from diffuse.model.packages import PACKAGED
 
 
@@ -95,6 +95,7 @@ def cmd_info(args) -> int:
                 "dtype", "size_bytes", "model_hash", "head_hash"):
         if d[key] is not None:
             print(f"{key:12} {d[key]}")
+    print(f"{'tools':12} {tokenizer.describe_tools(m.path)}")
     blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
     print("per block    " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in blocks.items())
           + "; KV cache per token " + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in kv.items()))

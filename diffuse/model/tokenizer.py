@@ -348,6 +348,13 @@ class Tokenizer:
         return self.encode(messages[0]["content"], add_special=True)
 
 
+def describe_tools(model_dir: Path) -> str:
+    """How the model in `model_dir` is given tools and calls them, in words (`diffuse model info`)."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return "none (no tokenizer)"
+    return str(Tokenizer.load(model_dir).tool_form or "none (no chat template)")
+
+
 class StreamDecoder:
     """Incremental detokenisation: text is emitted only once its bytes form complete characters.
 
