@@ -12,7 +12,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,8 +23,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from diffuse.api import anthropic, ollama
 from diffuse.api.answers import Answers, Sessions
-from diffuse.client.backend import Overloaded, UnknownModel, Unservable
+from diffuse.api.respond import ApiError, Encode, Host, Respond, as_api_error, unless_disconnected
+from diffuse.client.backend import UnknownModel
 from diffuse.client.service import Service, first_servable
 from diffuse.api.page import PAGE
 from diffuse.api.schema import (
@@ -32,13 +34,11 @@ from diffuse.api.schema import (
     usage,
 )
 from diffuse.client.generate import Completion
-from diffuse.errors import DiffuseError, ModelError
+from diffuse.errors import DiffuseError
 from diffuse.metrics import PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
-from diffuse.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 << 20  # bytes; a prompt this long is far beyond any context anyway
-ENDPOINTS = {"/", "/status.json", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 
 @dataclass(frozen=True)
@@ -48,65 +48,6 @@ class Settings:
     max_queue: int = 64  # sessions requests may wait for; past them a 429
     default_max_tokens: int = 256  # when a request gives none (every token reserves KV cache)
     max_n: int = 8  # choices per request
-
-
-class ApiError(DiffuseError):
-    """An error as OpenAI writes it: HTTP status, type, param, code."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None, **extra: Any):
-        super().__init__(message)
-        self.status, self.headers = status, headers
-        self.body = error_body(message, type_, param, code, **extra)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body, self.status, self.headers)
-
-
-def as_api_error(e: Exception) -> ApiError:
-    """The status code and OpenAI error type that tell a client what to do about `e`."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, BadRequest):
-        return ApiError(400, str(e), "invalid_request_error", e.param, e.code)
-    if isinstance(e, ModelError):  # e.g. the chat template rejected the conversation
-        return ApiError(400, str(e), "invalid_request_error", "messages")
-    if isinstance(e, UnknownModel):
-        return ApiError(404, str(e), "invalid_request_error", "model", "model_not_found")
-    if isinstance(e, Unservable):
-        return ApiError(503, str(e), "service_unavailable", "model", "model_not_servable",
-                        {"Retry-After": "10"}, missing_blocks=e.missing)
-    if isinstance(e, Overloaded):
-        return ApiError(429, str(e), "rate_limit_error", None, "overloaded", {"Retry-After": str(e.retry_after)})
-    if isinstance(e, DiffuseError):  # the swarm failed under this answer (peers lost, no route)
-        return ApiError(503, str(e), "service_unavailable", None, "swarm_error")
-    return ApiError(500, "internal server error", "server_error")
-
-
-@dataclass
-class _Outcome:
-    finished: bool = False  # False: the client hung up first
-    value: Any = None
-    error: DiffuseError | None = None
-
-
-async def _unless_disconnected(receive, work: Callable[[], Awaitable[Any]]) -> _Outcome:
-    """Run `work` unless and until the client hangs up (a disconnect cancels it)."""
-    outcome = _Outcome()
-    async with trio.open_nursery() as nursery:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(watch)
-        try:
-            outcome.value = await work()
-        except DiffuseError as e:
-            outcome.error = e
-        outcome.finished = True
-        nursery.cancel_scope.cancel()
-    return outcome
 
 
 class Answering(Response):
@@ -142,7 +83,7 @@ class Answering(Response):
                 body["diffuse"] = report
             return JSONResponse(body, headers=self.model_headers)
 
-        outcome = await _unless_disconnected(receive, work)
+        outcome = await unless_disconnected(receive, work)
         if outcome.finished:
             response = as_api_error(outcome.error).response() if outcome.error else outcome.value
             await response(scope, receive, send)
@@ -176,7 +117,7 @@ class Answering(Response):
                 await event(self.shape.usage_chunk(self._usage(completions)))
             await event("[DONE]")
 
-        outcome = await _unless_disconnected(receive, work)
+        outcome = await unless_disconnected(receive, work)
         if not outcome.finished:
             return  # nobody is listening any more
         if outcome.error:  # headers are out: the error travels as an event, as OpenAI's do
@@ -192,14 +133,15 @@ class Api:
         self.sessions = Sessions(backend, settings.max_sessions, settings.max_queue)
 
     def _authorize(self, request: Request) -> None:
+        """A key as OpenAI's and Ollama's clients send it (Bearer), or as Anthropic's (x-api-key)."""
         if not self.settings.api_keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token_b = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token_b, k.encode())
-                                                 for k in self.settings.api_keys):
-            raise ApiError(401, "Incorrect API key provided: give a valid key as 'Authorization: Bearer KEY'",
-                           "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not given or not any(hmac.compare_digest(given.encode(), k.encode()) for k in self.settings.api_keys):
+            raise ApiError(401, "Incorrect API key provided: give a valid key as 'Authorization: Bearer KEY' "
+                           "or 'x-api-key: KEY'", "invalid_request_error", None, "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
 
     async def _body(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
@@ -228,22 +170,25 @@ class Api:
         texts = parse_prompts(body)
         return await self._answer(options, lambda tok: [tok.encode(p, add_special=True) for p in texts], TextShape)
 
-    async def _answer(self, options: Options, encode: Callable[[Tokenizer], list[list[int]]],
-                      shape: Callable[[str], Shape]) -> Response:
+    async def _answer(self, options: Options, encode: Encode, shape: Callable[[str], Shape]) -> Response:
+        return await self.answer(options, encode, lambda model, answers, prompt_tokens, headers: Answering(
+            answers, shape(model), options, prompt_tokens, headers))
+
+    async def answer(self, options: Options, encode: Encode, respond: Respond) -> Response:
         """The answer of the asked model or, when it is not servable, of the first of its
         fallbacks that is (each encodes the prompts with its own tokenizer), said in the
-        response's `model`, its headers and /metrics."""
+        response's `model`, its headers and /metrics; every dialect answers through here."""
         asked = options.model
 
-        async def attempt(model: str) -> Answering:
-            return await self._open(replace(options, model=model), encode(self.backend.tokenizer(model)), shape(model))
+        async def attempt(model: str) -> Response:
+            answers, prompt_tokens = await self._open(replace(options, model=model),
+                                                      encode(self.backend.tokenizer(model)))
+            named = {"x-diffuse-model": model} | ({"x-diffuse-asked-model": asked} if model != asked else {})
+            return respond(model, answers, prompt_tokens, named)
 
-        model, answering = await first_servable(self.backend, asked, attempt, log.warning)
-        if model != asked:
-            answering.model_headers["x-diffuse-asked-model"] = asked
-        return answering
+        return (await first_servable(self.backend, asked, attempt, log.warning))[1]
 
-    async def _open(self, options: Options, prompts: list[list[int]], shape: Shape) -> Answering:
+    async def _open(self, options: Options, prompts: list[list[int]]) -> tuple[Answers, int]:
         context = self.backend.context_length(options.model)
         longest = max(len(p) for p in prompts)
         max_tokens = options.params.max_tokens
@@ -258,7 +203,7 @@ class Api:
         await answers.open()
         prompt_tokens = sum(len(p) for p in prompts)
         PROMPT_TOKENS.labels(options.model).inc(prompt_tokens * options.n)
-        return Answering(answers, shape, options, prompt_tokens, {"x-diffuse-model": options.model})
+        return answers, prompt_tokens
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -313,13 +258,13 @@ class _CountRequests:
     """Counts responses by endpoint and status for /metrics (plain ASGI: Starlette's
     BaseHTTPMiddleware would buffer the event streams)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, endpoints: set[str]):
+        self.app, self.endpoints = app, endpoints
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
@@ -330,8 +275,10 @@ class _CountRequests:
 
 
 def create_app(backend: Service, settings: Settings = Settings()):
-    """The ASGI app: the OpenAI endpoints under /v1, /metrics, /status.json and the page at /."""
+    """The ASGI app: the OpenAI endpoints under /v1, Ollama's under /api, Anthropic's Messages
+    at /v1/messages, /metrics, /status.json and the page at /."""
     api = Api(backend, settings)
+    host = Host(backend, api._authorize, api._body, api.answer, settings.default_max_tokens)
     routes = [
         Route("/", api.page),
         Route("/status.json", api.status),
@@ -340,7 +287,9 @@ def create_app(backend: Service, settings: Settings = Settings()):
         Route("/v1/models/{model:path}", api.model),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        *ollama.routes(host),
+        *anthropic.routes(host),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _on_error, DiffuseError: _on_error,
                                                        Exception: _on_error})
-    return _CountRequests(app)
+    return _CountRequests(app, {r.path for r in routes if "{" not in r.path})

@@ -1,0 +1,269 @@
+"""Ollama's API on the same server: /api/chat, /api/generate, /api/tags, /api/show, /api/version.
+
+Every answer takes the OpenAI endpoints' path (the asked model or its first servable fallback,
+the same sessions and queue); this module is only Ollama's wire format: newline-delimited JSON
+when streaming (Ollama's default), the last line with `done`, `done_reason`, token counts and
+durations in nanoseconds; errors as `{"error": message}`. Sampling defaults are Ollama's own.
+Options that would change the answer in ways this server cannot reproduce are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from diffuse.api.answers import Answers
+from diffuse.api.respond import ApiError, Dialect, Encode, Host, Respond, Single, guarded, read, refuse
+from diffuse.api.schema import BadRequest, Options
+from diffuse.client.backend import UnknownModel
+from diffuse.client.generate import Completion
+from diffuse.client.sampling import SamplingParams
+from diffuse.model import store
+from diffuse.model.engine import block_parameters
+from diffuse.validate import Int64
+
+VERSION = "0.12.0"  # the Ollama release whose API this follows; clients ask for it first
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a request gives none
+MAX_STOP = 16
+_NEUTRAL_OPTIONS = {"mirostat": (0,), "typical_p": (1.0,), "tfs_z": (1.0,), "min_p": (0.0,)}
+_REFUSED = {"format": (None, ""), "tools": (None, []), "think": (None, False), "images": (None, []),
+            "context": (None, []), "suffix": (None, ""), "template": (None, ""), "logprobs": (None, False)}
+_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+
+
+class SamplingOptions(msgspec.Struct):
+    """The `options` that shape an answer; load-time ones (num_ctx, num_thread, ...) are ignored."""
+
+    temperature: Annotated[float, Meta(ge=0)] = DEFAULTS["temperature"]
+    top_k: Annotated[int, Meta(ge=0)] = int(DEFAULTS["top_k"])
+    top_p: Annotated[float, Meta(gt=0, le=1)] = DEFAULTS["top_p"]
+    seed: Int64 | None = None
+    num_predict: Annotated[int, Meta(ge=-2)] | None = None  # -1 and -2 (no limit): the server's --max-tokens
+    stop: Annotated[list[str], Meta(max_length=MAX_STOP)] = []
+    repeat_penalty: Annotated[float, Meta(gt=0)] = 1.0  # over the whole context
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+
+
+class Message(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+
+
+class Asking(msgspec.Struct):
+    model: Annotated[str, Meta(min_length=1)]
+    stream: bool = True
+    options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+
+
+class Chat(Asking):
+    messages: list[Message] = []
+
+
+class Generate(Asking):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False  # the prompt as it is, without the chat template
+
+
+class Show(msgspec.Struct):
+    model: str | None = None
+    name: str | None = None  # older clients' name for it
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def _name(model: str) -> str:
+    """Ollama names carry a tag, `:latest` by default; this server's models have none."""
+    return model.removesuffix(":latest")
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def _error(error: ApiError) -> dict[str, Any]:
+    return {"error": str(error)}
+
+
+class OllamaAnswer(Dialect):
+    """One answer of /api/chat (a `message`) or /api/generate (a `response`)."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(self, model: str, answers: Answers, chat: bool):
+        self.model, self.answers, self.chat = model, answers, chat
+
+    def _text(self, text: str) -> dict[str, Any]:
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+        return {"model": self.model, "created_at": _now()} | content
+
+    def _done(self, c: Completion) -> dict[str, Any]:
+        arrived, opened = self.answers.arrived, self.answers.opened
+        return {"done": True, "done_reason": c.finish_reason, "total_duration": _ns(time.perf_counter() - arrived),
+                "load_duration": _ns(opened - arrived), "prompt_eval_count": c.prompt_tokens,
+                "prompt_eval_duration": _ns(c.timings["first_token_s"]), "eval_count": len(c.token_ids),
+                "eval_duration": _ns(c.timings["decode_s"])}
+
+    def piece(self, text: str) -> bytes:
+        return _line(self._text(text) | {"done": False})
+
+    def closing(self, completion: Completion) -> list[bytes]:
+        return [_line(self._text("") | self._done(completion))]
+
+    def whole(self, completion: Completion) -> dict[str, Any]:
+        return self._text(completion.text) | self._done(completion)
+
+    def error(self, error: ApiError) -> dict[str, Any]:
+        return _error(error)
+
+    def stream_error(self, error: ApiError) -> bytes:
+        return _line(_error(error))
+
+
+def options(asking: Asking, given_options: dict[str, Any], default_max_tokens: int) -> Options:
+    """Ollama's `options` as the answer path's: n is 1, usage is always in the last line."""
+    refuse(given_options, _NEUTRAL_OPTIONS, "options.")
+    o = asking.options
+    if o.num_predict == 0:
+        raise BadRequest("options.num_predict: 0 asks for no tokens; give a count, or -1 for the server's default",
+                         "options.num_predict")
+    count = o.num_predict or -1
+    given = count > 0
+    params = SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed,
+                            repetition_penalty=o.repeat_penalty, stop=o.stop,
+                            max_tokens=count if given else default_max_tokens)
+    return Options(model=_name(asking.model), params=params, max_tokens_given=given, n=1,
+                   presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, stream=asking.stream,
+                   include_usage=False)
+
+
+def _prompt(r: Generate) -> Encode:
+    """/api/generate's prompt: through the chat template as a user's turn after `system`, or `raw`."""
+    if r.raw:
+        return lambda tok: [tok.encode(r.prompt, add_special=True)]
+    messages = [{"role": "system", "content": r.system}] * bool(r.system) + [{"role": "user", "content": r.prompt}]
+    return lambda tok: [tok.encode_chat(messages)]
+
+
+def _respond(chat: bool, stream: bool) -> Respond:
+    return lambda model, answers, prompt_tokens, headers: Single(answers, OllamaAnswer(model, answers, chat),
+                                                                 stream, headers)
+
+
+class Ollama:
+    """The handlers, bound to the API's answer path."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def _loaded(self, model: str, chat: bool) -> Response:
+        """Ollama's answer to nothing to say (how its clients load a model): done at once."""
+        self.host.backend.tokenizer(model)  # an unknown model is a 404 all the same
+        content = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        body = {"model": model, "created_at": _now()} | content | {"done": True, "done_reason": "load"}
+        return JSONResponse(body)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self.host.body(request)
+        refuse(body, _REFUSED)
+        r = read(body, Chat)
+        messages = [{"role": m.role, "content": m.content} for m in r.messages]
+        for i, m in enumerate(body.get("messages") or []):
+            refuse(m, {"images": (None, []), "tool_calls": (None, [])}, f"messages[{i}].")
+        if not messages:
+            return self._loaded(_name(r.model), chat=True)
+        return await self.host.answer(options(r, body.get("options") or {}, self.host.default_max_tokens),
+                                      lambda tok: [tok.encode_chat(messages)], _respond(True, r.stream))
+
+    async def generate(self, request: Request) -> Response:
+        body = await self.host.body(request)
+        refuse(body, _REFUSED)
+        r = read(body, Generate)
+        if not r.prompt:
+            return self._loaded(_name(r.model), chat=False)
+        return await self.host.answer(options(r, body.get("options") or {}, self.host.default_max_tokens), _prompt(r),
+                                      _respond(False, r.stream))
+
+    async def tags(self, request: Request) -> Response:
+        self.host.authorize(request)
+        held, offered = self._held(), await self.host.backend.models()
+        return JSONResponse({"models": [_tag(c["model"], held.get(c["model"])) for c in offered]})
+
+    async def show(self, request: Request) -> Response:
+        r = read(await self.host.body(request), Show)
+        model = _name(r.model or r.name or "")
+        offered = [c["model"] for c in await self.host.backend.models()]
+        info = self._held().get(model)
+        if model not in offered or info is None:
+            raise UnknownModel(model, offered)
+        cfg = info.config
+        parameters = {**DEFAULTS, "num_predict": self.host.default_max_tokens}
+        return JSONResponse({
+            "license": info.licence or "", "template": self.host.backend.tokenizer(model).chat_template or "",
+            "parameters": "\n".join(f"{k} {v}" for k, v in parameters.items()),
+            "details": _details(info), "modified_at": _modified(info), "capabilities": ["completion"],
+            "model_info": {"general.architecture": cfg.arch, "general.parameter_count": _parameters(info),
+                           f"{cfg.arch}.context_length": cfg.max_position_embeddings,
+                           f"{cfg.arch}.embedding_length": cfg.hidden_size, f"{cfg.arch}.block_count": cfg.num_layers,
+                           f"{cfg.arch}.feed_forward_length": cfg.intermediate_size,
+                           f"{cfg.arch}.attention.head_count": cfg.num_heads,
+                           f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads,
+                           f"{cfg.arch}.rope.freq_base": cfg.rope_theta, f"{cfg.arch}.vocab_size": cfg.vocab_size,
+                           "diffuse.attention": info.attention, "diffuse.model_hash": info.manifest.model_hash}})
+
+    def _held(self) -> dict[str, store.ModelInfo]:
+        """The store's models by id (a model offered from a directory outside it has no entry)."""
+        return {i.manifest.model_id: i for i in store.list_models(self.host.backend.config.home)}
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+
+def _parameters(info: store.ModelInfo) -> int:
+    cfg = info.config
+    head = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    return head + sum(block_parameters(cfg, i) for i in range(cfg.num_layers))
+
+
+def _modified(info: store.ModelInfo) -> str:
+    mtime = (info.path / "config.json").stat().st_mtime
+    return datetime.fromtimestamp(mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _details(info: store.ModelInfo) -> dict[str, Any]:
+    n = _parameters(info)
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    return {"parent_model": "", "format": "safetensors", "family": info.config.arch, "families": [info.config.arch],
+            "parameter_size": size, "quantization_level": _DTYPES.get(info.manifest.dtype, info.manifest.dtype)}
+
+
+def _tag(model: str, info: store.ModelInfo | None) -> dict[str, Any]:
+    """A model as /api/tags lists it; the store's facts where the store holds it."""
+    facts = {} if info is None else {"modified_at": _modified(info), "size": info.size_bytes,
+                                     "digest": info.manifest.model_hash, "details": _details(info)}
+    return {"name": model, "model": model} | facts
+
+
+def routes(host: Host) -> list[Route]:
+    """Ollama's endpoints, each answering its errors as Ollama does."""
+    o = Ollama(host)
+    return [Route(path, guarded(handler, _error), methods=[method]) for path, handler, method in (
+        ("/api/chat", o.chat, "POST"), ("/api/generate", o.generate, "POST"), ("/api/tags", o.tags, "GET"),
+        ("/api/show", o.show, "POST"), ("/api/version", o.version, "GET"))]
