@@ -2,7 +2,8 @@
 
 One `diffuse api --local` process serves the embedded model for the module; each dialect must give
 the OpenAI endpoints' greedy answer to the same prompt and length, streamed or whole, list the
-models, and speak its own error shape.
+models, and speak its own error shape. The last test asks the same through a loopback swarm (a
+sentinel and one peer serving the blocks the API does not compute).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ollama
 import openai
 import pytest
 
-from support.procs import DIFFUSE, start_server, stop_server
+from support.procs import DIFFUSE, Procs, start_server, stop_server
 from diffuse.home import DEFAULT_MODEL
 from diffuse.model.tokenizer import Tokenizer
 
@@ -201,3 +202,30 @@ def test_anthropic_keys_as_x_api_key_and_its_refusal(api):
     missing = httpx.post(api + "/v1/messages", json={"model": DEFAULT_MODEL, "messages": ASK},
                          headers={"x-api-key": KEY})
     assert missing.status_code == 400 and "max_tokens" in json.loads(missing.text)["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def swarm_api(home, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("swarm")
+    with Procs(home) as procs:
+        boot = procs.start("sentinel", "--identity", str(keys / "sentinel.key"),
+                           "--listen", "/ip4/127.0.0.1/tcp/0").readline(timeout=120)
+        common = ["--bootstrap", boot, "--listen", "/ip4/127.0.0.1/tcp/0"]
+        procs.start("join", "--identity", str(keys / "peer.key"), "--blocks", "1:30", *common).read_until(
+            "serving", timeout=300)
+        api = procs.start("api", *common[:2], "--listen", "127.0.0.1:0", "--max-tokens", "32", "--wait", "60",
+                          "--no-trust", "--no-speculate")  # one plain answer to compare, whoever asks
+        yield api.read_until("listening on", timeout=300)[-1].split()[-1]
+
+
+@pytest.mark.timeout(900)
+def test_dialects_through_a_swarm_give_the_openai_answer(swarm_api):
+    client = openai.OpenAI(base_url=swarm_api + "/v1", api_key="unused", max_retries=0, timeout=300)
+    want = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0, max_tokens=LENGTH)
+    assert "Paris" in want.choices[0].message.content and want.model_extra["diffuse"]["tokens"]["peers"] > 0
+    parts = ollama.Client(host=swarm_api, timeout=300).chat(model=DEFAULT_MODEL, messages=ASK, options=GREEDY,
+                                                            stream=True)
+    assert "".join(p.message.content for p in parts) == want.choices[0].message.content
+    whole = anthropic.Anthropic(base_url=swarm_api, api_key="unused", max_retries=0, timeout=300).messages.create(
+        model=DEFAULT_MODEL, max_tokens=LENGTH, messages=ASK, extra_body=ZERO)
+    assert whole.content[0].text == want.choices[0].message.content
