@@ -117,7 +117,8 @@ def test_completions_whole_streamed_stop_seed_and_n(client):
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"max_tokens": 10**6}, "max_tokens"),
 ])
 def test_bad_requests_are_400_naming_the_field(client, kwargs, param):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import torch
 import trio
@@ -18,7 +19,7 @@ from torch import Tensor
 from diffuse.client.backend import Backend, Overloaded
 from diffuse.client.generate import Completion, Generation, TokenSource, session_length, stream_tokens
 from diffuse.client.pipeline import Pipeline
-from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.sampling import Logprob, Sampler, SamplingParams
 from diffuse.client.speculative import PLAIN, SpecConfig, SpecState
 from diffuse.client.swarm import route_report
 from diffuse.metrics import (
@@ -96,15 +97,15 @@ class Penalized:
     """OpenAI's presence and frequency penalties, as a wrapper around a Sampler: logit[t] is
     lowered by frequency * (times t was generated) + presence * (t was generated at all), before
     the sampler's own temperature, top-p and repetition penalty. Only generated tokens count,
-    not the prompt, as in OpenAI's definition."""
+    not the prompt, as in OpenAI's definition. The rest (its generator, constraint, what was
+    taken) is the sampler's own."""
 
     def __init__(self, sampler: Sampler, prompt_len: int, presence: float, frequency: float):
         self.sampler, self.p = sampler, sampler.p
         self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
 
-    @property
-    def gen(self) -> torch.Generator:  # speculative verification draws from the sampler's generator
-        return self.sampler.gen
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sampler, name)
 
     def penalized(self, logits: Tensor, context: Tensor | None) -> Tensor:
         if context is not None and len(context) > self.prompt_len:
@@ -176,6 +177,8 @@ class Answers:
         self.pipelines: list[Pipeline] = []
         self.opened = 0.0
         self.reports: list[dict] = []  # where each finished choice's tokens were computed (swarm sessions)
+        self.generations: list[Generation | None] = [None] * len(choices)
+        self.scored = [0] * len(choices)  # per choice, the tokens whose log-probabilities went out
 
     async def open(self) -> None:
         backend = self.sessions.backend
@@ -194,8 +197,8 @@ class Answers:
 
         async def one(i: int, nursery: trio.Nursery) -> None:
             prompt, params = self.choices[i]
-            gen = Generation(self.pipelines[i], self.tokenizer, prompt, params, self.source)
             try:
+                gen = self.generations[i] = Generation(self.pipelines[i], self.tokenizer, prompt, params, self.source)
                 async for piece in gen:
                     await emit(i, piece, None)
                 done[i] = gen.completion
@@ -216,6 +219,14 @@ class Answers:
         if errors:
             raise errors[0]  # as itself, not wrapped in an ExceptionGroup, so callers can map it
         return [c for c in done if c is not None]
+
+    def logprobs_since(self, i: int) -> list[Logprob] | None:
+        """Choice `i`'s log-probabilities not yet handed out (an emit sends those of its tokens);
+        None when the request did not ask for them."""
+        gen = self.generations[i]
+        new = gen.logprobs[self.scored[i]:] if gen is not None and gen.logprobs is not None else None
+        self.scored[i] += len(new or ())
+        return new
 
     def report(self) -> dict | None:
         """The choices' route reports as one (route of the first, the rest added up): the

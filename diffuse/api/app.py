@@ -56,6 +56,7 @@ class Answering(Response):
     def __init__(self, answers: Answers, shape: Shape, options: Options, prompt_tokens: int,
                  headers: dict[str, str]):
         self.answers, self.shape, self.options, self.prompt_tokens = answers, shape, options, prompt_tokens
+        shape.scored = answers.logprobs_since  # each chunk carries its tokens' log-probabilities
         self.model_headers = headers  # which model answers (x-diffuse-model), and which was asked if another
         self.background = None
 
@@ -166,7 +167,7 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
+        options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n, chat=False)
         texts = parse_prompts(body)
         return await self._answer(options, lambda tok: [tok.encode(p, add_special=True) for p in texts], TextShape)
 

@@ -2,8 +2,9 @@
 
 Pure functions, no I/O. Requests are checked against msgspec Structs (diffuse/validate.py);
 a failure names the offending field (`param`), as OpenAI's 400s do, so a client library shows
-which argument to fix. Fields we cannot honour faithfully (log-probs, tools, logit bias, echo)
-are refused rather than silently ignored.
+which argument to fix. Fields we cannot honour faithfully (tools, logit bias, echo, best_of,
+suffix) are refused rather than silently ignored. `response_format` becomes an OutputConstraint
+that decoding enforces (client/constrain.py); log-probabilities are the model's raw log-softmax.
 """
 
 from __future__ import annotations
@@ -11,21 +12,23 @@ from __future__ import annotations
 import secrets
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
+from diffuse.client.constrain import ConstraintError, OutputConstraint
 from diffuse.client.generate import Completion
-from diffuse.client.sampling import SamplingParams
+from diffuse.client.sampling import MAX_LOGPROBS, Logprob, SamplingParams
 from diffuse.errors import DiffuseError
 from diffuse.validate import Int64, Malformed, convert
 
 T = TypeVar("T")
 
 MAX_STOP = 4  # as OpenAI
-_REFUSED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+_REFUSED = {"tools": (None, []), "functions": (None, []),
             "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
 
@@ -97,6 +100,38 @@ class Chat(msgspec.Struct):
     messages: Annotated[list[Message], Meta(min_length=1)]
 
 
+class JsonSchemaSpec(msgspec.Struct):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    schema: dict[str, Any] = {}  # OpenAI's default: any JSON
+    strict: bool | None = None  # the schema is always enforced, strict or not
+    description: str | None = None
+
+
+class TextFormat(msgspec.Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaFormat(msgspec.Struct, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaSpec
+
+
+class Formats(msgspec.Struct):
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = None
+
+
+class ChatLogprobs(msgspec.Struct):
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class TextLogprobs(msgspec.Struct):
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None  # the legacy API's bound
+
+
 class Prompts(msgspec.Struct):
     prompt: str | Annotated[list[str], Meta(min_length=1)]  # the legacy completions prompt: each gets n choices
 
@@ -109,8 +144,8 @@ def _read(body: dict[str, Any], type_: type[T]) -> T:
         raise BadRequest(str(e), e.field) from None
 
 
-def parse_options(body: dict[str, Any], default_max_tokens: int, max_n: int) -> Options:
-    """The sampling and delivery options shared by chat and text completions."""
+def parse_options(body: dict[str, Any], default_max_tokens: int, max_n: int, chat: bool = True) -> Options:
+    """The sampling and delivery options shared by chat and text completions (`chat`: which)."""
     r = _read(body, Request)
     for name, allowed in _REFUSED.items():
         if name in body and body[name] not in allowed:
@@ -120,10 +155,39 @@ def parse_options(body: dict[str, Any], default_max_tokens: int, max_n: int) -> 
     max_tokens = r.max_completion_tokens or r.max_tokens
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                             max_tokens=max_tokens or default_max_tokens,
-                            stop=[r.stop] if isinstance(r.stop, str) else r.stop)
+                            stop=[r.stop] if isinstance(r.stop, str) else r.stop,
+                            constraint=parse_format(body), logprobs=parse_logprobs(body, chat))
     return Options(model=r.model, params=params, max_tokens_given=max_tokens is not None, n=r.n,
                    presence_penalty=r.presence_penalty, frequency_penalty=r.frequency_penalty, stream=r.stream,
                    include_usage=bool(r.stream_options and r.stream_options.include_usage))
+
+
+def parse_format(body: dict[str, Any]) -> OutputConstraint | None:
+    """`response_format` as the constraint decoding enforces; one that does not compile is a
+    400 naming it."""
+    f = _read(body, Formats).response_format
+    if isinstance(f, JsonSchemaFormat):
+        constraint = OutputConstraint("json_schema", f.json_schema.schema)
+    elif isinstance(f, JsonObjectFormat):
+        constraint = OutputConstraint("json_object")
+    else:
+        return None
+    try:
+        constraint.check()
+    except ConstraintError as e:
+        raise BadRequest(f"response_format: the schema does not compile: {e}", "response_format") from None
+    return constraint
+
+
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives to report with each token's log-probability (None: no log-probs):
+    chat's `logprobs: true` with `top_logprobs`, or the legacy completions' `logprobs: N`."""
+    if not chat:
+        return _read(body, TextLogprobs).logprobs
+    r = _read(body, ChatLogprobs)
+    if r.top_logprobs is not None and not r.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (r.top_logprobs or 0) if r.logprobs else None
 
 
 def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -149,8 +213,42 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}}
 
 
+LEAST_LOGPROB = -9999.0  # what OpenAI writes for a token with no chance (JSON has no -inf)
+
+
+def _spelt(entry: Logprob) -> tuple[str, float]:
+    return entry.bytes.decode("utf-8", errors="replace"), max(entry.logprob, LEAST_LOGPROB)
+
+
+def chat_logprobs(entries: list[Logprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat's `logprobs` of a choice or a chunk: per token, its text, bytes and
+    log-probability, and the likeliest tokens there."""
+    if not entries:
+        return None
+
+    def one(e: Logprob) -> dict[str, Any]:
+        token, logprob = _spelt(e)
+        return {"token": token, "logprob": logprob, "bytes": list(e.bytes)}
+
+    return {"content": [one(e) | {"top_logprobs": [one(t) for t in e.top]} for e in entries], "refusal": None}
+
+
+def text_logprobs(entries: list[Logprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """The legacy completions' `logprobs`: tokens, their log-probabilities, the likeliest tokens
+    there (with the chosen one) and where each token starts in the text (from `offset`)."""
+    if not entries:
+        return None
+    tokens = [_spelt(e) for e in entries]
+    starts = [offset + sum(len(t) for t, _ in tokens[:k]) for k in range(len(tokens))]
+    tops = [dict(map(_spelt, e.top)) | dict([t]) for e, t in zip(entries, tokens)]
+    return {"tokens": [t for t, _ in tokens], "token_logprobs": [lp for _, lp in tokens],
+            "top_logprobs": tops, "text_offset": starts}
+
+
 class Shape(ABC):
-    """How one kind of completion is written: whole, or as stream chunks."""
+    """How one kind of completion is written: whole, or as stream chunks. A stream's chunks carry
+    the log-probabilities of the tokens since the last one, from `scored` (choice index -> them,
+    None when not asked for), which the response sets."""
 
     object: str
     chunk_object: str
@@ -158,6 +256,7 @@ class Shape(ABC):
 
     def __init__(self, model: str):
         self.model, self.id, self.created = model, self.prefix + secrets.token_hex(12), int(time.time())
+        self.scored: Callable[[int], list[Logprob] | None] = lambda index: None
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -187,23 +286,32 @@ class ChatShape(Shape):
 
     def chunk(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
-        return self._envelope(self.chunk_object, [{"index": index, "delta": delta, "logprobs": None,
+        return self._envelope(self.chunk_object, [{"index": index, "delta": delta,
+                                                   "logprobs": chat_logprobs(self.scored(index)),
                                                    "finish_reason": finish}])
 
     def whole(self, completions: list[Completion], usage_: dict[str, int]) -> dict[str, Any]:
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
+                    "logprobs": chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                   for i, c in enumerate(completions)]
         return self._envelope(self.object, choices) | {"usage": usage_}
 
 
 class TextShape(Shape):
     object, chunk_object, prefix = "text_completion", "text_completion", "cmpl-"
 
+    def __init__(self, model: str):
+        super().__init__(model)
+        self.offsets: dict[int, int] = {}  # per choice, the length of the text its logprobs covered
+
     def chunk(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
-        return self._envelope(self.chunk_object, [{"index": index, "text": text, "logprobs": None,
+        logprobs = text_logprobs(self.scored(index), self.offsets.get(index, 0))
+        if logprobs:
+            self.offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return self._envelope(self.chunk_object, [{"index": index, "text": text, "logprobs": logprobs,
                                                    "finish_reason": finish}])
 
     def whole(self, completions: list[Completion], usage_: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                   for i, c in enumerate(completions)]
+        choices = [{"index": i, "text": c.text, "logprobs": text_logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason} for i, c in enumerate(completions)]
         return self._envelope(self.object, choices) | {"usage": usage_}

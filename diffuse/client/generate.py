@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from diffuse.client.pipeline import Pipeline
-from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.sampling import Logprob, Sampler, SamplingParams
 from diffuse.control.routing import NoRoute
 from diffuse.client.speculative import SpecConfig, SpecState, kv_headroom, speculative_tokens
 from diffuse.errors import Rewind
@@ -20,12 +20,13 @@ from diffuse.errors import Rewind
 class Completion:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (end of turn or stop string), "length", or "uncovered blocks A-B" (no route left)
+    finish_reason: str  # "stop" (end of turn, stop string, constraint complete), "length", or "uncovered blocks A-B"
     prompt_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)  # tokens each decode round trip produced
     positions: list[int] = field(default_factory=list)  # positions each decode round trip sent
     modes: list[str] = field(default_factory=list)  # each round trip's mode: tree, plain or held (speculative.py)
+    logprobs: list[Logprob] | None = None  # one per token id, when SamplingParams.logprobs asked for them
 
     @property
     def tokens_per_step(self) -> float:
@@ -57,8 +58,9 @@ TokenSource = Callable[[Pipeline, list[int], Sampler, set[int]], AsyncIterator[i
 async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
                         eos_ids: set[int], speculate: SpecConfig | None = None,
                         state: SpecState | None = None) -> AsyncIterator[int]:
-    """Yield sampled token ids until an end-of-turn token (not yielded) or max_tokens; with
-    `speculate`, several per forward (client/speculative.py), the same ids under greedy."""
+    """Yield sampled token ids until an end-of-turn token (not yielded), max_tokens or the
+    sampler's constraint is complete; with `speculate`, several per forward
+    (client/speculative.py), the same ids under greedy. Each chosen token is `take`n."""
     if speculate is not None:
         async for token in speculative_tokens(pipeline, prompt, sampler, eos_ids, speculate, state):
             yield token
@@ -72,14 +74,16 @@ async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
                 logits = (await pipeline.forward(torch.tensor([tokens[fed:]]), rows=slice(-1, None)))[0, -1]
                 fed = len(tokens)
                 token = sampler.sample(logits, torch.tensor(tokens))
+                sampler.take(logits, token)
                 done = token in eos_ids
                 if not done:
                     tokens.append(token)
-                    done = len(tokens) - len(prompt) == sampler.p.max_tokens
+                    done = len(tokens) - len(prompt) == sampler.p.max_tokens or sampler.stopped
             if done:
                 await pipeline.settle()
         except Rewind as r:  # a peer was caught: what followed its bad step is recomputed
             del tokens[max(r.length + 1, len(prompt)):]
+            sampler.rewind(len(tokens) - len(prompt))
             fed, done = r.length, False
             continue
         # A token is shown once no pending check can rewind past the step that produced it.
@@ -130,14 +134,20 @@ class Generation:
         self.speculate = speculate if tokens is None else None
         self.state = (state or SpecState()) if self.speculate else None
         self.tokens = tokens or (lambda *a: stream_tokens(*a, speculate=self.speculate, state=self.state))
+        self.sampler = Sampler(params, tokenizer)  # compiles the constraint now, before any token
+        self.ids: list[int] = []
         self.completion: Completion | None = None
+
+    @property
+    def logprobs(self) -> list[Logprob] | None:
+        """The log-probabilities of the tokens so far, when the parameters ask for them."""
+        return None if self.params.logprobs is None else self.sampler.logprobs[:len(self.ids)]
 
     async def __aiter__(self) -> AsyncIterator[str]:
         from diffuse.model.tokenizer import StreamDecoder
 
-        params = self.params
-        sampler, decoder, stopper = Sampler(params), StreamDecoder(self.tokenizer), StopText(params.stop)
-        ids: list[int] = []
+        params, sampler, ids = self.params, self.sampler, self.ids
+        decoder, stopper = StreamDecoder(self.tokenizer), StopText(params.stop)
         pieces: list[str] = []
         t0 = time.perf_counter()
         t_first = None
@@ -156,7 +166,7 @@ class Generation:
                     finish = "stop"
                     break
             else:
-                if len(ids) < params.max_tokens:
+                if len(ids) < params.max_tokens or sampler.stopped:
                     finish = "stop"
         except NoRoute as e:
             if not ids:  # nothing to keep: the caller says what failed
@@ -177,7 +187,7 @@ class Generation:
             text="".join(pieces), token_ids=ids, finish_reason=finish, prompt_tokens=len(self.prompt),
             timings={"first_token_s": t_first - t0, "decode_s": decode_s, "total_s": t_end - t0,
                      "tokens_per_s": (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0},
-            steps=list(steps), positions=list(positions), modes=list(modes),
+            steps=list(steps), positions=list(positions), modes=list(modes), logprobs=self.logprobs,
         )
 
 

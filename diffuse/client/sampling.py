@@ -1,11 +1,17 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p, repetition penalty."""
+"""Turning logits into the next token: greedy, temperature, top-k, top-p, repetition penalty, an
+output constraint; and the log-probabilities of the tokens chosen."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from diffuse.client.constrain import Guide, OutputConstraint, compiler
+
+MAX_LOGPROBS = 20  # alternatives reported per token at most (OpenAI's top_logprobs bound)
 
 
 @dataclass
@@ -19,6 +25,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
+    constraint: OutputConstraint | None = None  # what the answer must match (client/constrain.py)
+    logprobs: int | None = None  # likeliest alternatives to report with each token's log-probability
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -31,19 +39,78 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-class Sampler:
-    """Stateful only in its random generator, so a seed reproduces a whole answer."""
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model (the raw log-softmax of its logits, before
+    penalties, temperature and constraint), its bytes (a token may hold part of a UTF-8
+    character) and, for a chosen token, the likeliest tokens there, likeliest first."""
 
-    def __init__(self, params: SamplingParams):
+    token: int
+    bytes: bytes
+    logprob: float
+    top: tuple[Logprob, ...] = ()
+
+
+def logprob_of(logits: Tensor, token: int, top: int, spell: Callable[[list[int]], list[bytes]]) -> Logprob:
+    """`token`'s entry from logits [V]; the chosen token comes first among equally likely ones.
+    `spell` gives tokens' bytes."""
+    logp = logits.float().log_softmax(-1)
+    chosen = float(logp[token])
+    values, ids = logp.topk(top)
+    ranked = list(zip(ids.tolist(), values.tolist()))
+    if ranked and token not in ids and chosen >= ranked[-1][1]:  # a tie topk cut the other way
+        ranked[-1] = (token, chosen)
+    ranked.sort(key=lambda t: (-t[1], t[0] != token))
+    spelt = spell([token] + [i for i, _ in ranked])
+    return Logprob(token, spelt[0], chosen, tuple(Logprob(i, b, v) for (i, v), b in zip(ranked, spelt[1:])))
+
+
+class Sampler:
+    """Stateful in its random generator, so a seed reproduces a whole answer, and in what it was
+    told was chosen (`take`): the constraint's place in its grammar and the log-probabilities.
+    A constraint needs the tokenizer (its grammar is compiled against the vocabulary), and so do
+    log-probabilities (they spell their tokens)."""
+
+    def __init__(self, params: SamplingParams, tokenizer=None):
         self.p = params
         self.gen = torch.Generator()
         self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        if tokenizer is None and (params.constraint is not None or params.logprobs is not None):
+            raise ValueError("a sampler with a constraint or log-probabilities needs the tokenizer")
+        self.tokenizer = tokenizer
+        self.guide = Guide.start(params.constraint, tokenizer) if params.constraint is not None else None
+        self.logprobs: list[Logprob] = []  # one per token taken, when params.logprobs is set
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the constraint is complete, so the answer ends here."""
+        return self.guide is not None and self.guide.stopped
+
+    def allowed(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order after the last one taken, the constraint allows."""
+        return len(tokens) if self.guide is None else self.guide.allowed(tokens)
+
+    def take(self, logits: Tensor, token: int) -> None:
+        """`token` was chosen from `logits` [V] (the model's, unadjusted): advance the constraint
+        and note its log-probability."""
+        if self.p.logprobs is not None:
+            self.logprobs.append(logprob_of(logits, token, self.p.logprobs, compiler(self.tokenizer).token_bytes))
+        if self.guide is not None and not self.guide.stopped:
+            self.guide.accept(token)
+
+    def rewind(self, length: int) -> None:
+        """Forget every token taken after the first `length` (a rewound generation redoes them)."""
+        del self.logprobs[length:]
+        if self.guide is not None:
+            self.guide.rewind(length)
 
     def probs(self, logits: Tensor, context: Tensor | None = None) -> Tensor:
         """The distribution [.., V] the next token is drawn from (one-hot under greedy)."""
@@ -62,7 +129,10 @@ class Sampler:
         return logits.softmax(-1)
 
     def adjust(self, logits: Tensor, context: Tensor | None) -> Tensor:
-        """Repetition penalty as in CTRL / transformers: shrink the logits of seen tokens."""
+        """The constraint (what it forbids after the tokens taken goes to -inf), then the
+        repetition penalty as in CTRL / transformers (shrink the logits of seen tokens)."""
+        if self.guide is not None:
+            logits = self.guide.mask(logits)
         if self.p.repetition_penalty == 1.0 or context is None or not len(context):
             return logits
         seen = logits.gather(-1, context.expand(*logits.shape[:-1], -1))

@@ -25,7 +25,7 @@ import statistics
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -147,7 +147,9 @@ def verify(tokens: Sequence[int], parents: Sequence[int], logits: Tensor, sample
     children in order, accepting token x with probability p(x) under what is left of p, else
     removing x from p; the token after the last accepted node is drawn from the remainder. A
     guess is a point mass, so this is the rejection rule and every token is distributed exactly
-    as plain sampling would draw it. `context` ends with the root; logits are [T, V].
+    as plain sampling would draw it. `context` ends with the root; logits are [T, V]. Every
+    token chosen is `take`n in order, so a constraint rejects the guesses it forbids and moves on
+    with those accepted.
     """
     kids = children_of(parents)
     ctx = list(context)
@@ -170,7 +172,9 @@ def verify(tokens: Sequence[int], parents: Sequence[int], logits: Tensor, sample
             if chosen is None:
                 target = int(torch.multinomial(p, 1, generator=sampler.gen))
         if chosen is None:
+            sampler.take(logits[node], target)
             return path, target
+        sampler.take(logits[node], tokens[chosen])
         path.append(chosen)
         ctx.append(tokens[chosen])
         node = chosen
@@ -183,11 +187,14 @@ class Draft:
 
     Each node remembers its kind (source, depth, rank among its siblings): acceptance is
     learned per kind, since a 3-token prompt match deep in a copied passage is a far safer bet
-    than the third-best pool n-gram.
+    than the third-best pool n-gram. `allowed` (how many leading tokens of a guess an output
+    constraint allows after the root) cuts guesses short, so no position is spent on a token
+    verification would reject.
     """
 
-    def __init__(self, root: int, max_nodes: int, max_depth: int):
-        self.max_nodes, self.max_depth = max_nodes, max_depth
+    def __init__(self, root: int, max_nodes: int, max_depth: int,
+                 allowed: Callable[[Sequence[int]], int] | None = None):
+        self.max_nodes, self.max_depth, self.allowed = max_nodes, max_depth, allowed
         self.tokens, self.parents = [root], [-1]
         self.kinds: list[tuple[str, int, int]] = [("root", 0, 0)]
         self.children: list[dict[int, int]] = [{}]
@@ -198,7 +205,8 @@ class Draft:
 
     def add(self, guess: Sequence[int], source: str) -> None:
         node, depth = 0, 0
-        for tok in guess[:self.max_depth]:
+        guess = guess[:self.max_depth]
+        for tok in guess[:self.allowed(guess)] if self.allowed else guess:
             depth += 1
             child = self.children[node].get(tok)
             if child is None:
@@ -499,8 +507,9 @@ class Speculator:
     """Guessing, planning and learning state of one generation; the loop only does I/O."""
 
     def __init__(self, cfg: SpecConfig, state: SpecState, prompt: Sequence[int], head: Head | None = None,
-                 exact: bool = False):
+                 exact: bool = False, allowed: Callable[[Sequence[int]], int] | None = None):
         self.cfg, self.head, self.state = cfg, head, state
+        self.allowed = allowed  # what an output constraint allows of a guess (Draft)
         self.exact = exact  # the session's kernels pad every product to EXACT_FORMS' rows
         self.z: Tensor | None = None  # final hidden state (pre-norm) of the position that produced the root
         self.lookup = PromptLookup(cfg.ngram)
@@ -530,7 +539,7 @@ class Speculator:
 
     def draft(self, max_depth: int, fit: Cost | None = None, head: bool = True) -> Draft:
         cfg = self.cfg
-        draft = Draft(self.text[-1], cfg.max_nodes, max_depth)
+        draft = Draft(self.text[-1], cfg.max_nodes, max_depth, self.allowed)
         copies = sorted(itertools.islice(self.lookup.continuations(max_depth), cfg.matches), key=lambda c: -c[0])
         for match, cont in copies:  # the longest match first; one of two tokens or more outranks the head
             if match > 1:
@@ -624,18 +633,20 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     beyond len(prompt) + max_tokens.
     """
     cfg, state = config or SpecConfig(), state or SpecState()
-    spec = Speculator(cfg, state, prompt, pipeline.head, pipeline.exact)
+    spec = Speculator(cfg, state, prompt, pipeline.head, pipeline.exact,
+                      sampler.allowed if sampler.p.constraint is not None else None)
     t0 = time.perf_counter()
     logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
     spec.z = _hidden(pipeline, -1)
     spec.cost.observe(padded_rows(len(prompt), spec.exact), time.perf_counter() - t0)
     root = sampler.sample(logits[0, -1], torch.tensor(prompt))
+    sampler.take(logits[0, -1], root)
     produced = 0
     while root not in eos_ids:
         yield root
         produced += 1
         spec.push([root])
-        if produced == sampler.p.max_tokens:
+        if produced == sampler.p.max_tokens or sampler.stopped:
             return
         depth = min(cfg.max_depth, sampler.p.max_tokens - produced - 1)
         step = spec.plan(depth, pipeline.company)
