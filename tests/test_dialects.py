@@ -64,6 +64,8 @@ def claude(api):
 
 GREEDY = {"temperature": 0, "num_predict": LENGTH}
 ZERO = {"temperature": 0}  # Anthropic's client sends sampling settings as extra body fields
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}}, "required": ["city"],
+        "additionalProperties": False}
 
 
 def test_ollama_chat_whole_and_streamed_is_the_openai_answer(local, reference, smollm2):
@@ -95,6 +97,22 @@ def test_ollama_generate_templated_raw_and_streamed(local, reference):
     assert cut.response == " 9, " and cut.done_reason == "stop"
 
 
+def test_structured_output_is_the_openai_answer(local, claude, api):
+    client = openai.OpenAI(base_url=api + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}]
+    want = client.chat.completions.create(model=DEFAULT_MODEL, messages=ask, temperature=0, max_tokens=LENGTH,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "city", "schema": CITY}})
+    text = want.choices[0].message.content
+    assert json.loads(text)["city"] in ("Paris", "Lyon")
+    assert local.chat(model=DEFAULT_MODEL, messages=ask, options=GREEDY, format=CITY).message.content == text
+    output = {"output_config": {"format": {"type": "json_schema", "schema": CITY}}}
+    answer = claude.messages.create(model=DEFAULT_MODEL, max_tokens=LENGTH, messages=ask, extra_body=ZERO | output)
+    assert answer.content[0].text == text
+    anything = local.generate(model=DEFAULT_MODEL, prompt=ask[0]["content"], options=GREEDY, format="json")
+    assert isinstance(json.loads(anything.response), dict)
+
+
 def test_ollama_nothing_to_say_loads_the_model(local):
     assert local.chat(model=DEFAULT_MODEL, messages=[]).done_reason == "load"
     assert local.generate(model=DEFAULT_MODEL, prompt="").done_reason == "load"
@@ -120,7 +138,7 @@ def test_ollama_tags_show_and_version(local, api, smollm2):
     (lambda c: c.chat(model=DEFAULT_MODEL, messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),
     (lambda c: c.generate(model=DEFAULT_MODEL, prompt="hi", images=[b"\x89PNG"]), 400, "images"),
     (lambda c: c.show("no-such-model"), 404, "no-such-model"),
-    (lambda c: c.chat(model=DEFAULT_MODEL, messages=ASK, format="json"), 400, "format"),
+    (lambda c: c.chat(model=DEFAULT_MODEL, messages=ASK, format={"type": "bogus"}), 400, "format"),
 ])
 def test_ollama_errors_in_ollamas_shape(local, call, status, names):
     with pytest.raises(ollama.ResponseError) as e:
@@ -182,8 +200,8 @@ def test_anthropic_stop_sequences_and_prefill(claude, reference):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, anthropic.BadRequestError,
      "messages[0].content"),
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, anthropic.BadRequestError, "tools"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, anthropic.BadRequestError,
-     "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "bogus"}}}}, anthropic.BadRequestError,
+     "output_config.format.schema"),
     ({"model": "no-such-model"}, anthropic.NotFoundError, "no-such-model"),
 ])
 def test_anthropic_errors_in_anthropics_shape(claude, kwargs, error, names):

@@ -20,8 +20,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from diffuse.api.answers import Answers
-from diffuse.api.respond import ApiError, Dialect, Encode, Host, Single, guarded, read, refuse, stop_sequence
-from diffuse.api.schema import BadRequest, Options
+from diffuse.api.respond import (
+    ApiError, Dialect, Encode, Host, Single, constrained, guarded, read, refuse, stop_sequence,
+)
+from diffuse.api.schema import Options
 from diffuse.client.generate import Completion
 from diffuse.client.sampling import SamplingParams
 
@@ -44,8 +46,13 @@ class Turn(msgspec.Struct):
     content: Content
 
 
+class JsonOutputFormat(msgspec.Struct):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
 class OutputConfig(msgspec.Struct):
-    format: dict[str, Any] | None = None  # structured output
+    format: JsonOutputFormat | None = None  # structured output: an answer matching the schema
 
 
 class Messages(msgspec.Struct):
@@ -142,12 +149,11 @@ class Anthropic:
         body = await self.host.body(request)
         refuse(body, _REFUSED)
         r = read(body, Messages)
-        if r.output_config is not None and r.output_config.format is not None:
-            raise BadRequest("output_config.format is not supported by this server", "output_config.format",
-                             "unsupported_parameter")
         turns = [{"role": t.role, "content": _text(t.content)} for t in r.messages]
+        wanted = r.output_config.format if r.output_config is not None else None
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                                stop=r.stop_sequences)
+                                stop=r.stop_sequences, constraint=None if wanted is None else constrained(
+                                    "json_schema", wanted.schema, "output_config.format.schema"))
         options = Options(model=r.model, params=params, max_tokens_given=True, n=1, presence_penalty=0.0,
                           frequency_penalty=0.0, stream=r.stream, include_usage=False)
         return await self.host.answer(options, _prompt(turns, _text(r.system)), lambda model, answers, tokens, headers:

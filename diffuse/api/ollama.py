@@ -21,9 +21,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from diffuse.api.answers import Answers
-from diffuse.api.respond import ApiError, Dialect, Encode, Host, Respond, Single, guarded, read, refuse
+from diffuse.api.respond import (
+    ApiError, Dialect, Encode, Host, Respond, Single, constrained, guarded, read, refuse,
+)
 from diffuse.api.schema import BadRequest, Options
 from diffuse.client.backend import UnknownModel
+from diffuse.client.constrain import OutputConstraint
 from diffuse.client.generate import Completion
 from diffuse.client.sampling import SamplingParams
 from diffuse.model import store
@@ -34,7 +37,7 @@ VERSION = "0.12.0"  # the Ollama release whose API this follows; clients ask for
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a request gives none
 MAX_STOP = 16
 _NEUTRAL_OPTIONS = {"mirostat": (0,), "typical_p": (1.0,), "tfs_z": (1.0,), "min_p": (0.0,)}
-_REFUSED = {"format": (None, ""), "tools": (None, []), "think": (None, False), "images": (None, []),
+_REFUSED = {"tools": (None, []), "think": (None, False), "images": (None, []),
             "context": (None, []), "suffix": (None, ""), "template": (None, ""), "logprobs": (None, False)}
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -64,6 +67,7 @@ class Asking(msgspec.Struct):
     model: Annotated[str, Meta(min_length=1)]
     stream: bool = True
     options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    format: Literal["", "json"] | dict[str, Any] = ""  # any JSON object, or one matching this schema
 
 
 class Chat(Asking):
@@ -148,10 +152,17 @@ def options(asking: Asking, given_options: dict[str, Any], default_max_tokens: i
     given = count > 0
     params = SamplingParams(temperature=o.temperature, top_k=o.top_k, top_p=o.top_p, seed=o.seed,
                             repetition_penalty=o.repeat_penalty, stop=o.stop,
-                            max_tokens=count if given else default_max_tokens)
+                            max_tokens=count if given else default_max_tokens, constraint=_constraint(asking.format))
     return Options(model=_name(asking.model), params=params, max_tokens_given=given, n=1,
                    presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, stream=asking.stream,
                    include_usage=False)
+
+
+def _constraint(format_: str | dict[str, Any]) -> OutputConstraint | None:
+    """`format` as structured output: "json" any JSON object, a dict the schema to match."""
+    if isinstance(format_, dict):
+        return constrained("json_schema", format_, "format")
+    return constrained("json_object", None, "format") if format_ == "json" else None
 
 
 def _prompt(r: Generate) -> Encode:

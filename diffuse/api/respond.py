@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from diffuse.api.answers import Answers
 from diffuse.api.schema import BadRequest, Options, error_body
 from diffuse.client.backend import Overloaded, UnknownModel, Unservable
+from diffuse.client.constrain import ConstraintError, OutputConstraint
 from diffuse.client.generate import Completion
 from diffuse.client.service import Service
 from diffuse.errors import DiffuseError, ModelError
@@ -110,6 +111,17 @@ def refuse(body: dict[str, Any], neutral: dict[str, tuple[Any, ...]], prefix: st
     for name, allowed in neutral.items():
         if name in body and body[name] not in allowed:
             raise BadRequest(f"{prefix}{name} is not supported by this server", prefix + name, "unsupported_parameter")
+
+
+def constrained(kind: str, spec: dict[str, Any] | None, field: str) -> OutputConstraint:
+    """A structured-output request as the constraint decoding enforces; one that does not
+    compile is a 400 naming `field`."""
+    try:
+        constraint = OutputConstraint(kind, spec)
+        constraint.check()
+    except ConstraintError as e:
+        raise BadRequest(f"{field}: the schema does not compile: {e}", field) from None
+    return constraint
 
 
 @dataclass(frozen=True)
