@@ -31,11 +31,13 @@ from diffuse.client.service import Service, first_servable
 from diffuse.api.page import PAGE
 from diffuse.api.schema import (
     BadRequest, ChatShape, Options, Shape, TextShape, error_body, parse_messages, parse_options, parse_prompts,
-    usage,
+    parse_tools, usage,
 )
+from diffuse.api.tools import ToolShape, tool_options
 from diffuse.client.generate import Completion
 from diffuse.errors import DiffuseError
 from diffuse.metrics import PROMPT_TOKENS, REGISTRY, REQUESTS, exposition
+from diffuse.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 MAX_BODY = 4 << 20  # bytes; a prompt this long is far beyond any context anyway
@@ -103,10 +105,9 @@ class Answering(Response):
                             "more_body": True})
 
         async def emit(i: int, text: str, done: Completion | None) -> None:
-            if done is not None:
-                await event(self.shape.chunk(i, "", done.finish_reason))
-            elif text:
-                await event(self.shape.chunk(i, text, None))
+            if done is not None or text:
+                for chunk in self.shape.chunks(i, text, done.finish_reason if done else None):
+                    await event(chunk)
 
         async def work() -> None:
             for i in range(len(self.answers.choices)):
@@ -162,8 +163,14 @@ class Api:
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
         options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
-        messages = parse_messages(body)
-        return await self._answer(options, lambda tok: [tok.encode_chat(messages)], ChatShape)
+        messages, tools = parse_messages(body), parse_tools(body)
+        if tools is None or not tools.offered:
+            return await self._answer(options, lambda tok: [tok.encode_chat(messages)], ChatShape)
+        return await self.answer(  # the answer may call the tools: each model offered them in its own form
+            options, lambda tok: [tok.encode_chat(messages, tools=tools.tools)],
+            lambda model, answers, prompt_tokens, headers: Answering(
+                answers, ToolShape(model, self.backend.tokenizer(model), tools), options, prompt_tokens, headers),
+            lambda tok, opts: tool_options(tok, opts, tools))
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
@@ -175,15 +182,17 @@ class Api:
         return await self.answer(options, encode, lambda model, answers, prompt_tokens, headers: Answering(
             answers, shape(model), options, prompt_tokens, headers))
 
-    async def answer(self, options: Options, encode: Encode, respond: Respond) -> Response:
+    async def answer(self, options: Options, encode: Encode, respond: Respond,
+                     prepare: Callable[[Tokenizer, Options], Options] = lambda tok, options: options) -> Response:
         """The answer of the asked model or, when it is not servable, of the first of its
         fallbacks that is (each encodes the prompts with its own tokenizer), said in the
         response's `model`, its headers and /metrics; every dialect answers through here."""
         asked = options.model
 
         async def attempt(model: str) -> Response:
-            answers, prompt_tokens = await self._open(replace(options, model=model),
-                                                      encode(self.backend.tokenizer(model)))
+            tokenizer = self.backend.tokenizer(model)  # `prepare` fits the options to the model
+            answers, prompt_tokens = await self._open(prepare(tokenizer, replace(options, model=model)),
+                                                      encode(tokenizer))
             named = {"x-diffuse-model": model} | ({"x-diffuse-asked-model": asked} if model != asked else {})
             return respond(model, answers, prompt_tokens, named)
 

@@ -2,13 +2,16 @@
 
 Pure functions, no I/O. Requests are checked against msgspec Structs (diffuse/validate.py);
 a failure names the offending field (`param`), as OpenAI's 400s do, so a client library shows
-which argument to fix. Fields we cannot honour faithfully (tools, logit bias, echo, best_of,
-suffix) are refused rather than silently ignored. `response_format` becomes an OutputConstraint
-that decoding enforces (client/constrain.py); log-probabilities are the model's raw log-softmax.
+which argument to fix. Fields we cannot honour faithfully (logit bias, echo, best_of, suffix)
+are refused rather than silently ignored. `response_format` becomes an OutputConstraint that
+decoding enforces (client/constrain.py); log-probabilities are the model's raw log-softmax.
+Tools are OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked here into a
+ToolRequest; diffuse/api/tools.py reads the calls back.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from abc import ABC, abstractmethod
@@ -28,7 +31,7 @@ from diffuse.validate import Int64, Malformed, convert
 T = TypeVar("T")
 
 MAX_STOP = 4  # as OpenAI
-_REFUSED = {"tools": (None, []), "functions": (None, []),
+_REFUSED = {"functions": (None, []),
             "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1)}
 
 
@@ -91,9 +94,65 @@ class TextPart(msgspec.Struct):
     text: str
 
 
+class CalledFunction(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    arguments: str  # a JSON object's text, as OpenAI writes it
+
+
+class ToolCall(msgspec.Struct):
+    id: Annotated[str, Meta(min_length=1)]
+    function: CalledFunction
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+    name: str | None = None
+
+
+class FunctionSpec(msgspec.Struct):
+    name: Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None
+
+
+class ToolSpec(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(msgspec.Struct):
+    name: str
+
+
+class NamedChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class Tools(msgspec.Struct):
+    tools: list[ToolSpec] = []
+    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools a chat request offers and how it lets the model use them."""
+
+    tools: list[dict[str, Any]]  # as chat templates take them: {"type": "function", "function": {...}}
+    choice: str  # "auto", "none", "required", or "function": call `named`
+    named: str | None
+    parallel: bool
+
+    @property
+    def offered(self) -> bool:
+        """Whether the model is told of the tools (not with tool_choice "none")."""
+        return self.choice != "none"
 
 
 class Chat(msgspec.Struct):
@@ -190,15 +249,69 @@ def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     return (r.top_logprobs or 0) if r.logprobs else None
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """Chat messages as the chat template wants them: role and plain-text content."""
-    return [{"role": "system" if m.role == "developer" else m.role,
-             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())}
-            for m in _read(body, Chat).messages]
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat messages as chat templates want them: role and plain-text content; an assistant's
+    `tool_calls` with their arguments as objects; a tool result's `tool_call_id` and the name of
+    the function it answers."""
+    called: dict[str, str] = {}  # call id -> function name, of the calls so far
+    out = []
+    for i, m in enumerate(_read(body, Chat).messages):
+        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or ())
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise BadRequest("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            message["tool_calls"] = [_past_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(m.tool_calls)]
+            called |= {c.id: c.function.name for c in m.tool_calls}
+        if m.role == "tool":
+            if m.tool_call_id not in called:
+                raise BadRequest("a tool message must answer a call of an earlier assistant message by its id",
+                                 f"messages[{i}].tool_call_id")
+            message |= {"tool_call_id": m.tool_call_id, "name": called[m.tool_call_id]}
+        out.append(message)
+    return out
+
+
+def _past_call(call: ToolCall, where: str) -> dict[str, Any]:
+    """A call of the history as templates take it, its arguments parsed."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise BadRequest("arguments must be a JSON object's text", f"{where}.function.arguments")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools and tool_choice; None where it offers none."""
+    r = _read(body, Tools)
+    if not r.tools:
+        if r.tool_choice not in (None, "none"):
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        return None
+    tools: list[dict[str, Any]] = []
+    for i, t in enumerate(r.tools):
+        f = t.function
+        if any(f.name == u["function"]["name"] for u in tools):
+            raise BadRequest(f"two tools are named {f.name!r}", f"tools[{i}].function.name")
+        parameters = {"type": "object", "properties": {}} if f.parameters is None else f.parameters
+        if parameters.get("type", "object") != "object":
+            raise BadRequest("parameters must be a JSON schema of type object", f"tools[{i}].function.parameters")
+        described = {} if f.description is None else {"description": f.description}
+        tools.append({"type": "function", "function": {"name": f.name, **described, "parameters": parameters}})
+    named = r.tool_choice.function.name if isinstance(r.tool_choice, NamedChoice) else None
+    if named is not None and all(named != t["function"]["name"] for t in tools):
+        raise BadRequest(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+    choice = "function" if named else r.tool_choice or "auto"
+    return ToolRequest(tools, choice, named, r.parallel_tool_calls)
 
 
 def parse_prompts(body: dict[str, Any]) -> list[str]:
     """The legacy completions prompt: one string or a list of them (each gets n choices)."""
+    if body.get("tools"):
+        raise BadRequest("tools are offered through /v1/chat/completions", "tools", "unsupported_parameter")
     prompt = _read(body, Prompts).prompt
     return [prompt] if isinstance(prompt, str) else prompt
 
@@ -268,6 +381,11 @@ class Shape(ABC):
 
     @abstractmethod
     def chunk(self, index: int, text: str, finish: str | None) -> dict[str, Any]: ...
+
+    def chunks(self, index: int, text: str, finish: str | None) -> list[dict[str, Any]]:
+        """What to send for a piece of choice `index`'s text, or for its end (a shape may hold
+        text back, as one that reads tool calls does)."""
+        return [self.chunk(index, text, finish)]
 
     @abstractmethod
     def whole(self, completions: list[Completion], usage_: dict[str, int]) -> dict[str, Any]: ...
