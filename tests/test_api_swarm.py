@@ -128,6 +128,28 @@ def test_completions(client):
     assert streamed == whole.choices[0].text
 
 
+def test_structured_output_and_logprobs_through_the_swarm(client):
+    """The constraint and the log-probabilities run where the LM head is, in the API: through
+    peers as in process, with nothing new on the wire."""
+    schema = {"type": "object", "properties": {"country": {"type": "string", "maxLength": 20},
+                                               "capital": {"type": "string", "maxLength": 20}},
+              "required": ["country", "capital"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0, max_tokens=32,
+                                       response_format=fmt, logprobs=True, top_logprobs=3)
+    choice = r.choices[0]
+    value = json.loads(choice.message.content)
+    assert choice.finish_reason == "stop" and set(value) == {"country", "capital"}
+    assert all(isinstance(v, str) and len(v) <= 20 for v in value.values())
+    content = choice.logprobs.content
+    assert "".join(e.token for e in content) == choice.message.content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 3 for e in content)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}})
+    assert e.value.body["param"] == "response_format"
+
+
 def test_bad_request_and_wrong_key(client, swarm):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=5)
