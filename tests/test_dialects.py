@@ -194,12 +194,58 @@ def test_anthropic_stop_sequences_and_prefill(claude, reference):
     assert not prefilled.content[0].text.startswith(start)
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_anthropic_tool_use_is_the_openai_call(claude, api):
+    client = openai.OpenAI(base_url=api + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    want = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=WEATHER_ASK, temperature=0, max_tokens=64, parallel_tool_calls=False,
+        tools=[{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": WEATHER}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0].message.tool_calls[0]
+    ask = {"model": DEFAULT_MODEL, "max_tokens": 64, "messages": WEATHER_ASK, "extra_body": ZERO,
+           "tools": [{"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER}],
+           "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}}
+    whole = claude.messages.create(**ask)
+    assert whole.stop_reason == "tool_use" and [b.type for b in whole.content] == ["tool_use"]
+    use = whole.content[0]
+    assert use.name == "get_weather" and use.input == json.loads(want.function.arguments)
+    with claude.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (use.name, use.input)]
+
+    result = [*WEATHER_ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": use.name,
+                                                                "input": use.input}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                            "content": "22 degrees and sunny"}]}]
+    answered = claude.messages.create(**(ask | {"messages": result, "tool_choice": {"type": "auto"}}))
+    history = [*WEATHER_ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees and sunny"}]
+    same = client.chat.completions.create(model=DEFAULT_MODEL, messages=history, temperature=0, max_tokens=64,
+                                          tools=[{"type": "function", "function": {
+                                              "name": "get_weather", "description": "The weather in a city.",
+                                              "parameters": WEATHER}}])
+    assert answered.usage.input_tokens == same.usage.prompt_tokens
+    assert answered.usage.output_tokens == same.usage.completion_tokens
+
+
 @pytest.mark.parametrize("kwargs, error, names", [
     ({"extra_body": {"temperature": 1.5}}, anthropic.BadRequestError, "temperature"),
     ({"max_tokens": 10**6}, anthropic.BadRequestError, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, anthropic.BadRequestError,
      "messages[0].content"),
-    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, anthropic.BadRequestError, "tools"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, anthropic.BadRequestError,
+     "tools[0].input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
+     anthropic.BadRequestError, "tool_choice.name"),
+    ({"messages": [*ASK, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "1"}]}]},
+     anthropic.BadRequestError, "messages[1].content[0].tool_use_id"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "bogus"}}}}, anthropic.BadRequestError,
      "output_config.format.schema"),
     ({"model": "no-such-model"}, anthropic.NotFoundError, "no-such-model"),

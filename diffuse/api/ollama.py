@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from diffuse.api.answers import Answers
 from diffuse.api.respond import (
-    ApiError, Dialect, Encode, Host, Respond, Single, constrained, guarded, read, refuse,
+    ApiError, Dialect, Encode, Host, Respond, Single, constrained, guarded, named, read, refuse,
 )
 from diffuse.api.schema import BadRequest, Options
 from diffuse.client.backend import UnknownModel
@@ -103,7 +103,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 def _error(error: ApiError) -> dict[str, Any]:
-    return {"error": str(error)}
+    return {"error": named(error)}
 
 
 class OllamaAnswer(Dialect):

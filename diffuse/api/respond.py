@@ -12,7 +12,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 from starlette.requests import Request
@@ -35,6 +35,14 @@ Encode = Callable[[Tokenizer], list[list[int]]]  # a request's prompts in the an
 # (answering model, its answers with sessions open, prompt tokens, headers naming the model) -> the response
 Respond = Callable[[str, Answers, int, dict[str, str]], Response]
 Handler = Callable[[Request], Awaitable[Response]]
+Prepare = Callable[[Tokenizer, Options], Options]  # a request's options fitted to the answering model
+
+
+class Answer(Protocol):
+    """The answer path (app.py's `Api.answer`): the asked model or its first servable fallback."""
+
+    def __call__(self, options: Options, encode: Encode, respond: Respond,
+                 prepare: Prepare = ...) -> Awaitable[Response]: ...
 
 
 class ApiError(DiffuseError):
@@ -48,6 +56,12 @@ class ApiError(DiffuseError):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body, self.status, self.headers)
+
+
+def named(error: ApiError) -> str:
+    """`error`'s message naming the offending field, for dialects whose errors have no `param`."""
+    param, message = error.body["error"]["param"], str(error)
+    return message if not param or message.startswith(param) else f"{param}: {message}"
 
 
 def as_api_error(e: Exception) -> ApiError:
@@ -133,7 +147,7 @@ class Host:
     backend: Service
     authorize: Callable[[Request], None]
     body: Callable[[Request], Awaitable[dict[str, Any]]]
-    answer: Callable[[Options, Encode, Respond], Awaitable[Response]]
+    answer: Answer
     default_max_tokens: int
 
 
@@ -163,7 +177,7 @@ class Dialect(ABC):
 
     @abstractmethod
     def piece(self, text: str) -> bytes:
-        """The frame carrying a new piece of text."""
+        """The frame carrying a new piece of text (nothing while the dialect holds it back)."""
 
     @abstractmethod
     def closing(self, completion: Completion) -> list[bytes]:
@@ -222,8 +236,9 @@ class Single(Response):
                                 *((k.encode(), v.encode()) for k, v in self.model_headers.items())]})
 
         async def write(frames: list[bytes]) -> None:
-            if frames:
-                await send({"type": "http.response.body", "body": b"".join(frames), "more_body": True})
+            body = b"".join(frames)
+            if body:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
 
         async def emit(i: int, text: str, done: Completion | None) -> None:
             if text:
