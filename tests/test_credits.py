@@ -100,3 +100,26 @@ def test_standing_ranks_givers_over_consumers_and_caps_exposure(tmp_path):
     assert r["tabs"][me(consumer)]["served_them"] == ALLOWANCE + 1 and r["spent"]["peers"] == 1
     assert "standing" in format_report(r)
 
+
+
+def test_a_delivery_is_answered_and_a_bad_one_refused_with_a_reason(tmp_path):
+    import trio
+    import trio.testing
+
+    from test_sessions import MemStream
+
+    client, peer = ephemeral(), ephemeral()
+    ledger = Ledger(tmp_path, me(peer))
+    good = issue(client, me(peer), "m", 0, 4, 8, 0.1, SID)
+
+    async def exchange(body: bytes) -> dict:
+        a, b = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receipts.handler(ledger.accept), MemStream(b), me(client))
+            await MemStream(a).write(len(body).to_bytes(4, "big") + body)
+            return cbor2.loads((await receipts._read_message(MemStream(a))))
+
+    assert trio.run(exchange, cbor2.dumps([good.wire()])) == {"accepted": 1, "refused": []}
+    answer = trio.run(exchange, b"\xff\x00")
+    assert answer["accepted"] == 0 and "not valid CBOR" in answer["refused"][0]
+    assert ledger.held[0].payload == good.payload

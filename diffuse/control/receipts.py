@@ -8,18 +8,25 @@ session id are the counter's to refuse (trust/credits.py), since only it knows w
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import cbor2
 import msgspec
+import trio
 from libp2p.crypto.keys import KeyPair
+
+from diffuse.control.dial import open_stream
 
 from diffuse.control.identity import peer_id, peer_id_bytes, peer_id_from_bytes
 from diffuse.control.signed import check_signature, decode_payload, sign_payload
 from diffuse.errors import DiffuseError
 from diffuse.validate import Count, Malformed, PeerIdBytes, Text, convert
+
+log = logging.getLogger(__name__)
 
 RECEIPT_VERSION = 1
 SIG_DOMAIN = b"diffuse/credit-receipt/v1\x00"
@@ -126,14 +133,8 @@ def verify(payload: Any, signature: Any, now: float | None = None) -> Signed:
     return Signed(r, payload, signature)
 
 
-def encode_batch(items: list[Signed]) -> bytes:
-    return cbor2.dumps([s.wire() for s in items[:MAX_BATCH]])
-
-
 def decode_batch(data: bytes) -> list[Any]:
     """The [payload, signature] items of a delivery, unchecked; InvalidReceipt if it is no list."""
-    if len(data) > MAX_MESSAGE:
-        raise InvalidReceipt("receipt delivery too large")
     try:
         items = cbor2.loads(data)
     except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes
@@ -142,3 +143,63 @@ def decode_batch(data: bytes) -> list[Any]:
             not all(isinstance(i, list) and len(i) == 2 for i in items):
         raise InvalidReceipt(f"receipt delivery is not a list of at most {MAX_BATCH} [payload, signature]")
     return items
+
+
+
+Accept = Callable[[list[Any], str], tuple[int, list[str]]]
+
+
+async def _read_message(stream: Any) -> bytes:
+    """One length-prefixed message (4 bytes big-endian, then at most MAX_MESSAGE bytes)."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big"):
+        if len(data) >= 4 and int.from_bytes(data[:4], "big") > MAX_MESSAGE:
+            raise InvalidReceipt("receipt delivery too large")
+        chunk = await stream.read(1 << 16)
+        if not chunk:
+            raise InvalidReceipt("receipt delivery cut short")
+        data += chunk
+    return data[4:]
+
+
+async def _close(stream: Any) -> None:
+    with trio.move_on_after(1.0):
+        try:
+            await stream.close()
+        except Exception as e:  # noqa: BLE001 - py-libp2p raises types of its own on a dead stream
+            log.debug("closing a receipt stream: %s", e)
+
+
+def _framed(value: Any) -> bytes:
+    body = cbor2.dumps(value)
+    return len(body).to_bytes(4, "big") + body
+
+
+def handler(accept: Accept) -> Callable[[Any, str], Awaitable[None]]:
+    """The stream handler of PROTOCOL: read one delivery, give its items to `accept(items, sender)`
+    (the peer's books), answer what was accepted and why the rest was refused."""
+    async def handle(stream: Any, remote: str) -> None:
+        try:
+            with trio.fail_after(10.0):
+                try:
+                    accepted, refused = accept(decode_batch(await _read_message(stream)), remote)
+                except InvalidReceipt as e:
+                    accepted, refused = 0, [str(e)]
+                await stream.write(_framed({"accepted": accepted, "refused": refused[:MAX_BATCH]}))
+        except Exception as e:  # noqa: BLE001 - a broken or slow stream must not take the peer down
+            log.info("receipt delivery from %s failed: %s", remote, e)
+        finally:
+            await _close(stream)
+    return handle
+
+
+async def deliver(host: Any, peer: str, items: list[Signed], addrs: list[str]) -> dict:
+    """Send receipts to `peer` over PROTOCOL; its answer ({"accepted", "refused"})."""
+    stream = await open_stream(host, peer, PROTOCOL, addrs, timeout=10.0)
+    try:
+        with trio.fail_after(10.0):
+            await stream.write(_framed([s.wire() for s in items[:MAX_BATCH]]))
+            answer = cbor2.loads(await _read_message(stream))
+    finally:
+        await _close(stream)
+    return answer if isinstance(answer, dict) else {}

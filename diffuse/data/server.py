@@ -27,6 +27,7 @@ from diffuse.data.codec import (
 )
 from diffuse.data.commitments import input_commitment, output_commitment
 from diffuse.data import scheduler
+from diffuse.data.admission import Admission, Books
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 from diffuse.model.engine import BlockSpan, KVCache
@@ -45,6 +46,8 @@ class ServerLimits:
     first_step_timeout: float = 10.0  # seconds from the stream's start to OPEN, and from OPEN_OK to a STEP
     max_frame: int = MAX_FRAME  # bytes of one frame, however large a session is
     max_buffered: int = 256 << 20  # bytes of unfinished frames over all streams
+    queue_wait: float = 2.0  # seconds an OPEN may wait for room (admission.py), under the client's OPEN deadline
+    books: Books | None = None  # the peer's credit ledger, which orders waiting OPENs (trust/credits.py)
 
 
 def frame_bound(m: Open, hidden_size: int, dtype_bytes: int, limit: int) -> int:
@@ -69,6 +72,7 @@ class BlockServer:
         self.steps_served = 0
         self.tokens_served = 0
         self.accepting = True
+        self.admission = Admission(self.limits.books, self.limits.queue_wait)
         self.conns: set[_Conn] = set()
         self.dtype = span.blocks[0].wo.weight.dtype
         self.device = span.blocks[0].wo.weight.device
@@ -139,6 +143,7 @@ class _Conn:
         self.counted = False
         self.stepped = False
         self.last_input: bytes | None = None  # this session's input-commitment chain
+        self.work = 0  # block-tokens computed for the client, for the peer's books
         self.waiting: trio.CancelScope | None = None  # the read between messages, while in it
         self.leaving = False
 
@@ -223,9 +228,6 @@ class _Conn:
         if tokens > limits.max_session_tokens:
             return (ErrorCode.TOO_LONG, f"max_length {m.max_length} x batch {m.batch_size} = {tokens} KV entries "
                     f"exceed this peer's limit of {limits.max_session_tokens} per session")
-        if srv.sessions >= limits.max_sessions or tokens > srv.free_tokens:
-            return (ErrorCode.NO_CAPACITY, f"no KV cache room: {tokens} entries asked, {srv.free_tokens} free, "
-                    f"{srv.sessions} of {limits.max_sessions} sessions open")
         sessions, held = srv.by_peer.get(self.remote, [0, 0])
         peer_tokens = int(limits.max_total_tokens * limits.peer_share)
         peer_sessions = max(1, int(limits.max_sessions * limits.peer_share))
@@ -234,9 +236,18 @@ class _Conn:
                     f"{held} + {tokens} of {peer_tokens} KV entries")
         return None
 
+    async def _admitted(self, tokens: int) -> tuple[ErrorCode, str] | None:
+        """Wait in the admission queue for room for `tokens` KV entries, if the peer is full."""
+        srv, limits = self.server, self.server.limits
+        if await srv.admission.enter(self.remote, lambda: srv.sessions < limits.max_sessions
+                                     and tokens <= srv.free_tokens) and srv.accepting:
+            return None
+        return (ErrorCode.NO_CAPACITY, f"no KV cache room: {tokens} entries asked, {srv.free_tokens} free, "
+                f"{srv.sessions} of {limits.max_sessions} sessions open")
+
     async def on_open(self, m: Open) -> bool:
         srv = self.server
-        refused = self._refusal(m)
+        refused = self._refusal(m) or await self._admitted(m.max_length * m.batch_size) or self._refusal(m)
         if refused is not None:
             return await self.error(*refused)
         self.span = srv.span.view(m.start, m.end)
@@ -278,6 +289,7 @@ class _Conn:
         out, seconds = await self._compute(m)
         self.server.steps_served += 1
         self.server.tokens_served += m.hidden.shape[1]
+        self.work += m.hidden.shape[1] * (opened.end - opened.start)
         commitment = None
         if opened.want_commitments:
             out = out.to(opened.dtype)  # commit to exactly the bytes that go out
@@ -323,3 +335,5 @@ class _Conn:
             if share[0] == 0:
                 del srv.by_peer[self.remote]
             self.counted = False
+            srv.admission.took(self.remote, self.work)
+            srv.admission.changed()
