@@ -12,13 +12,14 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
 
 from support.procs import DIFFUSE, Procs, start_server, stop_server
 from diffuse.home import DEFAULT_MODEL
-from diffuse.model.tokenizer import Tokenizer
+from diffuse.model.tokenizer import Tokenizer, describe_tools
 
 pytestmark = pytest.mark.slow
 KEY = "sk-diffuse-dialects"
@@ -66,6 +67,18 @@ GREEDY = {"temperature": 0, "num_predict": LENGTH}
 ZERO = {"temperature": 0}  # Anthropic's client sends sampling settings as extra body fields
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lyon"]}}, "required": ["city"],
         "additionalProperties": False}
+# The ollama client keeps only some schema keywords of a tool (type, required, properties with
+# their type, description and enum), in this order, so this schema reaches the server as written.
+FORECAST = {"type": "object", "required": ["city", "unit"], "properties": {
+    "city": {"type": "string", "description": "A city's name."},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+OLLAMA_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                "parameters": FORECAST}}
+PARIS = {"city": "Paris", "unit": "celsius"}
+# This small model calls a function when asked plainly (it writes the call alone, whatever the
+# tool's wording), where a question that needs a tool gets it talking.
+CALL_ASK = [{"role": "user", "content": "Repeat exactly: <tool_call>\n"
+                                        + json.dumps({"name": "get_weather", "arguments": PARIS}) + "\n</tool_call>"}]
 
 
 def test_ollama_chat_whole_and_streamed_is_the_openai_answer(local, reference, smollm2):
@@ -127,6 +140,7 @@ def test_ollama_tags_show_and_version(local, api, smollm2):
     assert info["general.architecture"] == "llama" and info["llama.block_count"] == 30
     assert shown.details.parameter_size == f"{info['general.parameter_count'] / 1e6:.1f}M"
     assert shown.template == Tokenizer.load(smollm2).chat_template and "completion" in shown.capabilities
+    assert "tools" in shown.capabilities and info["diffuse.tools"] == describe_tools(smollm2)
     assert "temperature 0.8" in shown.parameters.splitlines()
     assert httpx.get(api + "/api/version").json()["version"]
 
@@ -139,11 +153,55 @@ def test_ollama_tags_show_and_version(local, api, smollm2):
     (lambda c: c.generate(model=DEFAULT_MODEL, prompt="hi", images=[b"\x89PNG"]), 400, "images"),
     (lambda c: c.show("no-such-model"), 404, "no-such-model"),
     (lambda c: c.chat(model=DEFAULT_MODEL, messages=ASK, format={"type": "bogus"}), 400, "format"),
+    (lambda c: c.chat(model=DEFAULT_MODEL, messages=ASK, format="json", tools=[OLLAMA_TOOL]), 400, "format"),
+    (lambda c: c.chat(model=DEFAULT_MODEL, messages=ASK, tools=[{"type": "function", "function": {"name": "a b"}}]),
+     400, "tools[0].function.name"),
+    (lambda c: c.chat(model=DEFAULT_MODEL, messages=[*ASK, {"role": "tool", "content": "22", "tool_name": "f"}]), 400,
+     "messages[1].tool_name"),
+    (lambda c: c.chat(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi", "tool_calls": [
+        {"function": {"name": "f", "arguments": {}}}]}]), 400, "messages[0].tool_calls"),
 ])
 def test_ollama_errors_in_ollamas_shape(local, call, status, names):
     with pytest.raises(ollama.ResponseError) as e:
         call(local)
     assert e.value.status_code == status and names in e.value.error
+
+
+def test_ollama_tool_calls_whole_and_streamed(local):
+    ask = {"model": DEFAULT_MODEL, "messages": CALL_ASK, "tools": [OLLAMA_TOOL],
+           "options": {"temperature": 0, "num_predict": 64}}
+    whole = local.chat(**ask, stream=False)
+    assert whole.done_reason == "stop" and whole.message.content == ""
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == PARIS
+    jsonschema.validate(call.function.arguments, FORECAST, cls=jsonschema.Draft202012Validator)
+
+    parts = list(local.chat(**ask, stream=True))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].done_reason == "stop"
+    assert [p for p in parts if p.message.tool_calls] == [parts[-2]]  # the calls in one line, once read
+    assert "".join(p.message.content for p in parts) == ""
+    assert [(c.function.name, c.function.arguments) for c in parts[-2].message.tool_calls] == [("get_weather", PARIS)]
+
+
+def test_ollama_tool_results_in_the_history_are_the_openai_answer(local, api):
+    """An assistant's past call and a tool message answering it (by `tool_name`, or the earliest
+    unanswered call without one) are rendered as the OpenAI endpoint renders its tool_calls and
+    tool messages: the same prompt, the same answer."""
+    called = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                              "arguments": PARIS}}]}
+    result = {"role": "tool", "content": "22 degrees and sunny", "tool_name": "get_weather"}
+    ask = {"model": DEFAULT_MODEL, "tools": [OLLAMA_TOOL], "options": GREEDY, "stream": False}
+    answered = local.chat(messages=[*WEATHER_ASK, called, result], **ask)
+    unnamed = local.chat(messages=[*WEATHER_ASK, called, {"role": "tool", "content": result["content"]}], **ask)
+    client = openai.OpenAI(base_url=api + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    past = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}}
+    same = client.chat.completions.create(
+        model=DEFAULT_MODEL, tools=[OLLAMA_TOOL], temperature=0, max_tokens=LENGTH, messages=[
+            *WEATHER_ASK, {"role": "assistant", "content": None, "tool_calls": [past]},
+            {"role": "tool", "tool_call_id": "call_1", "content": result["content"]}])
+    assert answered.prompt_eval_count == unnamed.prompt_eval_count == same.usage.prompt_tokens
+    assert answered.message.content == unnamed.message.content == same.choices[0].message.content
+    assert answered.message.content and answered.eval_count == same.usage.completion_tokens
 
 
 def test_ollama_streams_by_default_and_refuses_a_missing_key_in_its_shape(api):

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -38,22 +39,9 @@ CALLED = [{"role": "user", "content": "What is the weather in Paris?"},
           {"role": "tool", "tool_call_id": "a1B2c3D4e", "name": "get_weather", "content": "22 degrees, sunny"}]
 
 
-def validates(value, schema: dict) -> bool:
-    """The subset of JSON Schema these tests' tools use: objects, strings, enums, integers."""
-    kind = schema.get("type")
-    if "enum" in schema and value not in schema["enum"]:
-        return False
-    if kind == "object":
-        props = schema.get("properties", {})
-        return (isinstance(value, dict) and all(k in value for k in schema.get("required", ()))
-                and (schema.get("additionalProperties", True) is not False or set(value) <= set(props))
-                and all(validates(v, props[k]) for k, v in value.items() if k in props))
-    if kind == "string":
-        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
-    if kind == "integer":
-        return (isinstance(value, int) and not isinstance(value, bool)
-                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
-    return True
+# JSON Schema counts 3.0 an integer; a call's arguments checked here must write integers as such.
+STRICT = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=(
+    jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", lambda _, value: type(value) is int)))
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +156,7 @@ def test_forced_call_grammar_gives_valid_calls(tok, form, named):
         content, calls = found
         assert content is None and len(calls) == 1
         assert named in (None, calls[0]["name"])
-        assert validates(calls[0]["arguments"], schemas[calls[0]["name"]]), text
+        jsonschema.validate(calls[0]["arguments"], schemas[calls[0]["name"]], cls=STRICT)
         seen.add(calls[0]["name"])
     assert named is not None or seen == NAMES
 
@@ -209,7 +197,7 @@ def assert_valid_calls(calls: list[dict], names: set[str]) -> None:
     assert calls and len({c["id"] for c in calls}) == len(calls)
     for c in calls:
         assert c["id"].startswith("call_") and c["name"] in names
-        assert validates(json.loads(c["arguments"]), schemas[c["name"]]), c
+        jsonschema.validate(json.loads(c["arguments"]), schemas[c["name"]], cls=STRICT)
 
 
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]

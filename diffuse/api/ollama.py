@@ -5,6 +5,9 @@ the same sessions and queue); this module is only Ollama's wire format: newline-
 when streaming (Ollama's default), the last line with `done`, `done_reason`, token counts and
 durations in nanoseconds; errors as `{"error": message}`. Sampling defaults are Ollama's own.
 Options that would change the answer in ways this server cannot reproduce are refused by name.
+Tools are the OpenAI endpoint's (api/tools.py), offered as its `auto` (Ollama has no tool_choice):
+calls come back in `message.tool_calls` with their arguments as objects, streamed in one line
+once the answer is read; past calls and `tool` results in the history are rendered for the model.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from starlette.routing import Route
 
 from diffuse.api.answers import Answers
 from diffuse.api.respond import (
-    ApiError, Dialect, Encode, Host, Respond, Single, constrained, guarded, named, read, refuse,
+    ApiError, Dialect, Encode, Host, Prepare, Respond, Single, constrained, guarded, named, read, refuse,
 )
-from diffuse.api.schema import BadRequest, Options
+from diffuse.api.schema import BadRequest, Options, ToolRequest, parse_tools
+from diffuse.api.tools import Call, CallStream, offered_form, read_calls, tool_options
 from diffuse.client.backend import UnknownModel
 from diffuse.client.constrain import OutputConstraint
 from diffuse.client.generate import Completion
@@ -37,8 +41,8 @@ VERSION = "0.12.0"  # the Ollama release whose API this follows; clients ask for
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a request gives none
 MAX_STOP = 16
 _NEUTRAL_OPTIONS = {"mirostat": (0,), "typical_p": (1.0,), "tfs_z": (1.0,), "min_p": (0.0,)}
-_REFUSED = {"tools": (None, []), "think": (None, False), "images": (None, []),
-            "context": (None, []), "suffix": (None, ""), "template": (None, ""), "logprobs": (None, False)}
+_REFUSED = {"think": (None, False), "images": (None, []), "context": (None, []), "suffix": (None, ""),
+            "template": (None, ""), "logprobs": (None, False)}
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
@@ -58,9 +62,20 @@ class SamplingOptions(msgspec.Struct):
     frequency_penalty: Penalty = 0.0
 
 
+class CalledFunction(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1)]
+    arguments: dict[str, Any] = {}  # an object, as Ollama writes it (not OpenAI's JSON text)
+
+
+class PastCall(msgspec.Struct):
+    function: CalledFunction
+
+
 class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    tool_calls: list[PastCall] = []  # an assistant's calls
+    tool_name: str | None = None  # the function a tool message answers
 
 
 class Asking(msgspec.Struct):
@@ -107,32 +122,46 @@ def _error(error: ApiError) -> dict[str, Any]:
 
 
 class OllamaAnswer(Dialect):
-    """One answer of /api/chat (a `message`) or /api/generate (a `response`)."""
+    """One answer of /api/chat (a `message`, with `tool_calls` where tools were offered) or
+    /api/generate (a `response`)."""
 
     media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, answers: Answers, chat: bool):
+    def __init__(self, model: str, answers: Answers, chat: bool, tools: ToolRequest | None = None):
         self.model, self.answers, self.chat = model, answers, chat
+        self.call_shape = offered_form(answers.tokenizer, tools).call if tools is not None else None
+        self.names = {t["function"]["name"] for t in tools.tools} if tools is not None else set()
+        self.calls = CallStream(self.call_shape, self.names) if self.call_shape else None
 
-    def _text(self, text: str) -> dict[str, Any]:
-        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
+    def _text(self, text: str, calls: list[Call] | None = None) -> dict[str, Any]:
+        called = {"tool_calls": [{"function": {"index": k, "name": c["name"], "arguments": c["arguments"]}}
+                                 for k, c in enumerate(calls)]} if calls else {}
+        content = {"message": {"role": "assistant", "content": text} | called} if self.chat else {"response": text}
         return {"model": self.model, "created_at": _now()} | content
 
-    def _done(self, c: Completion) -> dict[str, Any]:
+    def _done(self, c: Completion, called: bool) -> dict[str, Any]:
+        """The last line's facts; an answer that calls tools is done with "stop", as Ollama's is."""
         arrived, opened = self.answers.arrived, self.answers.opened
-        return {"done": True, "done_reason": c.finish_reason, "total_duration": _ns(time.perf_counter() - arrived),
+        return {"done": True, "done_reason": "stop" if called else c.finish_reason,
+                "total_duration": _ns(time.perf_counter() - arrived),
                 "load_duration": _ns(opened - arrived), "prompt_eval_count": c.prompt_tokens,
                 "prompt_eval_duration": _ns(c.timings["first_token_s"]), "eval_count": len(c.token_ids),
                 "eval_duration": _ns(c.timings["decode_s"])}
 
     def piece(self, text: str) -> bytes:
-        return _line(self._text(text) | {"done": False})
+        text = self.calls.push(text) if self.calls is not None else text  # a call is held until it is whole
+        return _line(self._text(text) | {"done": False}) if text else b""
 
     def closing(self, completion: Completion) -> list[bytes]:
-        return [_line(self._text("") | self._done(completion))]
+        rest, calls = self.calls.finish() if self.calls is not None else ("", [])
+        lines = [_line(self._text(rest) | {"done": False})] if rest else []
+        lines += [_line(self._text("", calls) | {"done": False})] if calls else []
+        return [*lines, _line(self._text("") | self._done(completion, bool(calls)))]
 
     def whole(self, completion: Completion) -> dict[str, Any]:
-        return self._text(completion.text) | self._done(completion)
+        found = read_calls(completion.text, self.call_shape, self.names) if self.call_shape else None
+        text, calls = (completion.text, []) if found is None else (found[0] or "", found[1])
+        return self._text(text, calls) | self._done(completion, bool(calls))
 
     def error(self, error: ApiError) -> dict[str, Any]:
         return _error(error)
@@ -173,8 +202,44 @@ def _prompt(r: Generate) -> Encode:
     return lambda tok: [tok.encode_chat(messages)]
 
 
-def _respond(chat: bool, stream: bool) -> Respond:
-    return lambda model, answers, prompt_tokens, headers: Single(answers, OllamaAnswer(model, answers, chat),
+def _conversation(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them. Ollama's calls have no ids, so each past call gets
+    one (9 letters and digits, which Mistral's templates insist on) and a tool message answers
+    the earliest unanswered call of its `tool_name` (of any name without one)."""
+    pending: list[tuple[str, str]] = []  # (id, function name) of the calls not yet answered
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise BadRequest("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+            ids = [f"c{len(out):06d}{j:02d}" for j in range(len(m.tool_calls))]
+            message["tool_calls"] = [{"id": k, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for k, c in zip(ids, m.tool_calls)]
+            pending += [(k, c.function.name) for k, c in zip(ids, m.tool_calls)]
+        if m.role == "tool":
+            answered = next((p for p in pending if m.tool_name in (None, p[1])), None)
+            if answered is None:
+                raise BadRequest("a tool message must answer an unanswered call of an earlier assistant message"
+                                 + (f" to {m.tool_name!r}" if m.tool_name else ""), f"messages[{i}].tool_name")
+            pending.remove(answered)
+            message |= {"tool_call_id": answered[0], "name": answered[1]}
+        out.append(message)
+    return out
+
+
+def _tools(body: dict[str, Any], asking: Chat) -> tuple[ToolRequest | None, Prepare]:
+    """`tools` as the OpenAI endpoint's, offered `auto`, and how to fit them to the answering model."""
+    tools = parse_tools({"tools": body.get("tools") or []})
+    if tools is None:
+        return None, lambda tok, o: o
+    if asking.format:
+        raise BadRequest("format cannot be combined with tools", "format")
+    return tools, lambda tok, o: tool_options(tok, o, tools)
+
+
+def _respond(chat: bool, stream: bool, tools: ToolRequest | None = None) -> Respond:
+    return lambda model, answers, prompt_tokens, headers: Single(answers, OllamaAnswer(model, answers, chat, tools),
                                                                  stream, headers)
 
 
@@ -195,17 +260,21 @@ class Ollama:
         body = await self.host.body(request)
         refuse(body, _REFUSED)
         r = read(body, Chat)
-        messages = [{"role": m.role, "content": m.content} for m in r.messages]
         for i, m in enumerate(body.get("messages") or []):
-            refuse(m, {"images": (None, []), "tool_calls": (None, [])}, f"messages[{i}].")
-        if not messages:
+            refuse(m, {"images": (None, [])}, f"messages[{i}].")
+        if not r.messages:
             return self._loaded(_name(r.model), chat=True)
+        tools, prepare = _tools(body, r)
+        messages, offered = _conversation(r.messages), tools.tools if tools is not None else None
         return await self.host.answer(options(r, body.get("options") or {}, self.host.default_max_tokens),
-                                      lambda tok: [tok.encode_chat(messages)], _respond(True, r.stream))
+                                      lambda tok: [tok.encode_chat(messages, tools=offered)],
+                                      _respond(True, r.stream, tools), prepare)
 
     async def generate(self, request: Request) -> Response:
         body = await self.host.body(request)
         refuse(body, _REFUSED)
+        if body.get("tools"):
+            raise BadRequest("tools are offered through /api/chat", "tools", "unsupported_parameter")
         r = read(body, Generate)
         if not r.prompt:
             return self._loaded(_name(r.model), chat=False)
@@ -224,20 +293,15 @@ class Ollama:
         info = self._held().get(model)
         if model not in offered or info is None:
             raise UnknownModel(model, offered)
-        cfg = info.config
+        tokenizer = self.host.backend.tokenizer(model)
+        form = tokenizer.tool_form  # None: a base model, which cannot be offered tools
         parameters = {**DEFAULTS, "num_predict": self.host.default_max_tokens}
         return JSONResponse({
-            "license": info.licence or "", "template": self.host.backend.tokenizer(model).chat_template or "",
+            "license": info.licence or "", "template": tokenizer.chat_template or "",
             "parameters": "\n".join(f"{k} {v}" for k, v in parameters.items()),
-            "details": _details(info), "modified_at": _modified(info), "capabilities": ["completion"],
-            "model_info": {"general.architecture": cfg.arch, "general.parameter_count": _parameters(info),
-                           f"{cfg.arch}.context_length": cfg.max_position_embeddings,
-                           f"{cfg.arch}.embedding_length": cfg.hidden_size, f"{cfg.arch}.block_count": cfg.num_layers,
-                           f"{cfg.arch}.feed_forward_length": cfg.intermediate_size,
-                           f"{cfg.arch}.attention.head_count": cfg.num_heads,
-                           f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads,
-                           f"{cfg.arch}.rope.freq_base": cfg.rope_theta, f"{cfg.arch}.vocab_size": cfg.vocab_size,
-                           "diffuse.attention": info.attention, "diffuse.model_hash": info.manifest.model_hash}})
+            "details": _details(info), "modified_at": _modified(info),
+            "capabilities": ["completion", "tools"] if form else ["completion"],
+            "model_info": _model_info(info) | ({"diffuse.tools": str(form)} if form else {})})
 
     def _held(self) -> dict[str, store.ModelInfo]:
         """The store's models by id (a model offered from a directory outside it has no entry)."""
@@ -245,6 +309,17 @@ class Ollama:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
+
+
+def _model_info(info: store.ModelInfo) -> dict[str, Any]:
+    """The model's facts in GGUF's key names, and diffuse's own under `diffuse.`."""
+    cfg = info.config
+    return {"general.architecture": cfg.arch, "general.parameter_count": _parameters(info),
+            f"{cfg.arch}.context_length": cfg.max_position_embeddings, f"{cfg.arch}.embedding_length": cfg.hidden_size,
+            f"{cfg.arch}.block_count": cfg.num_layers, f"{cfg.arch}.feed_forward_length": cfg.intermediate_size,
+            f"{cfg.arch}.attention.head_count": cfg.num_heads, f"{cfg.arch}.attention.head_count_kv": cfg.num_kv_heads,
+            f"{cfg.arch}.rope.freq_base": cfg.rope_theta, f"{cfg.arch}.vocab_size": cfg.vocab_size,
+            "diffuse.attention": info.attention, "diffuse.model_hash": info.manifest.model_hash}
 
 
 def _parameters(info: store.ModelInfo) -> int:
