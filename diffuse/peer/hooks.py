@@ -10,6 +10,7 @@ from typing import Any
 
 from diffuse.control.ladder import AUTO
 from diffuse.data.serve import Contribution, PeerService
+from diffuse.data.admission import Books
 from diffuse.data.server import ServerLimits
 from diffuse.metrics import watch_peer
 from diffuse.model.load import parse_dtype
@@ -53,12 +54,14 @@ class ServeHooks:
 
 
 def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: Contribution | None,
-                     metered: bool) -> ServeHooks:
+                     metered: bool, books: Books | None = None) -> ServeHooks:
     """The inference service: blocks are loaded (and checked against the manifest) once the span
-    is chosen, measured, and served on /diffuse/inference/1.0.0; `metered`: counted for /metrics."""
+    is chosen, measured, and served on /diffuse/inference/1.0.0; `metered`: counted for /metrics;
+    `books`: the credit ledger that orders a full peer's waiting OPENs."""
     limits = ServerLimits(max_session_tokens=serve.max_session_tokens,
                           max_total_tokens=lend.cache_tokens if lend else serve.cache_tokens,
-                          idle_timeout=serve.session_timeout, max_sessions=lend.max_sessions if lend else 0)
+                          idle_timeout=serve.session_timeout, max_sessions=lend.max_sessions if lend else 0,
+                          books=books)
     wrap = None
     if serve.tamper is not None:
         from diffuse.trust.tamper import Tamper  # the test double loads only when asked for

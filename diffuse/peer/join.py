@@ -18,6 +18,7 @@ from pathlib import Path
 
 import trio
 
+from diffuse.control import receipts
 from diffuse.control.announce import Serving
 from diffuse.control.coverage import coverage
 from diffuse.control.identity import KeyPair, peer_id
@@ -36,6 +37,7 @@ from diffuse.model.weights import load_manifest
 from diffuse.peer.heads import DraftHeads
 from diffuse.peer.hooks import ServeConfig, data_plane_hooks, placed
 from diffuse.trust import reputation
+from diffuse.trust.credits import Ledger
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
@@ -89,8 +91,10 @@ class Peer:
             import torch
 
             torch.set_num_threads(self.lend.threads)
+        self.ledger = Ledger(config.home, me)  # credits earned and standing (trust/credits.py)
         self.hooks = data_plane_hooks(serve, self.model_dir, self.manifest.model_id, self.lend,
-                                      metered=bool(config.metrics))
+                                      metered=bool(config.metrics), books=self.ledger)
+        self.hooks.handlers[receipts.PROTOCOL] = receipts.handler(self.ledger.accept)
         self.files = DraftHeads(config.home, self.dirs or {self.manifest.model_id: self.model_dir}, say) \
             if self.lend else None
         self.node: Node | None = None
