@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may queue; beyond, HTTP 429 with Retry-After (default 64)")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length if a request gives none (default 256)")
+    p.add_argument("--history", action="store_true", help="keep answers in `diffuse history` unless asked not to")
     add_fallback_option(p, "the other --model models, largest first")
     p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=True, help="through the swarm, send "
                    "guessed continuations with each step where they pay (default: on; never with --local)")

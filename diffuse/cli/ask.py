@@ -65,6 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and failover give greedy's answer bit for bit, ties included (default: off: the fast kernels "
                         "agree up to near-ties; on costs up to 2x per plain step)")
     p.add_argument("--model", help="store name or HF-layout directory (default: the embedded model)")
+    p.add_argument("--history", action="store_const", const=True, help="keep it in `diffuse history` (default: if any)")
+    p.add_argument("--ephemeral", dest="history", action="store_const", const=False, help="keep nothing")
     add_compute_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -95,6 +97,7 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
     from diffuse.client.service import ServiceConfig
     from diffuse.client.swarm import SwarmOptions
     from diffuse.client.swarm_backend import SwarmConfig, trust_options
+    from diffuse.client.vault import for_answers
     from diffuse.model.load import parse_dtype
 
     if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
@@ -115,7 +118,7 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
         swarm = SwarmConfig(tuple(boot), access, options, mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
                             wait=args.wait, trust=trust)
     return ServiceConfig(data_home(args.home), models, swarm, args.fallback, fallback_from_store, speculate, exact,
-                         args.dtype, args.device, warm_up)
+                         args.dtype, args.device, warm_up, vault=for_answers(data_home(args.home), args.history))
 
 
 def cmd_ask(args) -> int:

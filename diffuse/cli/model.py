@@ -9,7 +9,7 @@ from pathlib import Path
 
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
-from diffuse.model import store, tokenizer
+from diffuse.model import store
 from diffuse.model.packages import PACKAGED
 
 
@@ -65,40 +65,15 @@ def cmd_draft_head(args) -> int:
     return 0
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}"
-
-
 def cmd_list(args) -> int:
     models = store.list_models(data_home(args.home))
-    if args.json:
-        print(json.dumps([m.as_dict() | {"block_hashes": None} for m in models], indent=1))
-        return 0
-    if not models:
-        print("no models installed: run `diffuse model pull`", file=sys.stderr)
-        return 0
-    print(f"{'name':28} {'arch':12} {'blocks':>6} {'MiB':>8}  {'block MiB fp32/bf16':>19}  rope")
-    for m in models:
-        b = m.as_dict()["block_bytes"]
-        print(f"{m.name:28} {m.config.arch:12} {m.config.num_layers:6} {_mib(m.size_bytes):>8}  "
-              f"{_mib(b['fp32']) + ' / ' + _mib(b['bf16']):>19}  {m.config.rope_description}")
+    print(json.dumps([m.as_dict() | {"block_hashes": None} for m in models], indent=1) if args.json else
+          store.table(models) if models else "no models installed: run `diffuse model pull`",
+          file=sys.stdout if args.json or models else sys.stderr)
     return 0
 
 
 def cmd_info(args) -> int:
     m = store.info(store.resolve(data_home(args.home), args.name))
-    d = m.as_dict()
-    if args.json:
-        print(json.dumps(d, indent=1))
-        return 0
-    for key in ("name", "path", "arch", "layers", "hidden_size", "rope", "attention", "experts", "licence",
-                "dtype", "size_bytes", "model_hash", "head_hash"):
-        if d[key] is not None:
-            print(f"{key:12} {d[key]}")
-    print(f"{'tools':12} {tokenizer.describe_tools(m.path)}")
-    blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
-    print("per block    " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in blocks.items())
-          + "; KV cache per token " + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in kv.items()))
-    for i, h in enumerate(m.manifest.block_hashes):
-        print(f"block {i:<6} sha256 {h}")
+    print(json.dumps(m.as_dict(), indent=1) if args.json else store.describe(m))
     return 0

