@@ -68,6 +68,7 @@ def test_the_ledger_refuses_replays_and_receipts_not_its_own(tmp_path):
     assert ledger.accept([s.wire()], me(client)) == (1, [])
     n, why = ledger.accept([s.wire()], me(client))
     assert n == 0 and "replayed" in why[0]
+    ledger.flush()
     assert Ledger(tmp_path, me(peer)).accept([s.wire()], me(client))[0] == 0  # kept on disk across restarts
     foreign = issue(client, me(other), "m", 0, 10, 25, 0.5, os.urandom(16))
     n, why = ledger.accept([foreign.wire(), [b"x", b"y"]], me(peer))
@@ -96,6 +97,7 @@ def test_standing_ranks_givers_over_consumers_and_caps_exposure(tmp_path):
     assert ledger.standing(me(giver)) > ledger.standing(me(consumer)) == ALLOWANCE
     ledger.took(me(consumer), ALLOWANCE + 1)
     assert ledger.exposed(me(consumer)) and not ledger.exposed(me(giver))
+    ledger.flush()
     r = report(tmp_path, me(peer))
     assert r["tabs"][me(consumer)]["served_them"] == ALLOWANCE + 1 and r["spent"]["peers"] == 1
     assert "standing" in format_report(r)
@@ -123,3 +125,29 @@ def test_a_delivery_is_answered_and_a_bad_one_refused_with_a_reason(tmp_path):
     answer = trio.run(exchange, b"\xff\x00")
     assert answer["accepted"] == 0 and "not valid CBOR" in answer["refused"][0]
     assert ledger.held[0].payload == good.payload
+
+
+def test_the_books_are_written_in_the_background_and_on_the_way_out(tmp_path):
+    """A session's close only marks the book; `keep` writes it soon after from a worker thread, and
+    once more when cancelled (the peer's shutdown)."""
+    import trio
+
+    peer, client = ephemeral(), ephemeral()
+    ledger = Ledger(tmp_path, me(peer))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ledger.keep, 0.01)
+            ledger.took(me(client), 7)
+            assert not ledger.path.exists()  # nothing written on the event loop
+            with trio.fail_after(30):
+                while not ledger.path.exists():
+                    await trio.sleep(0.01)
+            assert Ledger(tmp_path, me(peer)).served == {me(client): 7}
+            ledger.took(me(client), 5)
+            assert ledger.accept([issue(client, me(peer), "m", 0, 4, 8, 0.1, os.urandom(16)).wire()], me(client))[0]
+            nursery.cancel_scope.cancel()
+        again = Ledger(tmp_path, me(peer))
+        assert again.served == {me(client): 12} and len(again.held) == 1 and not ledger.dirty
+
+    trio.run(main)

@@ -130,6 +130,7 @@ class Peer:
         node = self.node = self._node()
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
+            nursery.start_soon(self.ledger.keep)  # the credit books, written off the event loop
             DHT_RECORDS.set_function(node.stored_records)  # /metrics: what its DHT store holds
             self.say(f"reachability: {node.reach.describe()}")
             if self.config.metrics:

@@ -1,6 +1,6 @@
 """Usage credits without consensus: each member keeps its own books and ranks others by them.
 
-Two files in the home, each written whole (a temp file, then rename) by one process: the peer
+Two files in the home, each written whole (a temp file, synced, then renamed) by one process: the peer
 (`join`) writes `credits/earned.cbor` (receipts clients signed for it, receipts others presented,
 what it served whom), the member's own client (`ask --credit`, `api --credit`) writes
 `credits/spent.cbor` (what it paid whom: the peers it has seen do real work). A peer's standing
@@ -13,6 +13,7 @@ served it lately (the allowance regenerates as that decays). Spec: protocols/cre
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -21,16 +22,19 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import trio
 
 from diffuse.control.identity import node_key, peer_id
 from diffuse.control.receipts import InvalidReceipt, Signed, verify
 from diffuse.home import data_home
 
+log = logging.getLogger(__name__)
 ALLOWANCE = 32768  # block-tokens a stranger may take from a peer before it is over its exposure
 REGEN_PER_S = ALLOWANCE / 3600  # what a peer served someone decays at this rate: the allowance refills in an hour
 SIGNER_CAP = 1 << 20  # block-tokens one signer's receipts can add to anyone's standing
 MAX_HELD = 4096  # receipts a ledger keeps per list, the newest
 EARNED, SPENT = "earned.cbor", "spent.cbor"
+FLUSH_S = 5.0  # the peer's books reach the disk this often at most: a crash loses at most this much
 
 
 def credits_dir(home: str | os.PathLike | None) -> Path:
@@ -54,6 +58,8 @@ def save(path: Path, value: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".credits-", dir=path.parent)
     with os.fdopen(fd, "wb") as f:
         f.write(cbor2.dumps(value))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -90,11 +96,12 @@ class Ledger:
         self.seen = {(s.receipt.session, s.receipt.peer) for s in self.held} | \
             {(s.receipt.session, s.receipt.peer) for v in self.presented.values() for s in v}
         self._paid: tuple[float, dict[str, int]] = (-1.0, {})
+        self.dirty = False  # changed since last written: `keep` writes it, off the event loop
 
     def accept(self, items: list[Any], sender: str) -> tuple[int, list[str]]:
         """Take a delivery from `sender`: receipts paying this peer, signed by the sender, and
         receipts others signed for the sender, which it presents. Returns (accepted, why each
-        other one was refused); the book is saved once."""
+        other one was refused); the book is written by `keep`."""
         accepted, refused = 0, []
         for item in items:
             try:
@@ -102,8 +109,7 @@ class Ledger:
                 accepted += 1
             except InvalidReceipt as e:
                 refused.append(str(e))
-        if accepted:
-            self.save()
+        self.dirty = self.dirty or accepted > 0
         return accepted, refused
 
     def _take(self, s: Signed, sender: str) -> None:
@@ -122,7 +128,7 @@ class Ledger:
         """This peer served `identity` `work` block-tokens (a session ended)."""
         self.served[identity] = self.served.get(identity, 0) + work
         self.used[identity] = [self._used(identity) + work, self.clock()]
-        self.save()
+        self.dirty = True
 
     def _used(self, identity: str) -> float:
         level, at = self.used.get(identity, (0.0, 0.0))
@@ -153,9 +159,33 @@ class Ledger:
         """It took from this peer more than it gave anyone plus its allowance."""
         return self.standing(identity) < 0
 
-    def save(self) -> None:
-        save(self.path, {"v": 1, "held": [s.wire() for s in self.held], "served": self.served, "used": self.used,
-                         "presented": {k: [s.wire() for s in v] for k, v in self.presented.items()}})
+    def _snapshot(self) -> dict:
+        """The book as it is now, sharing nothing the event loop mutates later."""
+        self.dirty = False
+        return {"v": 1, "held": [s.wire() for s in self.held], "served": dict(self.served), "used": dict(self.used),
+                "presented": {k: [s.wire() for s in v] for k, v in self.presented.items()}}
+
+    def flush(self) -> None:
+        """Write the book now if it changed (at shutdown, and in tests)."""
+        if self.dirty:
+            save(self.path, self._snapshot())
+
+    async def keep(self, every: float = FLUSH_S) -> None:
+        """Write the book at most every `every` s while it changes, encoding and writing in a
+        worker thread: a session's close costs the event loop nothing but a mark; once more on
+        the way out. Runs in the peer's nursery until cancelled."""
+        try:
+            while True:
+                await trio.sleep(every)
+                if self.dirty:
+                    book = self._snapshot()
+                    try:
+                        await trio.to_thread.run_sync(save, self.path, book)
+                    except OSError as e:  # a full disk: keep serving, try again later
+                        log.warning("credits: cannot write %s: %s", self.path, e)
+                        self.dirty = True
+        finally:
+            self.flush()
 
     def best(self, n: int) -> list[Signed]:
         """Receipts to present to another peer: the largest from distinct signers first."""
