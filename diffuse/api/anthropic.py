@@ -29,6 +29,7 @@ from diffuse.api.schema import BadRequest, Options, ToolRequest
 from diffuse.api.tools import Call, CallStream, call_id, offered_form, read_calls, tool_options
 from diffuse.client.generate import Completion
 from diffuse.client.sampling import SamplingParams
+from diffuse.client.vault import opted_out
 
 MAX_STOP = 16
 _REFUSED = {"thinking": (None, {"type": "disabled"}), "mcp_servers": (None, [])}
@@ -271,11 +272,13 @@ class Anthropic:
         r = read(body, Messages)
         tools = _tools(r)
         options, prepare = _options(r, tools)
+        messages, system = _conversation(r.messages), _text(r.system)
+        kept = [{"role": "system", "content": system}] * bool(system) + messages
         return await self.host.answer(
-            options, _prompt(_conversation(r.messages), _text(r.system), tools),
+            options, _prompt(messages, system, tools),
             lambda model, answers, prompt_tokens, headers: Single(
                 answers, AnthropicAnswer(model, answers, prompt_tokens, tools), r.stream, headers),
-            prepare)
+            prepare, keep=None if opted_out(request.headers) else kept)
 
 
 def routes(host: Host) -> list[Route]:

@@ -24,10 +24,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from diffuse.api import anthropic, ollama
-from diffuse.api.answers import Answers, Sessions
+from diffuse.api.answers import Answers, Emit, Sessions
 from diffuse.api.respond import ApiError, Encode, Host, Respond, as_api_error, unless_disconnected
 from diffuse.client.backend import UnknownModel
 from diffuse.client.service import Service, first_servable
+from diffuse.client.vault import opted_out
 from diffuse.api.page import PAGE
 from diffuse.api.schema import (
     BadRequest, ChatShape, Options, Shape, TextShape, error_body, parse_messages, parse_options, parse_prompts,
@@ -127,6 +128,19 @@ class Answering(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class Kept(Answers):
+    """A request's answers whose conversation the service keeps (`api --history`) once all are done."""
+
+    def __init__(self, *args: Any, service: Service, conversation: list[dict[str, Any]]):
+        super().__init__(*args)
+        self.service, self.conversation = service, conversation
+
+    async def run(self, emit: Emit) -> list[Completion]:
+        completions = await super().run(emit)
+        await self.service.keep(self.conversation, [c.text for c in completions], self.model)
+        return completions
+
+
 class Api:
     """The request handlers, bound to one backend and its session cap."""
 
@@ -164,41 +178,47 @@ class Api:
         body = await self._body(request)
         options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n)
         messages, tools = parse_messages(body), parse_tools(body)
+        keep = _kept(request, body, messages)
         if tools is None or not tools.offered:
-            return await self._answer(options, lambda tok: [tok.encode_chat(messages)], ChatShape)
+            return await self._answer(options, lambda tok: [tok.encode_chat(messages)], ChatShape, keep)
         return await self.answer(  # the answer may call the tools: each model offered them in its own form
             options, lambda tok: [tok.encode_chat(messages, tools=tools.tools)],
             lambda model, answers, prompt_tokens, headers: Answering(
                 answers, ToolShape(model, self.backend.tokenizer(model), tools), options, prompt_tokens, headers),
-            lambda tok, opts: tool_options(tok, opts, tools))
+            lambda tok, opts: tool_options(tok, opts, tools), keep)
 
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
         options = parse_options(body, self.settings.default_max_tokens, self.settings.max_n, chat=False)
         texts = parse_prompts(body)
-        return await self._answer(options, lambda tok: [tok.encode(p, add_special=True) for p in texts], TextShape)
+        return await self._answer(options, lambda tok: [tok.encode(p, add_special=True) for p in texts], TextShape,
+                                  _kept(request, body, [{"role": "prompt", "content": p} for p in texts]))
 
-    async def _answer(self, options: Options, encode: Encode, shape: Callable[[str], Shape]) -> Response:
+    async def _answer(self, options: Options, encode: Encode, shape: Callable[[str], Shape],
+                      keep: list[dict[str, Any]] | None) -> Response:
         return await self.answer(options, encode, lambda model, answers, prompt_tokens, headers: Answering(
-            answers, shape(model), options, prompt_tokens, headers))
+            answers, shape(model), options, prompt_tokens, headers), keep=keep)
 
     async def answer(self, options: Options, encode: Encode, respond: Respond,
-                     prepare: Callable[[Tokenizer, Options], Options] = lambda tok, options: options) -> Response:
+                     prepare: Callable[[Tokenizer, Options], Options] = lambda tok, options: options,
+                     keep: list[dict[str, Any]] | None = None) -> Response:
         """The answer of the asked model or, when it is not servable, of the first of its
         fallbacks that is (each encodes the prompts with its own tokenizer), said in the
-        response's `model`, its headers and /metrics; every dialect answers through here."""
+        response's `model`, its headers and /metrics; every dialect answers through here.
+        `keep`: the conversation the service keeps once answered (None: the request opted out)."""
         asked = options.model
 
         async def attempt(model: str) -> Response:
             tokenizer = self.backend.tokenizer(model)  # `prepare` fits the options to the model
             answers, prompt_tokens = await self._open(prepare(tokenizer, replace(options, model=model)),
-                                                      encode(tokenizer))
+                                                      encode(tokenizer), keep)
             named = {"x-diffuse-model": model} | ({"x-diffuse-asked-model": asked} if model != asked else {})
             return respond(model, answers, prompt_tokens, named)
 
         return (await first_servable(self.backend, asked, attempt, log.warning))[1]
 
-    async def _open(self, options: Options, prompts: list[list[int]]) -> tuple[Answers, int]:
+    async def _open(self, options: Options, prompts: list[list[int]],
+                    keep: list[dict[str, Any]] | None) -> tuple[Answers, int]:
         context = self.backend.context_length(options.model)
         longest = max(len(p) for p in prompts)
         max_tokens = options.params.max_tokens
@@ -208,8 +228,9 @@ class Api:
                                  f"max_tokens asks for {max_tokens} more", "max_tokens", "context_length_exceeded")
             max_tokens = context - longest
         choices = [(p, options.choice_params(j, max_tokens)) for p in prompts for j in range(options.n)]
-        answers = Answers(self.sessions, options.model, self.backend.tokenizer(options.model), choices,
-                          options.presence_penalty, options.frequency_penalty)
+        args = (self.sessions, options.model, self.backend.tokenizer(options.model), choices,
+                options.presence_penalty, options.frequency_penalty)
+        answers = Answers(*args) if keep is None else Kept(*args, service=self.backend, conversation=keep)
         await answers.open()
         prompt_tokens = sum(len(p) for p in prompts)
         PROMPT_TOKENS.labels(options.model).inc(prompt_tokens * options.n)
@@ -242,6 +263,15 @@ class Api:
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(PAGE)
+
+
+def _kept(request: Request, body: dict[str, Any], conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation to keep, unless the request says `store: false` (OpenAI's field) or
+    `x-diffuse-store: false`."""
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise BadRequest("store must be true or false", "store")
+    return None if store is False or opted_out(request.headers) else conversation
 
 
 def _model_object(coverage: dict[str, Any]) -> dict[str, Any]:

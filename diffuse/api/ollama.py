@@ -33,6 +33,7 @@ from diffuse.client.backend import UnknownModel
 from diffuse.client.constrain import OutputConstraint
 from diffuse.client.generate import Completion
 from diffuse.client.sampling import SamplingParams
+from diffuse.client.vault import opted_out
 from diffuse.model import store
 from diffuse.model.engine import block_parameters
 from diffuse.validate import Int64
@@ -194,11 +195,18 @@ def _constraint(format_: str | dict[str, Any]) -> OutputConstraint | None:
     return constrained("json_object", None, "format") if format_ == "json" else None
 
 
+def _turns(r: Generate) -> list[dict[str, str]]:
+    """/api/generate's prompt as a conversation: a user's turn after `system`, or the `raw` prompt."""
+    if r.raw:
+        return [{"role": "prompt", "content": r.prompt}]
+    return [{"role": "system", "content": r.system}] * bool(r.system) + [{"role": "user", "content": r.prompt}]
+
+
 def _prompt(r: Generate) -> Encode:
-    """/api/generate's prompt: through the chat template as a user's turn after `system`, or `raw`."""
+    """/api/generate's prompt: through the chat template, or `raw`."""
     if r.raw:
         return lambda tok: [tok.encode(r.prompt, add_special=True)]
-    messages = [{"role": "system", "content": r.system}] * bool(r.system) + [{"role": "user", "content": r.prompt}]
+    messages = _turns(r)
     return lambda tok: [tok.encode_chat(messages)]
 
 
@@ -268,7 +276,8 @@ class Ollama:
         messages, offered = _conversation(r.messages), tools.tools if tools is not None else None
         return await self.host.answer(options(r, body.get("options") or {}, self.host.default_max_tokens),
                                       lambda tok: [tok.encode_chat(messages, tools=offered)],
-                                      _respond(True, r.stream, tools), prepare)
+                                      _respond(True, r.stream, tools), prepare,
+                                      keep=None if opted_out(request.headers) else messages)
 
     async def generate(self, request: Request) -> Response:
         body = await self.host.body(request)
@@ -279,7 +288,7 @@ class Ollama:
         if not r.prompt:
             return self._loaded(_name(r.model), chat=False)
         return await self.host.answer(options(r, body.get("options") or {}, self.host.default_max_tokens), _prompt(r),
-                                      _respond(False, r.stream))
+                                      _respond(False, r.stream), keep=None if opted_out(request.headers) else _turns(r))
 
     async def tags(self, request: Request) -> Response:
         self.host.authorize(request)

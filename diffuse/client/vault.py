@@ -133,8 +133,6 @@ class Vault:
                                          type=Record)
         except (CryptoError, msgspec.DecodeError) as e:  # DecodeError: sealed by a writer of another format
             raise Damaged(ident) from e
-        if record.id != ident:
-            raise Damaged(ident)
         return record
 
     def records(self) -> tuple[list[Record], list[str]]:
@@ -307,7 +305,8 @@ def _keyring() -> Any:
 
 def _ask(prompt: str) -> str:
     if not sys.stdin.isatty():
-        raise VaultError(f"the history vault is locked: set ${PASSPHRASE_ENV} (there is no terminal to ask on)")
+        raise VaultError(f"the history vault is locked: set ${PASSPHRASE_ENV} (there is no terminal to ask on), "
+                         "or give `ask --ephemeral`, which keeps nothing")
     return getpass.getpass(prompt)
 
 
