@@ -186,13 +186,17 @@ def header(directory: Path) -> Header:
         raw = path.read_bytes()
     except FileNotFoundError:
         raise VaultError(f"no history vault in {directory}: `diffuse history init` creates one") from None
+    damaged = f"the history vault's header {path} is damaged: no record can be opened"
     try:
         version = json.loads(raw).get("version")
-        if version != VERSION:
-            raise VaultError(f"{path} is of format version {version}; this diffuse reads version {VERSION}")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        raise VaultError(damaged) from None
+    if version != VERSION:
+        raise VaultError(f"{path} is of format version {version}; this diffuse reads version {VERSION}")
+    try:
         return msgspec.json.decode(raw, type=Header)
-    except (ValueError, AttributeError, msgspec.ValidationError) as e:
-        raise VaultError(f"the history vault's header {path} is damaged ({e}): no record can be opened") from None
+    except msgspec.DecodeError as e:  # its ValidationError names the field
+        raise VaultError(f"{damaged} ({e})") from None
 
 
 def unlock(directory: Path) -> Vault:
