@@ -39,6 +39,8 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", choices=["public", "private", "off"], help="public: canaries, 10%% spot checks, "
                    "evidence published; private: fewer, unpublished; off: none (only your own peers). Default: --mode")
     p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
+    p.add_argument("--credit", action="store_true", help="ask as your `join` identity, paying peers with receipts "
+                   "(standing with them; links your questions to it, docs/credits.md)")
     add_swarm_options(p)
     add_discovery_options(p)
 
@@ -116,7 +118,7 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
                             dtype=parse_dtype(args.dtype), wire_dtype=parse_dtype(args.wire_dtype),
                             trust=trust_options(trust))
         swarm = SwarmConfig(tuple(boot), access, options, mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
-                            wait=args.wait, trust=trust)
+                            wait=args.wait, trust=trust, credit=args.credit)
     return ServiceConfig(data_home(args.home), models, swarm, args.fallback, fallback_from_store, speculate, exact,
                          args.dtype, args.device, warm_up, vault=for_answers(data_home(args.home), args.history))
 

@@ -1,6 +1,7 @@
 """The swarm backend: every answer is an inference session of its own through the swarm.
 
-One libp2p node (a DHT client with an ephemeral identity: nothing links two of a user's runs) and
+One libp2p node (a DHT client with an ephemeral identity: nothing links two of a user's runs;
+with `credit`, the member's serving identity, paying peers with receipts: client/credit.py) and
 one `SwarmClient` per model offered, plus one made when first needed for each model that may
 answer in an offered one's place. This process holds what a swarm client holds (tokenizer,
 embeddings, head, its local blocks), so token ids never leave it. Coverage is read from the DHT
@@ -22,6 +23,7 @@ import trio
 
 from diffuse.client import draft_head
 from diffuse.client.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
+from diffuse.client.credit import Payer
 from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
@@ -51,17 +53,20 @@ class _MeteredClient(SwarmClient):
 
 
 class _Session(Pipeline):
-    """A swarm session that reports its failovers to /metrics when it closes."""
+    """A swarm session that reports its failovers to /metrics when it closes, and pays its peers
+    (in the background) when the client gives credit."""
 
-    def __init__(self, pipeline: Pipeline, model: str):
+    def __init__(self, pipeline: Pipeline, model: str, payer: Payer | None = None):
         super().__init__(pipeline.head, pipeline.stages, pipeline.exact, pipeline.logits)
-        self.model = model
+        self.model, self.payer = model, payer
 
     async def close(self) -> None:
         try:
             await super().close()
         finally:
             FAILOVERS.labels(self.model).inc(sum(len(r.stats.failovers) for r in remotes_of(self)))
+            if self.payer is not None:
+                self.payer.pay(self, self.model)
 
 
 class SwarmBackend:
@@ -69,7 +74,8 @@ class SwarmBackend:
 
     def __init__(self, clients: list[SwarmClient], speculate: bool = True,
                  drafts: dict[str, DraftHead] | None = None, home: Path | None = None,
-                 spares: dict[str, str] | None = None, say: Callable[[str], None] = log.warning):
+                 spares: dict[str, str] | None = None, say: Callable[[str], None] = log.warning,
+                 payer: Payer | None = None):
         self.clients = {c.model_id: c for c in clients}  # the models offered, then spares as they are used
         self.offered = list(self.clients)
         self.spares = dict(spares or {})  # model id -> store name: models that may answer in an offered one's place
@@ -83,6 +89,7 @@ class SwarmBackend:
         self.tokenizers = {c.model_id: Tokenizer.load(c.model_dir) for c in clients}
         self.started = time.time()
         self.trust: dict[str, dict[str, Any]] = {}  # per model: the start-up trust warm-up, for status
+        self.payer = payer  # signs and delivers receipts after each session (--credit), else None
 
     def _client(self, model_id: str) -> SwarmClient:
         if model_id not in self.clients and model_id in self.spares and self.home is not None:
@@ -147,7 +154,7 @@ class SwarmBackend:
         if not cov["servable"]:
             raise Unservable(model_id, cov["missing"])
         try:  # announced but no live replica: the client computes here or waits (client/swarm.py)
-            return _Session(await client.session(max_len), model_id)
+            return _Session(await client.session(max_len), model_id, self.payer)
         except SwarmBusy as e:
             raise Overloaded(f"the swarm cannot take another session right now ({e}); retry shortly", 5) from None
 
@@ -291,6 +298,7 @@ class SwarmConfig:
     hole_punch: bool = False  # try DCUtR towards peers reached through a relay
     wait: float = 10.0  # seconds to wait for the offered models' coverage (a client that starts with its swarm)
     trust: str = "public"  # the trust plane's form (TRUST_FORMS) `options` carry, for reports
+    credit: bool = False  # run as the member's identity and pay peers with receipts (client/credit.py)
 
     def node_config(self) -> NodeConfig:
         # Punching holes, our dials must leave from a port our router maps: listen on every interface.
@@ -307,12 +315,15 @@ async def open_swarm_backend(home: Path, names: list[str | None], config: SwarmC
     `config.wait` seconds for their full coverage, then warm the trust plane's material in the
     background while the caller serves. `speculate`: answers speculate (with each model's draft
     head from the store, else a peer's); `spares`: models (id -> store name) that may answer in
-    an offered one's place, loaded when first used."""
-    from diffuse.control.identity import ephemeral
+    an offered one's place, loaded when first used. With `config.credit`, the node runs as the
+    member's serving identity (its key read, not locked: its `join` may hold it) and receipts are
+    delivered before the backend closes, each within credit.DELIVER_S."""
+    from diffuse.control.identity import ephemeral, node_key
     from diffuse.model import store
 
-    async with open_node(ephemeral(), config.node_config(), codecs=reputation.swarm_codecs()) as node, \
-            trio.open_nursery() as background:
+    key_pair = node_key(None, home) if config.credit else ephemeral()
+    async with open_node(key_pair, config.node_config(), codecs=reputation.swarm_codecs()) as node, \
+            trio.open_nursery() as paying, trio.open_nursery() as background:
         DHT_RECORDS.set_function(node.stored_records)
         clients = [_MeteredClient(node, store.resolve(home, name), config.options) for name in names]
         deadline = trio.current_time() + config.wait
@@ -320,7 +331,8 @@ async def open_swarm_backend(home: Path, names: list[str | None], config: SwarmC
             while not await client.covered() and trio.current_time() < deadline:
                 await trio.sleep(0.25)
         drafts = {c.model_id: d for c in clients if speculate and (d := await _draft_head(c, home, say)) is not None}
-        backend = SwarmBackend(clients, speculate, drafts, home, spares, say)
+        payer = Payer(key_pair, node.host, home, paying) if config.credit else None
+        backend = SwarmBackend(clients, speculate, drafts, home, spares, say, payer)
         for client in clients:
             background.start_soon(backend.warm_trust, client)
         try:

@@ -213,13 +213,15 @@ def _newest(items: list[Signed]) -> list[Signed]:
 def report(home: str | os.PathLike | None, me: str) -> dict:
     """What `diffuse credits` shows: earned, spent, per-peer tabs, the allowance."""
     ledger = Ledger(home, me)
-    signers = {s.receipt.client for s in ledger.held}
+    signers: dict[str, int] = {}  # who signed what this peer holds: its clients, the work each paid
+    for s in ledger.held:
+        signers[s.receipt.client] = signers.get(s.receipt.client, 0) + s.receipt.work
     paid = ledger.paid()
     tabs = {i: {"served_them": ledger.served.get(i, 0), "they_served": paid.get(i, 0),
                 "credit": ledger.credit(i), "standing": round(ledger.standing(i))}
             for i in sorted(set(ledger.served) | set(paid) | set(ledger.presented))}
     return {"identity": me, "earned": {"receipts": len(ledger.held), "signers": len(signers),
-                                       "work": sum(s.receipt.work for s in ledger.held)},
+                                       "work": sum(s.receipt.work for s in ledger.held), "from": signers},
             "spent": {"peers": len(paid), "work": sum(paid.values())}, "tabs": tabs,
             "allowance": {"work": ALLOWANCE, "regenerates_per_hour": round(REGEN_PER_S * 3600)}}
 
