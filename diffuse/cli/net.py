@@ -12,13 +12,14 @@ from pathlib import Path
 
 from diffuse.cli.common import (
     add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs, from_args, positive,
-    trio_run, until_signal,
+    trio_run,
 )
 from diffuse.cli.reach import (
     add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
 )
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.data.serve import LEVELS
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("id", help="print this node's peer id (creates its key)")
@@ -109,6 +110,7 @@ def cmd_id(args: argparse.Namespace) -> int:
 def cmd_sentinel(args: argparse.Namespace) -> int:
     from diffuse.control.identity import node_key
     from diffuse.peer.sentinel import SentinelConfig, serve_sentinel
+    from diffuse.peer.signals import until_signal
 
     key_pair = node_key(args.identity, args.home, hold=True)
     boot = bootstrap_addrs(args, required=False)
@@ -129,6 +131,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.home import data_home
     from diffuse.peer.hooks import ServeConfig
     from diffuse.peer.join import JoinConfig, Peer
+    from diffuse.peer.signals import until_signal
 
     boot = bootstrap_addrs(args, required=False)
     access = swarm_access(args)
