@@ -39,10 +39,11 @@ Prepare = Callable[[Tokenizer, Options], Options]  # a request's options fitted 
 
 
 class Answer(Protocol):
-    """The answer path (app.py's `Api.answer`): the asked model or its first servable fallback."""
+    """The answer path (app.py's `Api.answer`): the asked model or its first servable fallback;
+    `keep`: the conversation the history vault keeps once answered (None: nothing kept)."""
 
     def __call__(self, options: Options, encode: Encode, respond: Respond,
-                 prepare: Prepare = ...) -> Awaitable[Response]: ...
+                 prepare: Prepare = ..., keep: list[dict[str, Any]] | None = None) -> Awaitable[Response]: ...
 
 
 class ApiError(DiffuseError):
