@@ -151,3 +151,19 @@ def test_the_books_are_written_in_the_background_and_on_the_way_out(tmp_path):
         assert again.served == {me(client): 12} and len(again.held) == 1 and not ledger.dirty
 
     trio.run(main)
+
+
+def test_credit_refuses_to_share_a_running_nodes_identity(tmp_path):
+    """`--credit` runs the client as the home's serving identity, locked; while the home's `join`
+    holds it, the client refuses, naming why, rather than put one peer id at two addresses."""
+    from diffuse.client.swarm_backend import _member_key
+    from diffuse.control.identity import IdentityError, default_identity_path, load_or_create, lock
+
+    path = default_identity_path(tmp_path)
+    load_or_create(path)
+    held = lock(path)  # a running `diffuse join` of this home
+    try:
+        with pytest.raises(IdentityError, match="--credit asks as this home's serving identity"):
+            _member_key(tmp_path)
+    finally:
+        held.close()

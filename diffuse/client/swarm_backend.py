@@ -316,12 +316,12 @@ async def open_swarm_backend(home: Path, names: list[str | None], config: SwarmC
     background while the caller serves. `speculate`: answers speculate (with each model's draft
     head from the store, else a peer's); `spares`: models (id -> store name) that may answer in
     an offered one's place, loaded when first used. With `config.credit`, the node runs as the
-    member's serving identity (its key read, not locked: its `join` may hold it) and receipts are
-    delivered before the backend closes, each within credit.DELIVER_S."""
-    from diffuse.control.identity import ephemeral, node_key
+    member's serving identity (locked, as a `join` locks it) and receipts are delivered before the
+    backend closes, each within credit.DELIVER_S."""
+    from diffuse.control.identity import ephemeral
     from diffuse.model import store
 
-    key_pair = node_key(None, home) if config.credit else ephemeral()
+    key_pair = _member_key(home) if config.credit else ephemeral()
     async with open_node(key_pair, config.node_config(), codecs=reputation.swarm_codecs()) as node, \
             trio.open_nursery() as paying, trio.open_nursery() as background:
         DHT_RECORDS.set_function(node.stored_records)
@@ -339,3 +339,17 @@ async def open_swarm_backend(home: Path, names: list[str | None], config: SwarmC
             yield backend
         finally:
             background.cancel_scope.cancel()
+
+
+def _member_key(home: Path):
+    """The home's serving identity, locked for this process: two running nodes with one peer id
+    (this client and the home's `join`) would corrupt everyone's routing tables."""
+    from diffuse.control.identity import IdentityError, node_key
+
+    try:
+        return node_key(None, home, hold=True)
+    except IdentityError as e:
+        if "in use" not in str(e):
+            raise
+        raise IdentityError("--credit asks as this home's serving identity, which a running node of it (a "
+                            "`diffuse join`) holds: ask without --credit, or stop that node first") from None
