@@ -1,6 +1,7 @@
 # The two commands a new user needs: `make run` and `make test` (both set everything up first).
-# `make test`: the chaos run alone first (on two cores anything beside it would change what it
-# measures), then the rest on two workers, whose last lines name any test it could not run here.
+# `make test`: the chaos run and the admission-order test alone first (on two cores anything beside
+# them would change what they measure), then the rest on two workers, whose last lines name any test
+# it could not run here.
 .PHONY: setup run test
 
 setup:
