@@ -7,12 +7,9 @@ import argparse
 import signal
 from pathlib import Path
 
-import trio
-
 from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config
 from diffuse.cli.common import add_compute_options, add_train_draft_option, from_args, trio_run
 from diffuse.cli.reach import add_hole_punch_option
-from diffuse.client import draft_trainer
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 
@@ -56,17 +53,20 @@ def api_keys(args) -> frozenset[str]:
 
 
 def cmd_api(args) -> int:
-    from diffuse.api.app import Settings, create_app
-    from diffuse.client.service import open_service
     from diffuse.http import parse_listen, serve_http
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
-    settings = from_args(Settings, args, api_keys=api_keys(args), default_max_tokens=args.max_tokens)
     # Through the swarm answers speculate unless --no-speculate; in this process never (no round trips).
     config = service_config(args, tuple(args.model or [None]), fallback_from_store=False,
                             speculate=None if args.speculate else False, warm_up=True)
+    import trio  # the heavy imports once the options are checked (a bad --bootstrap said first)
+    from diffuse.api.app import Settings, create_app
+    from diffuse.client import draft_trainer
+    from diffuse.client.service import open_service
+
+    settings = from_args(Settings, args, api_keys=api_keys(args), default_max_tokens=args.max_tokens)
     activity: dict[str, float] = {}  # /v1 requests being answered: the draft head trains only while none are
 
     async def main() -> None:

@@ -96,20 +96,20 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
                    warm_up: bool = False):
     """The client service's config from the options registered above (`ask` and `api` share them).
     A client needs --local, or a swarm to find (bootstrap peers, or the LAN by mDNS)."""
+    if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
+        raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
+    if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
+        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
+                           "on the LAN)")
+    boot = [] if args.local else bootstrap_addrs(args, required=False)  # said before torch is imported
     from diffuse.client.service import ServiceConfig
     from diffuse.client.swarm import SwarmOptions
     from diffuse.client.swarm_backend import SwarmConfig, trust_options
     from diffuse.client.vault import for_answers
     from diffuse.model.load import parse_dtype
 
-    if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
-        raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
-    if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
-        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
-                           "on the LAN)")
     swarm, exact = None, getattr(args, "exact", False)
     if not args.local:
-        boot = bootstrap_addrs(args, required=False)
         access = swarm_access(args)
         trust = args.trust or access.trust  # --trust, or the swarm mode's own form of the trust plane
         if args.step_timeout <= 0 or args.route_wait < 0:
@@ -124,6 +124,7 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
 
 
 def cmd_ask(args) -> int:
+    config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
     from diffuse.client.sampling import SamplingParams  # imports torch: only when a command runs
     from diffuse.client.service import open_service
 
@@ -131,7 +132,6 @@ def cmd_ask(args) -> int:
         params = from_args(SamplingParams, args)
     except ValueError as e:
         raise DiffuseError(str(e)) from None
-    config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))

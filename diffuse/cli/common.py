@@ -8,9 +8,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import trio
-
-from diffuse.control.host import parse_peer_addr
 from diffuse.errors import DiffuseError, first_leaf
 
 T = TypeVar("T")
@@ -52,6 +49,7 @@ def positive(text: str) -> float:
 
 def bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
     """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
+    from diffuse.control.host import parse_peer_addr  # libp2p: only once a command runs
     addrs = list(args.bootstrap)
     if args.bootstrap_file is not None:
         try:
@@ -70,6 +68,7 @@ def bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
 def trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """trio.run, with a DiffuseError buried in exception groups re-raised bare (so `main` prints
     `error: ...`), and Ctrl-C before the signal handler is installed exiting quietly."""
+    import trio
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as eg:

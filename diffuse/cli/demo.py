@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from diffuse.cli.common import add_compute_options
-from diffuse.control.modes import MODES, PRIVATE
+from diffuse.control.mode_names import MODES, PRIVATE
 from diffuse.home import data_home
 
 

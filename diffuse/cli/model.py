@@ -9,7 +9,6 @@ from pathlib import Path
 
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
-from diffuse.model import store
 from diffuse.model.packages import PACKAGED
 
 
@@ -47,11 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_pull(args) -> int:
+    from diffuse.model import store  # imports torch: only when a command runs
     print(store.pull(data_home(args.home), args.name, _progress))
     return 0
 
 
 def cmd_import(args) -> int:
+    from diffuse.model import store  # imports torch: only when a command runs
     print(store.import_gguf(data_home(args.home), args.path, args.name, _progress))
     return 0
 
@@ -66,6 +67,7 @@ def cmd_draft_head(args) -> int:
 
 
 def cmd_list(args) -> int:
+    from diffuse.model import store  # imports torch: only when a command runs
     models = store.list_models(data_home(args.home))
     print(json.dumps([m.as_dict() | {"block_hashes": None} for m in models], indent=1) if args.json else
           store.table(models) if models else "no models installed: run `diffuse model pull`",
@@ -74,6 +76,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from diffuse.model import store  # imports torch: only when a command runs
     m = store.info(store.resolve(data_home(args.home), args.name))
     print(json.dumps(m.as_dict(), indent=1) if args.json else store.describe(m))
     return 0

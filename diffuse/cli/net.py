@@ -10,15 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from diffuse.cli.common import (
-    add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs, from_args, positive,
-    trio_run,
-)
-from diffuse.cli.reach import (
-    add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns,
-)
+from diffuse.cli.common import (add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs,
+                                from_args, positive, trio_run)
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns
 from diffuse.cli.swarm import add_swarm_options, swarm_access
-from diffuse.data.serve import LEVELS
+from diffuse.data.levels import LEVELS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -108,12 +104,12 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_sentinel(args: argparse.Namespace) -> int:
+    boot = bootstrap_addrs(args, required=False)  # a bad address is said before any heavy import
     from diffuse.control.identity import node_key
     from diffuse.peer.sentinel import SentinelConfig, serve_sentinel
     from diffuse.peer.signals import until_signal
 
     key_pair = node_key(args.identity, args.home, hold=True)
-    boot = bootstrap_addrs(args, required=False)
     listen = _listen(args)
     access = swarm_access(args, create=True)
     if access.created:
@@ -125,6 +121,7 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
     from diffuse.client.draft_trainer import background
     from diffuse.control.identity import node_key
     from diffuse.control.node_config import NodeConfig
@@ -133,7 +130,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     from diffuse.peer.join import JoinConfig, Peer
     from diffuse.peer.signals import until_signal
 
-    boot = bootstrap_addrs(args, required=False)
     access = swarm_access(args)
     node = from_args(NodeConfig, args, listen=_listen(args), bootstrap=boot, announce_addrs=args.announce,
                      swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot))
@@ -148,12 +144,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
     from diffuse.client.survey import manifests, survey
     from diffuse.client.swarm_backend import SwarmConfig
     from diffuse.control.coverage import format_text
     from diffuse.home import data_home
 
-    boot = bootstrap_addrs(args, required=False)
     access = swarm_access(args)
     swarm = SwarmConfig(tuple(boot), access, mdns=use_mdns(args, boot), hole_punch=args.hole_punch, wait=args.wait)
     found = trio_run(survey, swarm, manifests(data_home(args.home), args.model), args.reach)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffuse.control.modes import KEY_ENV, KEY_FILE, MODES, PRIVATE, SwarmAccess, resolve
+from diffuse.control.mode_names import KEY_ENV, KEY_FILE, MODES, PRIVATE
 from diffuse.home import data_home
 
 
@@ -19,11 +19,11 @@ def add_swarm_options(p: argparse.ArgumentParser) -> None:
                    "per line, # comments) serve; re-read on change, so removing a line stops that peer's traffic")
 
 
-def swarm_access(args: argparse.Namespace, create: bool = False) -> SwarmAccess:
+def swarm_access(args: argparse.Namespace, create: bool = False):  # -> control.modes.SwarmAccess (imports libp2p)
     """What --mode, --swarm-key and --allow-peers say; create: a private node without any key
     makes one under the home (a sentinel starting a new swarm)."""
-    return resolve(args.mode, data_home(args.home), key_file=args.swarm_key,
-                   allow_file=args.allow_peers, create=create)
+    from diffuse.control.modes import resolve  # libp2p: only once a command runs
+    return resolve(args.mode, data_home(args.home), key_file=args.swarm_key, allow_file=args.allow_peers, create=create)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffuse.errors import DiffuseError
-from diffuse.model import store
 
 AUTO, NONE = "auto", "none"
 
@@ -46,11 +45,15 @@ def fallback_order(spec: str | Sequence[str], asked: str, held: dict[str, int]) 
 
 def held_models(home: Path) -> dict[str, int]:
     """Models in the store: their ids and weight bytes."""
+    from diffuse.model import store  # torch: not for parse_fallback, which the parser calls
+
     return {m.manifest.model_id: m.size_bytes for m in store.list_models(home)}
 
 
 def store_name(home: Path, model_id: str) -> str:
     """The store directory that holds `model_id` (a model's id and its directory name may differ)."""
+    from diffuse.model import store
+
     for m in store.list_models(home):
         if m.manifest.model_id == model_id:
             return m.name

@@ -18,13 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffuse.control.allow import AllowList
+from diffuse.control.mode_names import KEY_ENV, KEY_FILE, MODES, PRIVATE, PUBLIC
 from diffuse.control.swarm_key import SwarmKey, read_key, write_key
 from diffuse.errors import DiffuseError
-
-PRIVATE, PUBLIC = "private", "public"
-MODES = (PRIVATE, PUBLIC)
-KEY_ENV = "DIFFUSE_SWARM_KEY"
-KEY_FILE = "swarm.key"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from diffuse.data.codec import PROTOCOL_ID
+from diffuse.data.levels import LEVELS
 from diffuse.data.server import BlockServer, ServerLimits
 from diffuse.data.stream import ByteStream
 from diffuse.model.engine import BlockSpan
@@ -26,11 +27,6 @@ class Contribution:
     threads: int
     max_sessions: int
     cache_tokens: int
-
-
-# --contribution levels: (share of the cores, sessions, share of the cache); pause lends nothing.
-LEVELS: dict[str, tuple[float, int, float] | None] = {
-    "max": (1.0, 64, 1.0), "moderate": (0.5, 32, 0.5), "min": (0.0, 8, 0.125), "pause": None}
 
 
 def contribution(level: str, cache_tokens: int, cores: int) -> Contribution | None:
