@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from diffuse.api import anthropic, ollama
 from diffuse.api.answers import Answers, Emit, Sessions
-from diffuse.api.respond import ApiError, Encode, Host, Respond, as_api_error, unless_disconnected
+from diffuse.api.respond import ApiError, Encode, Generating, Host, Respond, as_api_error, unless_disconnected
 from diffuse.client.backend import UnknownModel
 from diffuse.client.service import Service, first_servable
 from diffuse.client.vault import opted_out
@@ -53,27 +53,19 @@ class Settings:
     max_n: int = 8  # choices per request
 
 
-class Answering(Response):
+class Answering(Generating):
     """Generates the answer while responding: one JSON body, or server-sent events."""
 
     def __init__(self, answers: Answers, shape: Shape, options: Options, prompt_tokens: int,
                  headers: dict[str, str]):
         self.answers, self.shape, self.options, self.prompt_tokens = answers, shape, options, prompt_tokens
+        self.stream = options.stream
         shape.scored = answers.logprobs_since  # each chunk carries its tokens' log-probabilities
         self.model_headers = headers  # which model answers (x-diffuse-model), and which was asked if another
         self.background = None
 
     def _usage(self, completions: list[Completion]) -> dict[str, int]:
         return usage(self.prompt_tokens, sum(len(c.token_ids) for c in completions))
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            if self.options.stream:
-                await self._stream(receive, send)
-            else:
-                await self._whole(scope, receive, send)
-        finally:
-            await self.answers.close()  # if the run never started (it closes them itself)
 
     async def _whole(self, scope, receive, send) -> None:
         async def ignore(i: int, text: str, done: Completion | None) -> None:

@@ -197,12 +197,13 @@ class Dialect(ABC):
         """The frame an error travels in once the stream has begun."""
 
 
-class Single(Response):
-    """Generates one answer while responding, written in a dialect."""
+class Generating(Response):
+    """A response that generates its answers while it is sent, whole (`_whole`) or streamed
+    (`_stream`, both written by each subclass); the answers' sessions are closed either way, even
+    if the run never started (it closes them itself)."""
 
-    def __init__(self, answers: Answers, dialect: Dialect, stream: bool, headers: dict[str, str]):
-        self.answers, self.dialect, self.stream, self.model_headers = answers, dialect, stream, headers
-        self.background = None
+    answers: Answers
+    stream: bool
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -211,7 +212,15 @@ class Single(Response):
             else:
                 await self._whole(scope, receive, send)
         finally:
-            await self.answers.close()  # if the run never started (it closes them itself)
+            await self.answers.close()
+
+
+class Single(Generating):
+    """Generates one answer while responding, written in a dialect."""
+
+    def __init__(self, answers: Answers, dialect: Dialect, stream: bool, headers: dict[str, str]):
+        self.answers, self.dialect, self.stream, self.model_headers = answers, dialect, stream, headers
+        self.background = None
 
     async def _whole(self, scope, receive, send) -> None:
         async def ignore(i: int, text: str, done: Completion | None) -> None:
