@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from api_helpers import FULL, PARTIAL, fake_server_cmd
-from support.procs import DIFFUSE, start_server, stop_server
+from support.procs import local_api, start_server, stop_server
 from diffuse.api.answers import Penalized, Sessions
 from diffuse.client.backend import Overloaded
 from diffuse.client.sampling import Sampler, SamplingParams
@@ -35,12 +35,8 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"  # a base-model continuation that does not 
 @pytest.fixture(scope="module")
 def api(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("api") / "api.log"
-    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                              "--api-key", KEY, "--max-tokens", "32"], log)
-    try:
+    with local_api(home, log, "--api-key", KEY, "--max-tokens", "32") as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

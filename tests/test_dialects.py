@@ -17,7 +17,7 @@ import ollama
 import openai
 import pytest
 
-from support.procs import DIFFUSE, Procs, start_server, stop_server
+from support.procs import Procs, local_api
 from diffuse.home import DEFAULT_MODEL
 from diffuse.model.tokenizer import Tokenizer, describe_tools
 
@@ -33,12 +33,8 @@ LENGTH = 16
 @pytest.fixture(scope="module")
 def api(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("dialects") / "api.log"
-    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                              "--api-key", KEY, "--max-tokens", "32"], log)
-    try:
+    with local_api(home, log, "--api-key", KEY, "--max-tokens", "32") as url:
         yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import openai
 import pytest
 import trio
 
-from support.procs import DIFFUSE, start_server, stop_server
+from support.procs import local_api
 from diffuse.client.generate import complete
 from diffuse.client.sampling import SamplingParams
 from diffuse.home import DEFAULT_MODEL
@@ -23,12 +23,8 @@ COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"
 @pytest.fixture(scope="module")
 def client(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("logprobs") / "api.log"
-    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                              "--max-tokens", "32"], log)
-    try:
+    with local_api(home, log, "--max-tokens", "32") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        stop_server(proc)
 
 
 def test_greedy_chat_lists_the_chosen_token_first_with_the_engine_values(client, home):

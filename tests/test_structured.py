@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from support.procs import DIFFUSE, start_server, stop_server
+from support.procs import local_api
 from diffuse.client.constrain import ConstraintError, OutputConstraint
 from diffuse.client.generate import stream_tokens
 from diffuse.client.sampling import Sampler, SamplingParams
@@ -60,12 +60,8 @@ def test_the_schema_refuses_what_the_answers_must_not_be():
 @pytest.fixture(scope="module")
 def client(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("structured") / "api.log"
-    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                              "--max-tokens", "128"], log)
-    try:
+    with local_api(home, log, "--max-tokens", "128") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    finally:
-        stop_server(proc)
 
 
 @pytest.mark.parametrize("temperature, seed", [(0, None), (1.0, 1), (1.0, 2), (1.0, 3)])

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from support.procs import DIFFUSE, start_server, stop_server
+from support.procs import local_api
 from diffuse.api.schema import ToolRequest
 from diffuse.api.tools import CallStream, call_grammar, read_calls
 from diffuse.home import DEFAULT_MODEL
@@ -170,12 +170,8 @@ def test_required_parallel_grammar_allows_several_calls(tok):
 @pytest.fixture(scope="module")
 def client(home, tmp_path_factory):
     log = tmp_path_factory.mktemp("api") / "api.log"
-    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
-                              "--max-tokens", "48"], log)
-    try:
+    with local_api(home, log, "--max-tokens", "48") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        stop_server(proc)
 
 
 def streamed(stream) -> tuple[str, list[dict], str]:

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from diffuse.control.modes import KEY_ENV
@@ -174,3 +176,15 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait(10)
     if proc.stdout:
         proc.stdout.close()
+
+
+@contextmanager
+def local_api(home: Path, log: Path, *options: str) -> Iterator[str]:
+    """`diffuse api --local` on a free port of the loopback, with `options`; yields its URL and
+    stops it on the way out."""
+    proc, url = start_server([*DIFFUSE, "--home", str(home), "api", "--local", "--listen", "127.0.0.1:0",
+                              *options], log)
+    try:
+        yield url
+    finally:
+        stop_server(proc)
