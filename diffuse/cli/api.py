@@ -7,7 +7,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, notice, service_config
 from diffuse.cli.common import add_compute_options, add_train_draft_option, from_args, trio_run
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "guessed continuations with each step where they pay (default: on; never with --local)")
     add_hole_punch_option(p)
     add_train_draft_option(p)
+    p.add_argument("--no-daemon", action="store_true", help="serve from this process even while a daemon runs")
     p.set_defaults(func=cmd_api)
 
 
@@ -53,11 +54,17 @@ def api_keys(args) -> frozenset[str]:
 
 
 def cmd_api(args) -> int:
-    from diffuse.http import parse_listen, serve_http
+    from diffuse.daemon.client import serve_api
+    from diffuse.http import parse_listen
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
+    if not args.no_daemon and serve_api(data_home(args.home), {
+            "listen": args.listen, "api_keys": sorted(api_keys(args)), "max_sessions": args.max_sessions, "max_queue":
+            args.max_queue, "default_max_tokens": args.max_tokens, "models": args.model, "local": args.local,
+            "bootstrap": args.bootstrap}, lambda url: print(f"listening on {url}", flush=True), notice):
+        return 0  # the daemon served it: this process held the connection until a signal
     # Through the swarm answers speculate unless --no-speculate; in this process never (no round trips).
     config = service_config(args, tuple(args.model or [None]), fallback_from_store=False,
                             speculate=None if args.speculate else False, warm_up=True)
@@ -65,6 +72,7 @@ def cmd_api(args) -> int:
     from diffuse.api.app import Settings, create_app
     from diffuse.client import draft_trainer
     from diffuse.client.service import open_service
+    from diffuse.http import serve_http
 
     settings = from_args(Settings, args, api_keys=api_keys(args), default_max_tokens=args.max_tokens)
     activity: dict[str, float] = {}  # /v1 requests being answered: the draft head trains only while none are

@@ -69,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="store name or HF-layout directory (default: the embedded model)")
     p.add_argument("--history", action="store_const", const=True, help="keep it in `diffuse history` (default: if any)")
     p.add_argument("--ephemeral", dest="history", action="store_const", const=False, help="keep nothing")
+    p.add_argument("--no-daemon", action="store_true", help="answer in this process even while a daemon runs")
     add_compute_options(p)
     add_sampling_options(p)
     add_swarm_client_options(p)
@@ -124,6 +125,30 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
 
 
 def cmd_ask(args) -> int:
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.question}]
+    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
+    answer = None if args.no_daemon else daemon_ask(args, messages, on_text)
+    if answer is None:
+        answer = _ask_here(args, messages, on_text)
+    print(json.dumps(answer) if args.json else "")
+    if answer["finish_reason"].startswith("uncovered"):
+        print(f"notice: the swarm lost {answer['finish_reason'].removeprefix('uncovered ')} mid-answer and this "
+              "process does not hold them: the answer stops here", file=sys.stderr, flush=True)
+    return 0
+
+
+def daemon_ask(args, messages, on_text):
+    """The answer from this home's daemon (client/daemon.py), None where none answers for these options."""
+    from diffuse.daemon.client import ask
+    from diffuse.daemon.protocol import SAMPLING
+
+    return ask(data_home(args.home), {"messages": messages, "sampling": {k: getattr(args, k) for k in SAMPLING},
+                                      "model": args.model, "local": args.local, "bootstrap": args.bootstrap,
+                                      "keep": args.history is not False}, on_text, notice)
+
+
+def _ask_here(args, messages, on_text):
     config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
     from diffuse.client.sampling import SamplingParams  # imports torch: only when a command runs
     from diffuse.client.service import open_service
@@ -132,17 +157,13 @@ def cmd_ask(args) -> int:
         params = from_args(SamplingParams, args)
     except ValueError as e:
         raise DiffuseError(str(e)) from None
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-        {"role": "user", "content": args.question}]
-    on_text = None if args.json else (lambda s: print(s, end="", flush=True))
 
     async def run():
         async with open_service(config) as service:
             return service.answer_dict(await service.answer(messages, params, on_text))
 
-    answer = trio_run(run)
-    print(json.dumps(answer) if args.json else "")
-    if answer["finish_reason"].startswith("uncovered"):
-        print(f"notice: the swarm lost {answer['finish_reason'].removeprefix('uncovered ')} mid-answer and this "
-              "process does not hold them: the answer stops here", file=sys.stderr, flush=True)
-    return 0
+    return trio_run(run)
+
+
+def notice(text: str) -> None:
+    print(f"notice: {text}", file=sys.stderr, flush=True)

@@ -7,14 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from diffuse.cli.common import (add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs,
                                 from_args, positive, trio_run)
 from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns
 from diffuse.cli.swarm import add_swarm_options, swarm_access
-from diffuse.data.levels import LEVELS
+from diffuse.data.levels import AUTO, LEVELS, AutoLimits, parse_limits
+from diffuse.home import data_home
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _node_args(p, listen_default="/ip4/0.0.0.0/tcp/31330")
     add_relay_options(p, default=True)
     p.set_defaults(func=cmd_sentinel)
-    _register_join(subparsers.add_parser("join", help="serve blocks of a model and announce them"))
+    register_join(subparsers.add_parser("join", help="serve blocks of a model and announce them"))
     _register_status(subparsers.add_parser("status", help="which peers serve which blocks, per model"))
 
 
-def _register_join(p: argparse.ArgumentParser) -> None:
+def register_join(p: argparse.ArgumentParser) -> None:
     _node_args(p, listen_default="/ip4/0.0.0.0/tcp/0")
     add_relay_options(p, default=False)
     add_hole_punch_option(p)
@@ -51,9 +52,11 @@ def _register_join(p: argparse.ArgumentParser) -> None:
                    "outputs to exercise the trust plane (trust/tamper.py; an unknown KIND lists the kinds)")
     p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
                    help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
-    p.add_argument("--contribution", default="max", choices=list(LEVELS),
-                   help="how much of this machine to lend: max (all cores, 64 sessions, --cache-tokens), "
-                        "moderate (half), min (1 thread, 8 sessions, 1/8 of the cache), pause (serve nothing)")
+    p.add_argument("--contribution", default="max", choices=[*LEVELS, AUTO], help="how much of this machine to "
+                   "lend: max (all cores, 64 sessions, --cache-tokens), moderate (half), min (1 thread, 8 sessions, "
+                   "1/8 of the cache), pause (serve nothing), auto (max while the machine is otherwise idle)")
+    p.add_argument("--auto-limits", dest="auto", type=parse_limits, default=AutoLimits(), metavar="K=V,..", help=(
+        "with auto: cpu=25,memory=10,gpu=25 (%% others use) busy=60,idle=180 (s before pausing / returning)"))
     p.add_argument("--client-only", action="store_true", default=argparse.SUPPRESS,
                    help="stay in the swarm's DHT without serving blocks (as does --contribution pause)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS", help="on SIGINT/SIGTERM: seconds "
@@ -73,6 +76,7 @@ def _register_status(p: argparse.ArgumentParser) -> None:
     add_swarm_options(p)
     add_discovery_options(p)
     add_hole_punch_option(p)
+    p.add_argument("--no-daemon", action="store_true", help="read the swarm from this process even while a daemon runs")
     p.set_defaults(func=cmd_status)
 
 
@@ -120,15 +124,13 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_join(args: argparse.Namespace) -> int:
+def make_peer(args: argparse.Namespace):  # -> peer.join.Peer
     boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
-    from diffuse.client.draft_trainer import background
     from diffuse.control.identity import node_key
     from diffuse.control.node_config import NodeConfig
     from diffuse.home import data_home
     from diffuse.peer.hooks import ServeConfig
     from diffuse.peer.join import JoinConfig, Peer
-    from diffuse.peer.signals import until_signal
 
     access = swarm_access(args)
     node = from_args(NodeConfig, args, listen=_listen(args), bootstrap=boot, announce_addrs=args.announce,
@@ -136,29 +138,39 @@ def cmd_join(args: argparse.Namespace) -> int:
     models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
     config = from_args(JoinConfig, args, home=data_home(args.home), node=node, models=models,
                        serve=from_args(ServeConfig, args))
-    peer = Peer(node_key(args.identity, args.home, hold=True), config, lambda text: print(text, flush=True), _say)
-    with background(config.home, peer.model_dir, peer.busy, args.train_draft):
-        trio_run(until_signal, peer.run, peer.drain)
+    return Peer(node_key(args.identity, args.home, hold=True), config, lambda text: print(text, flush=True), _say)
+
+
+def run_node(args: argparse.Namespace, peer, body=None) -> None:
+    """Serve until a signal (a peer drains first), its draft head training in the background."""
+    from diffuse.client.draft_trainer import background
+    from diffuse.peer.signals import until_signal
+
+    with background(peer.config.home, peer.model_dir, peer.busy, args.train_draft) if peer else nullcontext():
+        trio_run(until_signal, body or peer.run, peer and peer.drain)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    run_node(args, make_peer(args))
     _say("stopped; announcement withdrawn")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
-    from diffuse.client.survey import manifests, survey
-    from diffuse.client.swarm_backend import SwarmConfig
-    from diffuse.control.coverage import format_text
-    from diffuse.home import data_home
+    from diffuse.daemon.client import call
 
-    access = swarm_access(args)
-    swarm = SwarmConfig(tuple(boot), access, mdns=use_mdns(args, boot), hole_punch=args.hole_punch, wait=args.wait)
-    found = trio_run(survey, swarm, manifests(data_home(args.home), args.model), args.reach)
-    if args.json:
-        print(json.dumps({"time": time.time(), "mode": access.mode, "models": [c.to_dict() for c in found.coverages]}
-                         | ({"lan_peers": found.lan} if swarm.mdns else {}), indent=1))
-    else:
-        lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []
-        print("\n\n".join([access.describe(), *lan, *(format_text(c) for c in found.coverages)]))
+    found = None if args.no_daemon else call(data_home(args.home), {"op": "survey", "models": args.model, "reach": (
+        args.reach), "wait": args.wait, "bootstrap": args.bootstrap}, say=lambda text: _say(f"notice: {text}"))
+    if found is None:
+        boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
+        from diffuse.client.survey import manifests, report, survey
+        from diffuse.client.swarm_backend import SwarmConfig
+
+        swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
+                            wait=args.wait)
+        text, data = report(trio_run(survey, swarm, manifests(data_home(args.home), args.model), args.reach), swarm)
+        found = {"text": text, "json": data}
+    print(json.dumps(found["json"], indent=1) if args.json else found["text"])
     return 0
 
 

@@ -7,13 +7,15 @@ running peer, and nothing links two of a user's queries.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from diffuse.client.swarm_backend import SwarmConfig
-from diffuse.control.coverage import Coverage
+from diffuse.control.coverage import Coverage, format_text
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, open_node
 from diffuse.model import store
@@ -54,6 +56,14 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
         reached = await node.reach_peers([r for c in covs for r in c.peers.values()]) if reach else {}
         covs = [replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs]
         return Survey(covs, list(node.lan_peers))
+
+
+def report(found: Survey, swarm: SwarmConfig) -> tuple[str, dict[str, Any]]:
+    """What `diffuse status` prints: for people, and as --json gives it."""
+    lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []
+    text = "\n\n".join([swarm.access.describe(), *lan, *(format_text(c) for c in found.coverages)])
+    return text, {"time": time.time(), "mode": swarm.access.mode, "models": [c.to_dict() for c in found.coverages]} \
+        | ({"lan_peers": found.lan} if swarm.mdns else {})
 
 
 async def _evidence(node: Node, peers) -> dict[str, list[dict]]:

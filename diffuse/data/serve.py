@@ -104,4 +104,9 @@ class PeerService:
         """Refuse new sessions, give open ones `timeout` s to finish, hand off the rest."""
         return 0 if self.server is None else await self.server.drain(timeout)
 
+    def resume(self) -> None:
+        """Take sessions again after a drain (contribution auto returning)."""
+        if self.server is not None:
+            self.server.accepting = True
+
     protocols = (PROTOCOL_ID,)

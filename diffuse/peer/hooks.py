@@ -11,6 +11,7 @@ from typing import Any
 from diffuse.control.ladder import AUTO
 from diffuse.data.serve import Contribution, PeerService
 from diffuse.data.admission import Books
+from diffuse.data.levels import AutoLimits
 from diffuse.data.server import ServerLimits
 from diffuse.metrics import watch_peer
 from diffuse.model.load import parse_dtype
@@ -36,6 +37,7 @@ class ServeConfig:
     tamper: tuple[str, float] | None = None
     tamper_rate: float = 1.0
     drain_timeout: float = 30.0
+    auto: AutoLimits = field(default_factory=AutoLimits)  # contribution "auto": when to pause and return
 
 
 @dataclass
@@ -51,6 +53,7 @@ class ServeHooks:
     prepare: Callable[[int, int], Awaitable[float | None]] | None = None
     drain: Callable[[float], Awaitable[int]] | None = None
     use: Callable[[Path, str], None] = lambda model_dir, model_id: None  # serve this model from the next prepare
+    resume: Callable[[], None] = lambda: None  # take sessions again after a drain
 
 
 def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: Contribution | None,
@@ -77,7 +80,8 @@ def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: C
         handle = watch_peer(lambda: service.model_id, lambda: service.server.status() if service.server else {},
                             handle)
     return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
-                      protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use)
+                      protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use,
+                      resume=service.resume)
 
 
 def placed(status_fn: Callable[[], Mapping[str, Any]] | None) -> Callable[[], Mapping[str, Any]]:

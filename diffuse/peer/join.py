@@ -35,7 +35,9 @@ from diffuse.model import store
 from diffuse.model.config import ModelConfig
 from diffuse.model.weights import load_manifest
 from diffuse.peer.heads import DraftHeads
-from diffuse.peer.hooks import ServeConfig, data_plane_hooks, placed
+from diffuse.data.levels import AUTO
+from diffuse.peer.auto import Auto
+from diffuse.peer.hooks import ServeConfig, ServeHooks, data_plane_hooks, placed
 from diffuse.trust import reputation
 from diffuse.trust.credits import Ledger
 
@@ -84,7 +86,10 @@ class Peer:
                         "through it until it is", me, allow.path)
         cores = len(os.sched_getaffinity(0))  # the CPUs this process may run on (taskset, a container's share)
         serve = config.serve
-        self.lend = None if serve.client_only else contribution(serve.contribution, serve.cache_tokens, cores)
+        level = "max" if serve.contribution == AUTO else serve.contribution  # auto lends all, or pauses
+        self.lend = None if serve.client_only else contribution(level, serve.cache_tokens, cores)
+        self.lending = Auto(serve.auto, config.home, self._pause, self._resume, say) \
+            if self.lend and serve.contribution == AUTO else None
         if config.metrics:
             parse_listen(config.metrics)
         if self.lend is not None:
@@ -92,8 +97,8 @@ class Peer:
 
             torch.set_num_threads(self.lend.threads)
         self.ledger = Ledger(config.home, me)  # credits earned and standing (trust/credits.py)
-        self.hooks = data_plane_hooks(serve, self.model_dir, self.manifest.model_id, self.lend,
-                                      metered=bool(config.metrics), books=self.ledger)
+        self.hooks = ServeHooks() if serve.client_only else data_plane_hooks(
+            serve, self.model_dir, self.manifest.model_id, self.lend, metered=bool(config.metrics), books=self.ledger)
         self.hooks.handlers[receipts.PROTOCOL] = receipts.handler(self.ledger.accept)
         self.files = DraftHeads(config.home, self.dirs or {self.manifest.model_id: self.model_dir}, say) \
             if self.lend else None
@@ -118,10 +123,27 @@ class Peer:
         if handed:
             self.say(f"handed {handed} sessions to replicas")
 
+    async def _pause(self) -> None:
+        """Contribution auto: the machine is in use; leave as on SIGTERM, but stay in the swarm."""
+        assert self.node is not None and self.hooks.drain is not None
+        with trio.move_on_after(5.0):
+            await self.node.withdraw()
+        handed = await self.hooks.drain(self.config.serve.drain_timeout)
+        self.say(f"announcement withdrawn; handed {handed} sessions to replicas")
+
+    async def _resume(self) -> None:
+        assert self.node is not None
+        self.hooks.resume()
+        if self.node.announcer is not None:
+            await self.node.serve(self.node.announcer.serving)
+
     def _node(self) -> Node:
-        hooks, files = self.hooks, self.files
-        config = dataclasses.replace(self.config.node, upnp=self.config.node.upnp and self.lend is not None)
-        return Node(self.key_pair, config, handlers=hooks.handlers | (files.handlers if files else {}),
+        hooks, files, client = self.hooks, self.files, self.config.serve.client_only
+        # A client-only node is a DHT client that serves nothing: no handlers, no relay, no port mapping.
+        config = dataclasses.replace(self.config.node, upnp=self.config.node.upnp and self.lend is not None,
+                                     **({"server": False, "relay": False} if client else {}))
+        handlers = {} if client else hooks.handlers | (files.handlers if files else {})
+        return Node(self.key_pair, config, handlers=handlers,
                     status_fn=placed(hooks.status_fn) if self.auto else hooks.status_fn,
                     codecs=reputation.swarm_codecs())
 
@@ -143,6 +165,8 @@ class Peer:
                 return
             if self.files is not None:
                 nursery.start_soon(self.files.watch, node)
+            if self.lending is not None:
+                nursery.start_soon(self.lending.run)
             if self.auto:
                 hosting = Hosting(node, self.offers, self.budget, self._serve, self._leave,
                                   self.config.replan or 4 * self.config.node.heartbeat, self.say)

@@ -1,0 +1,216 @@
+"""The commands' side of the control socket: plain sockets and JSON, no torch, no py-libp2p, so that
+`ask`, `status` and `api` cost a connection while a daemon runs. Each call says None where no
+daemon of the home answers (or it answers "mismatch": not the swarm or model asked for), and the
+caller does the work itself; a stale socket (a daemon killed with SIGKILL) is said and removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from diffuse.daemon.protocol import MISMATCH, encode, paths
+from diffuse.errors import DiffuseError
+
+Say = Callable[[str], None]
+CONNECT_S = 5.0  # a live daemon accepts at once; a starting one binds its socket first thing
+
+
+def running(home: Path) -> int | None:
+    """The pid of the daemon holding this home's pid-file lock, None where none does."""
+    _, pid_path, _ = paths(home)
+    try:
+        fd = os.open(pid_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.read(fd, 32).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)
+    return None
+
+
+def _open(home: Path, say: Say) -> socket.socket | None:
+    sock_path, pid_path, _ = paths(home)
+    if running(home) is None:
+        if sock_path.exists():
+            say(f"the daemon of {home} is gone (a stale socket: killed?); going on without it")
+            for stale in (sock_path, pid_path):
+                stale.unlink(missing_ok=True)
+        return None
+    deadline = time.monotonic() + CONNECT_S
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(sock_path))
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline or running(home) is None:
+                say(f"the daemon of {home} does not answer on {sock_path}; going on without it")
+                return None
+            time.sleep(0.05)
+
+
+def _replies(sock: socket.socket) -> Iterator[dict[str, Any]]:
+    with sock.makefile("rb") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]], None] | None = None,
+         say: Say = lambda text: None) -> dict[str, Any] | None:
+    """Send `request`, hand each intermediate reply to `on_reply`, return the last one's "ok";
+    None where no daemon answers, or it answers for another swarm or model (said)."""
+    sock = _open(home, say)
+    if sock is None:
+        return None
+    with sock:
+        sock.sendall(encode(request))
+        for reply in _replies(sock):
+            if "ok" in reply:
+                return reply["ok"]
+            if "error" in reply:
+                if reply.get("kind") == MISMATCH:
+                    say(f"the daemon does not answer this ({reply['error']}); going on without it")
+                    return None
+                raise DiffuseError(f"the daemon: {reply['error']}")
+            if on_reply is not None:
+                on_reply(reply)
+    raise DiffuseError(f"the daemon of {home} closed the connection mid-answer (see `diffuse daemon logs`)")
+
+
+def ask(home: Path, request: dict[str, Any], on_text: Callable[[str], None] | None, say: Say) -> dict | None:
+    """`diffuse ask` through the daemon: the answer as `ask --json` prints it, streamed to `on_text`."""
+    def reply(r: dict[str, Any]) -> None:
+        if "text" in r and on_text is not None:
+            on_text(r["text"])
+        elif "notice" in r:
+            say(r["notice"])
+
+    return call(home, {"op": "ask"} | request, reply, say)
+
+
+def serve_api(home: Path, request: dict[str, Any], on_listening: Callable[[str], None], say: Say) -> bool:
+    """`diffuse api` through the daemon: it serves HTTP from its client service for as long as
+    this process holds the connection, that is until SIGINT or SIGTERM. False: no daemon did."""
+    sock = _open(home, say)
+    if sock is None:
+        return False
+    stop = {"now": False}
+
+    def leave(*_: Any) -> None:
+        stop["now"] = True
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
+    with sock:
+        sock.sendall(encode({"op": "api"} | request))
+        for reply in _replies(sock):
+            if "error" in reply:
+                if reply.get("kind") == MISMATCH:
+                    say(f"the daemon does not answer this ({reply['error']}); going on without it")
+                    return False
+                raise DiffuseError(f"the daemon: {reply['error']}")
+            on_listening(reply["ok"]["listening"])
+    if not stop["now"]:
+        raise DiffuseError(f"the daemon of {home} stopped; so does this API")
+    return True
+
+
+def start(home: Path, argv: list[str], timeout: float, say: Say) -> dict[str, Any]:
+    """Start `diffuse daemon run ARGV` in the background, its output appended to the home's log;
+    back once it answers requests (its status), or with the log's end if it exits first."""
+    pid = running(home)
+    if pid is not None:
+        raise DiffuseError(f"a daemon already runs for {home} (pid {pid}): `diffuse daemon stop` first")
+    _open(home, say)  # removes a stale socket
+    home.mkdir(parents=True, exist_ok=True)
+    _, _, log_path = paths(home)
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen([sys.executable, "-m", "diffuse", "--home", str(home.resolve()), *argv],
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                 env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise DiffuseError(f"the daemon exited with {child.returncode}; the end of {log_path}:\n{tail(home, 15)}")
+        status = call(home, {"op": "status"}) if running(home) == child.pid else None
+        if status is not None and status["state"] != "starting":
+            return status
+        time.sleep(0.1)
+    raise DiffuseError(f"the daemon (pid {child.pid}) is still starting after {timeout:g} s: "
+                       "see `diffuse daemon status` and `diffuse daemon logs`")
+
+
+def stop(home: Path, timeout: float) -> int | None:
+    """Ask the daemon to leave (a peer drains first) and wait until it is gone; SIGKILL past
+    `timeout`. Its pid, or None where none ran."""
+    pid = running(home)
+    if pid is None:
+        _open(home, lambda text: None)
+        return None
+    try:
+        call(home, {"op": "stop"})
+    except (OSError, DiffuseError):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running(home) is not None:
+        if time.monotonic() > deadline:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise DiffuseError(f"the daemon (pid {pid}) did not stop within {timeout:g} s: killed")
+        time.sleep(0.1)
+    return pid
+
+
+def run_argv(argv: list[str]) -> list[str]:
+    """`daemon start|install OPTIONS` as the `daemon run OPTIONS` that runs the daemon: the global
+    options kept but --home (given by whoever starts it, as an absolute path)."""
+    at = argv.index("daemon")
+    before, skip = [], False
+    for arg in argv[:at]:
+        if not skip and not arg.startswith("--home"):
+            before.append(arg)
+        skip = arg == "--home"
+    return [*before, "daemon", "run", *argv[at + 2:]]
+
+
+def tail(home: Path, lines: int) -> str:
+    _, _, log_path = paths(home)
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * max(1, lines)))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def describe(status: dict[str, Any]) -> str:
+    """`diffuse daemon status` for people."""
+    auto = status.get("contribution") or {}
+    level = auto.get("level", "")
+    paused = f" (paused: {auto['paused']})" if auto.get("paused") else ""
+    lines = [f"daemon pid {status['pid']} for {status['home']}: {status['state']}, a {status['role']} node",
+             f"answering: {', '.join(status.get('models', [])) or '-'} ({status.get('mode') or '-'})"]
+    if level:
+        lines.append(f"contribution: {level}{paused}")
+    lines += status.get("serving", [])
+    return "\n".join(lines)
+
