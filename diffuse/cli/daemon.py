@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             ask.add_swarm_client_options(p)
             ask.add_fallback_option(p, "every other model in the store, largest first")
             p.add_argument("--local", action="store_true", help="answer from a whole model here, in no swarm")
+            p.add_argument("--speculate", action=argparse.BooleanOptionalAction, help="guessed continuations "
+                           "with each step through the swarm (default: on)")
             p.set_defaults(exact=False, history=None)
         p.add_argument("--json", action="store_true", help="status: one JSON object") if action == "status" else \
             p.add_argument("-n", type=int, default=40, help="lines (default 40)") if action == "logs" else None
@@ -58,7 +60,8 @@ def _run(args) -> int:
     role = "local" if args.local else "client-only" if args.client_only else "peer"
     peer = net.make_peer(args) if role == "peer" else None
     model = None if (args.model or "").lower() == "auto" else args.model
-    service = ask.service_config(args, (model,), fallback_from_store=True, speculate=None, warm_up=True)
+    service = ask.service_config(args, (model,), fallback_from_store=True, speculate=args.speculate,
+                                 warm_up=True)
     daemon = Daemon(DaemonConfig(data_home(args.home), service, role), peer)
     net.run_node(args, peer, daemon.run)
     return 0

@@ -78,19 +78,27 @@ def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]
     sock = _open(home, say)
     if sock is None:
         return None
-    with sock:
-        sock.sendall(encode(request))
-        for reply in _replies(sock):
-            if "ok" in reply:
-                return reply["ok"]
-            if "error" in reply:
-                if reply.get("kind") == MISMATCH:
-                    say(f"the daemon does not answer this ({reply['error']}); going on without it")
-                    return None
-                raise DiffuseError(f"the daemon: {reply['error']}")
-            if on_reply is not None:
-                on_reply(reply)
-    raise DiffuseError(f"the daemon of {home} closed the connection mid-answer (see `diffuse daemon logs`)")
+    replied = False
+    try:
+        with sock:
+            sock.sendall(encode(request))
+            for reply in _replies(sock):
+                if "ok" in reply:
+                    return reply["ok"]
+                if "error" in reply:
+                    if reply.get("kind") == MISMATCH:
+                        say(f"the daemon does not answer this ({reply['error']}); going on without it")
+                        return None
+                    raise DiffuseError(f"the daemon: {reply['error']}")
+                replied = True
+                if on_reply is not None:
+                    on_reply(reply)
+    except ConnectionError:
+        pass
+    if not replied:  # it died before a word (a SIGKILL as we connected): nothing to take back
+        say(f"the daemon of {home} went away before it answered; going on without it")
+        return None
+    raise DiffuseError(f"the daemon of {home} went away mid-answer (see `diffuse daemon logs`)")
 
 
 def ask(home: Path, request: dict[str, Any], on_text: Callable[[str], None] | None, say: Say) -> dict | None:

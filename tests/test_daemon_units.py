@@ -1,0 +1,136 @@
+"""The daemon's parts that need no swarm: the control protocol's checks (a bad request is answered
+with an error naming the field, and the daemon keeps serving), the unit files `daemon install`
+writes (checked by `systemd-analyze verify` where systemd is; under CI its absence fails), and a
+local daemon's life: one per home, `ask` through it in a process that imports neither torch nor
+py-libp2p, a SIGKILL leaving a stale socket that `ask` says and goes past."""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diffuse.daemon import client, protocol, units
+from diffuse.validate import Malformed
+from support.procs import DIFFUSE
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_requests_are_checked_and_name_what_is_wrong():
+    ask = protocol.parse(b'{"op": "ask", "messages": [{"role": "user", "content": "hi"}], "sampling": {"top_k": 3}}')
+    assert isinstance(ask, protocol.Ask) and ask.sampling.top_k == 3 and ask.keep
+    for line, where in [(b'{"op": "ask"}', "messages"), (b'{"op": "launch"}', "op"), (b"[1]", None),
+                        (b'{"op": "status", "v": 2}', "v"), (b'{"op": "status", "extra": 1}', "extra"),
+                        (b'{"op": "ask", "messages": [{"role": "root", "content": "x"}]}', "messages[0].role"),
+                        (b'{"op": "api", "listen": "x", "max_sessions": 0}', "max_sessions"), (b"\xff{", None)]:
+        with pytest.raises(Malformed) as e:
+            protocol.parse(line)
+        assert e.value.field == where, (line, e.value)
+
+
+def _argv() -> list[str]:
+    return ["daemon", "run", "--bootstrap", "/ip4/127.0.0.1/tcp/31330/p2p/QmX", "--contribution", "auto",
+            "--auto-limits", "cpu=30,idle=120", "--system", "50% of $HOME \"quoted\""]
+
+
+def test_systemd_unit_is_accepted_by_systemd_analyze(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    home = tmp_path / "home"
+    out = units.install(home, _argv(), platform="linux")
+    path = units.unit_path(home, "linux")
+    assert str(path) in out and path.parent == tmp_path / "config" / "systemd" / "user"
+    text = path.read_text()
+    assert f"--home {home.resolve()} daemon run" in text and "50%% of $$HOME" in text and "Restart=on-failure" in text
+    assert "WantedBy=default.target" in text and f"StandardOutput=append:{home.resolve()}/daemon.log" in text
+    if shutil.which("systemd-analyze") is None:
+        if os.environ.get("CI"):
+            pytest.fail("systemd-analyze is missing (apt-get install systemd): the unit cannot be verified")
+        pytest.skip("systemd-analyze is missing (apt-get install systemd)")
+    check = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and path.name not in check.stderr, check.stderr
+    units.uninstall(home, platform="linux")
+    assert not path.exists()
+
+
+def test_launchd_agent_fields(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / "home"
+    units.install(home, _argv(), platform="darwin")
+    agent = plistlib.loads(units.unit_path(home, "darwin").read_bytes())
+    assert agent["ProgramArguments"] == [sys.executable, "-m", "diffuse", "--home", str(home.resolve()), *_argv()]
+    assert agent["RunAtLoad"] and agent["KeepAlive"] == {"SuccessfulExit": False} and agent["Label"].startswith(
+        "org.diffuse.diffuse-")
+    assert agent["StandardErrorPath"] == str(home.resolve() / "daemon.log")
+
+
+HEAVY = """
+import sys
+from diffuse.cli import main
+code = main({argv!r})
+print("HEAVY", code, sorted(m for m in ("torch", "libp2p") if m in sys.modules))
+"""
+
+
+def _cli(home: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(DIFFUSE + ["--home", str(home), *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def own_home(home, tmp_path) -> Path:
+    """A home of its own (one daemon per home) sharing the session's model store."""
+    own = tmp_path / "h"
+    own.mkdir()
+    (own / "models").symlink_to(home / "models")
+    return own
+
+
+def test_a_local_daemon_answers_from_a_light_process_and_its_death_is_survived(own_home):
+    home = own_home
+    try:
+        started = _cli(home, "daemon", "start", "--local")
+        assert started.returncode == 0 and "ready, a local node" in started.stdout, started.stderr
+        assert (home / "daemon.sock").stat().st_mode & 0o777 == 0o600
+        again = _cli(home, "daemon", "start", "--local")
+        assert again.returncode == 2 and "a daemon already runs for" in again.stderr, again.stderr
+        argv = ["--home", str(home), "ask", "--json", "--max-tokens", "8", "What is the capital of France?"]
+        out = subprocess.run([sys.executable, "-c", HEAVY.format(argv=argv)], capture_output=True, text=True,
+                             timeout=120)
+        *answer, heavy = out.stdout.splitlines()
+        assert heavy == "HEAVY 0 []", (out.stdout, out.stderr)
+        here = _cli(home, "ask", "--no-daemon", "--local", "--json", "--max-tokens", "8",
+                    "What is the capital of France?")
+        assert json.loads(answer[0])["token_ids"] == json.loads(here.stdout)["token_ids"]
+        with socket.socket(socket.AF_UNIX) as s:  # a bad request gets its error; the daemon serves on
+            s.connect(str(home / "daemon.sock"))
+            s.sendall(b'{"op": "ask", "messages": []}\n')
+            reply = json.loads(s.makefile().readline())
+        assert reply == {"error": "bad request: messages: expected `array` of length >= 1", "kind": "bad-request"}
+        status = json.loads(_cli(home, "daemon", "status", "--json").stdout)
+        assert status["state"] == "ready" and status["role"] == "local" and status["mode"] == "local"
+        os.kill(status["pid"], signal.SIGKILL)
+        _gone(home)
+        after = _cli(home, "ask", "--local", "--max-tokens", "8", "What is the capital of France?")
+        assert after.returncode == 0 and "Paris" in after.stdout, after.stderr
+        assert "notice: the daemon of" in after.stderr and "is gone (a stale socket" in after.stderr
+        assert not (home / "daemon.sock").exists()
+        assert _cli(home, "daemon", "status").returncode == 3
+    finally:
+        _cli(home, "daemon", "stop", timeout=150)
+
+
+def _gone(home: Path) -> None:
+    """Until the killed daemon's last thread is gone (its lock with it)."""
+    deadline = time.monotonic() + 30
+    while client.running(home) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
