@@ -113,6 +113,8 @@ class Daemon:
                 nursery.start_soon(trio.serve_listeners, self._handle, [listener])
                 if self.peer is not None:
                     nursery.start_soon(self.peer.run)
+                    while not self.shown:  # its node up and its blocks announced, then the client's node
+                        await trio.sleep(0.1)
                 config = replace(self.config.service, say=self.say)
                 async with open_service(config) as service:
                     self.names = {n: i.manifest.model_id for n in config.models
@@ -124,7 +126,7 @@ class Daemon:
                     await trio.sleep_forever()
 
     def status(self) -> dict[str, Any]:
-        service, auto = self.service, getattr(self.peer, "auto", None)
+        service, auto = self.service, getattr(self.peer, "lending", None)
         contribution = auto.state() if auto is not None else (
             {"level": self.peer.config.serve.contribution} if self.peer is not None else {})
         return {"pid": os.getpid(), "home": str(self.config.home), "role": self.config.role,
@@ -164,6 +166,8 @@ class Daemon:
                 await self._answer(request, stream)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 log.info("a control connection closed mid-answer")
+            except Exception:  # noqa: BLE001 - a bug answering one request must not take the node down
+                log.exception("a control request failed")
 
     async def _answer(self, request: protocol.Requests, stream: trio.SocketStream) -> None:
         if isinstance(request, protocol.Status):
