@@ -1,6 +1,7 @@
 """Daemons in a swarm of real processes on 127.0.0.1: a daemon serving blocks answers `ask` from
 another process that imports neither torch nor py-libp2p, with the in-process model's tokens;
-`status` and `api` go through it; a `--client-only` daemon answers too and never appears in the
+`status` and `api` go through it; `status` from an empty home reads the swarm (the manifest
+fetched from peers by the hash their records announce); a `--client-only` daemon answers too and never appears in the
 swarm's records; a SIGKILLed daemon leaves `ask` working without it, with a notice."""
 
 from __future__ import annotations
@@ -79,7 +80,13 @@ def test_peer_and_client_only_daemons(home, tmp_path, reference):
             out = cli(peer, "status", "--json")  # through the daemon: no --bootstrap given
             assert out.returncode == 0, out.stderr
             (model,) = json.loads(out.stdout)["models"]
-            assert len(model["peers"]) == 2 and model["servable"], model
+            assert len(model["peers"]) == 2 and model["missing"] == [0], model  # block 0 stays with clients
+            empty = procs.env | {"DIFFUSE_HOME": str(tmp_path / "empty")}  # no model in its store
+            out = cli(empty, "status", "--bootstrap", swarm.boot, "--json", "--no-reach")
+            assert out.returncode == 0, out.stderr
+            (model,) = json.loads(out.stdout)["models"]
+            assert model["model"] == "SmolLM2-135M-Instruct" and len(model["peers"]) == 2, model
+            assert not (tmp_path / "empty" / "models").exists()
 
             out = cli(client, "--client-only", "daemon", "start", "--bootstrap", swarm.boot, "--no-speculate")
             assert out.returncode == 0 and "a client-only node" in out.stdout, out.stderr

@@ -7,6 +7,9 @@ running peer, and nothing links two of a user's queries.
 
 from __future__ import annotations
 
+import logging
+import re
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,9 +21,16 @@ from diffuse.client.swarm_backend import SwarmConfig
 from diffuse.control.coverage import Coverage, format_text
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, open_node
+from diffuse.data import files
+from diffuse.errors import FetchError, ModelError
 from diffuse.model import store
-from diffuse.model.weights import Manifest, load_manifest
+from diffuse.model.weights import MANIFEST, Manifest, load_manifest
 from diffuse.trust import reputation
+
+log = logging.getLogger(__name__)
+MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # what peer/heads.py announces
+MAX_MANIFEST = 1 << 20  # bytes: ~10k blocks' hashes
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 MDNS_WAIT_S = 5.0  # with no bootstrap peer: how long the LAN gets to answer
 EVIDENCE_WAIT_S = 5.0  # per peer: how long its published evidence may take to read
@@ -34,10 +44,10 @@ class Survey:
 
 def manifests(home: Path, names: list[str]) -> list[Manifest]:
     """The named models' manifests; by default every model in the store (the swarm's other models
-    have no manifest to judge them by), else the default model's."""
+    have no manifest to judge them by); none from an empty store: the survey fetches the swarm's."""
     if names:
         return [load_manifest(store.resolve(home, name)) for name in names]
-    return [m.manifest for m in store.list_models(home)] or [load_manifest(store.resolve(home, None))]
+    return [m.manifest for m in store.list_models(home)]
 
 
 async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Survey:
@@ -47,6 +57,7 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
             with trio.move_on_after(max(swarm.wait, MDNS_WAIT_S)):
                 while not node.lan_peers:
                     await trio.sleep(0.1)
+        models = models or await swarm_manifests(node)
         deadline = trio.current_time() + max(0.0, swarm.wait)
         while True:
             covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in models]
@@ -61,9 +72,35 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
 def report(found: Survey, swarm: SwarmConfig) -> tuple[str, dict[str, Any]]:
     """What `diffuse status` prints: for people, and as --json gives it."""
     lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []
-    text = "\n\n".join([swarm.access.describe(), *lan, *(format_text(c) for c in found.coverages)])
+    none = [] if found.coverages else ["no model found: no peer reached announces one"]
+    text = "\n\n".join([swarm.access.describe(), *lan, *(format_text(c) for c in found.coverages), *none])
     return text, {"time": time.time(), "mode": swarm.access.mode, "models": [c.to_dict() for c in found.coverages]} \
         | ({"lan_peers": found.lan} if swarm.mdns else {})
+
+
+async def swarm_manifests(node: Node) -> list[Manifest]:
+    """With no model at hand: each model the swarm's peers serve, by the manifest their records
+    announce (ext manifest_sha256 / manifest_bytes), fetched from them and checked against that hash."""
+    found: dict[str, Manifest] = {}
+    with tempfile.TemporaryDirectory(prefix="diffuse-manifests-") as tmp:
+        for pid in node.known_peers():
+            record = await node.peer_record(pid)
+            sha, size = (record.extra.get(MANIFEST_SHA), record.extra.get(MANIFEST_BYTES)) if record else (None, 0)
+            if record is None or record.model in found or not isinstance(sha, str) or not _HEX64.fullmatch(sha) \
+                    or isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_MANIFEST:
+                continue
+            where = Path(tmp) / sha
+            where.mkdir(exist_ok=True)
+            try:
+                await files.fetch(node.host, pid, sha, size, where / MANIFEST, MAX_MANIFEST, record.addrs)
+                manifest = load_manifest(where)
+                if manifest.model_id != record.model or len(manifest.block_hashes) != manifest.num_layers:
+                    raise ModelError(f"its manifest is not one of {record.model}")
+            except (FetchError, ModelError, TypeError, ValueError) as e:  # Type/ValueError: a malformed one
+                log.warning("no manifest from peer %s: %s", pid, e)
+                continue
+            found[record.model] = manifest
+    return list(found.values())
 
 
 async def _evidence(node: Node, peers) -> dict[str, list[dict]]:

@@ -371,6 +371,10 @@ class Node:
         self.support[model] = support
         return [s.record for s in found if s.record.model == model]
 
+    def known_peers(self) -> list[str]:
+        """The DHT servers this node knows of (its routing table): peers and sentinels."""
+        return [p.to_base58() for p in self.dht.routing_table.get_peer_ids()]
+
     async def peer_record(self, peer_id: str) -> PeerRecord | None:
         """A peer's current record by id (online or withdrawn), or None if none is fresh."""
         found, _ = await fetch_set(self.dht, peer_key(peer_id))

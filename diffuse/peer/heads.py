@@ -10,6 +10,9 @@ import trio
 
 from diffuse.client import draft_fetch
 from diffuse.data.files import PROTOCOL_ID, FileServer
+from diffuse.model.weights import MANIFEST
+
+MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields: status reads them (client/survey.py)
 
 
 class DraftHeads:
@@ -23,6 +26,12 @@ class DraftHeads:
         self.server, self.protocol = FileServer(), PROTOCOL_ID
         self.handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = {PROTOCOL_ID: self.server.serve}
         self.heads = draft_fetch.offer(self.server, home, models)
+
+    def manifest(self, model_id: str) -> dict[str, Any]:
+        """Serve the model's manifest by hash; the record fields that announce it, so that a
+        node without the weights can read the swarm (`diffuse status` from an empty store)."""
+        sha, size = self.server.add(Path(self.models[model_id]) / MANIFEST)
+        return {MANIFEST_SHA: sha, MANIFEST_BYTES: size}
 
     async def watch(self, node: Any, every: float = 15.0) -> None:
         """Every `every` seconds, offer a head that appeared for the model being served, and

@@ -191,8 +191,8 @@ class Peer:
             model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
-            protocols=hooks.protocols + ((files.protocol,) if files and offer.model in files.heads else ()),
-            extra=files.heads.get(offer.model, {}) if files else {}))  # its draft head (client/draft_fetch.py)
+            protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
+            extra=files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}))
         if not self._printed:
             self._printed = True
             self.show("\n".join(node.full_addrs()))
