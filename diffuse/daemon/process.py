@@ -132,7 +132,8 @@ class Daemon:
         return {"pid": os.getpid(), "home": str(self.config.home), "role": self.config.role,
                 "state": "ready" if service else "starting", "started": self.started,
                 "models": list(service.orders) if service else [], "mode": service.mode if service else None,
-                "contribution": contribution, "serving": self.shown[-4:]}
+                "contribution": contribution, "serving": self.shown[-4:],
+                "load": dict(self.peer.hooks.status_fn() or {}) if self.peer and self.peer.hooks.status_fn else {}}
 
     def mismatch(self, local: bool, bootstrap: list[str], models: list[str]) -> str | None:
         """Why this daemon's service is not what a request asks for (None: it is). A request that
