@@ -38,7 +38,8 @@ print("HEAVY", sorted(m for m in ("torch", "libp2p") if m in sys.modules))
 
 HELPS = [[], ["model"], ["model", "pull"], ["model", "import-gguf"], ["model", "list"], ["model", "info"],
          ["model", "draft-head"], ["ask"], ["demo"], ["id"], ["sentinel"], ["join"], ["status"], ["api"],
-         ["swarm"], ["swarm", "new"], ["credits"], ["history"]]
+         ["swarm"], ["swarm", "new"], ["credits"], ["history"], ["daemon"], *(["daemon", a] for a in (
+             "start", "run", "install", "stop", "status", "logs", "uninstall"))]
 
 
 def _heavy(argv: list[str]) -> tuple[str, str]:

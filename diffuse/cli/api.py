@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
 
-from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, notice, service_config
-from diffuse.cli.common import add_compute_options, add_train_draft_option, from_args, trio_run
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config
+from diffuse.cli.common import add_compute_options, add_train_draft_option, trio_run
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
@@ -40,53 +39,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_api)
 
 
-def api_keys(args) -> frozenset[str]:
-    keys = [k.strip() for k in args.api_key]
-    if args.api_key_file:
-        try:
-            lines = args.api_key_file.read_text().splitlines()
-        except OSError as e:
-            raise DiffuseError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
-        keys += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-    if any(not k for k in keys):
-        raise DiffuseError("an empty --api-key would accept anyone")
-    return frozenset(keys)
-
-
 def cmd_api(args) -> int:
-    from diffuse.daemon.client import serve_api
+    from diffuse.api.keys import api_keys
+    from diffuse.daemon.client import api_request, notice, serve_api
     from diffuse.http import parse_listen
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
-    if not args.no_daemon and serve_api(data_home(args.home), {
-            "listen": args.listen, "api_keys": sorted(api_keys(args)), "max_sessions": args.max_sessions, "max_queue":
-            args.max_queue, "default_max_tokens": args.max_tokens, "models": args.model, "local": args.local,
-            "bootstrap": args.bootstrap}, lambda url: print(f"listening on {url}", flush=True), notice):
-        return 0  # the daemon served it: this process held the connection until a signal
+    keys = api_keys(args.api_key, args.api_key_file)
+    if not args.no_daemon and serve_api(data_home(args.home), api_request(vars(args), keys),
+                                        lambda url: print(f"listening on {url}", flush=True), notice):
+        return 0  # the daemon served it while this process held the connection, until a signal
     # Through the swarm answers speculate unless --no-speculate; in this process never (no round trips).
     config = service_config(args, tuple(args.model or [None]), fallback_from_store=False,
                             speculate=None if args.speculate else False, warm_up=True)
-    import trio  # the heavy imports once the options are checked (a bad --bootstrap said first)
-    from diffuse.api.app import Settings, create_app
-    from diffuse.client import draft_trainer
-    from diffuse.client.service import open_service
-    from diffuse.http import serve_http
+    from diffuse.api.serve import serving  # the heavy imports once the options are checked (a bad --bootstrap first)
 
-    settings = from_args(Settings, args, api_keys=api_keys(args), default_max_tokens=args.max_tokens)
-    activity: dict[str, float] = {}  # /v1 requests being answered: the draft head trains only while none are
-
-    async def main() -> None:
-        async with open_service(config) as service, trio.open_nursery() as nursery:
-            app = draft_trainer.counting(create_app(service, settings), activity)
-            print(f"listening on {(await nursery.start(serve_http, app, args.listen))[0]}", flush=True)
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    break
-
-    with draft_trainer.background(data_home(args.home), (args.model or [None])[0],
-                                  lambda: activity.get("requests", 0) > 0, args.train_draft):
+    options = vars(args) | {"api_keys": keys, "default_max_tokens": args.max_tokens}
+    with serving(config, options, args.listen, args.train_draft, lambda text: print(text, flush=True)) as main:
         trio_run(main)
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from diffuse.cli.common import add_bootstrap_options, add_compute_options, bootstrap_addrs, from_args, trio_run
 from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, use_mdns
@@ -43,16 +42,6 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
                    "(standing with them; links your questions to it, docs/credits.md)")
     add_swarm_options(p)
     add_discovery_options(p)
-
-
-def parse_local_blocks(text: str) -> tuple[int, int]:
-    try:
-        front, back = (int(x) for x in text.split(","))
-        if front < 0 or back < 0:
-            raise ValueError
-        return front, back
-    except ValueError:
-        raise DiffuseError(f"--local-blocks wants N,M with N, M >= 0, got {text!r}") from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -103,67 +92,37 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
         raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
                            "on the LAN)")
     boot = [] if args.local else bootstrap_addrs(args, required=False)  # said before torch is imported
-    from diffuse.client.service import ServiceConfig
-    from diffuse.client.swarm import SwarmOptions
-    from diffuse.client.swarm_backend import SwarmConfig, trust_options
-    from diffuse.client.vault import for_answers
-    from diffuse.model.load import parse_dtype
+    from diffuse.client.options import service_config as config
 
-    swarm, exact = None, getattr(args, "exact", False)
-    if not args.local:
-        access = swarm_access(args)
-        trust = args.trust or access.trust  # --trust, or the swarm mode's own form of the trust plane
-        if args.step_timeout <= 0 or args.route_wait < 0:
-            raise DiffuseError("--step-timeout must be positive and --route-wait not negative")
-        options = from_args(SwarmOptions, args, local_blocks=parse_local_blocks(args.local_blocks), exact=exact,
-                            dtype=parse_dtype(args.dtype), wire_dtype=parse_dtype(args.wire_dtype),
-                            trust=trust_options(trust))
-        swarm = SwarmConfig(tuple(boot), access, options, mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
-                            wait=args.wait, trust=trust, credit=args.credit)
-    return ServiceConfig(data_home(args.home), models, swarm, args.fallback, fallback_from_store, speculate, exact,
-                         args.dtype, args.device, warm_up, vault=for_answers(data_home(args.home), args.history))
+    return config(vars(args), data_home(args.home), models, boot, None if args.local else swarm_access(args),
+                  not args.local and use_mdns(args, boot), fallback_from_store=fallback_from_store,
+                  speculate=speculate, warm_up=warm_up)
 
 
 def cmd_ask(args) -> int:
+    from diffuse.daemon.client import ask, ask_request, notice
+
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))
-    answer = None if args.no_daemon else daemon_ask(args, messages, on_text)
-    if answer is None:
-        answer = _ask_here(args, messages, on_text)
+    answer = None if args.no_daemon else ask(data_home(args.home), ask_request(vars(args), messages), on_text, notice)
+    if answer is None:  # no daemon, or not one for these options: in this process
+        config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
+        from diffuse.client.sampling import SamplingParams  # imports torch: only when a command runs
+        from diffuse.client.service import open_service
+
+        try:
+            params = from_args(SamplingParams, args)
+        except ValueError as e:
+            raise DiffuseError(str(e)) from None
+
+        async def run():
+            async with open_service(config) as service:
+                return service.answer_dict(await service.answer(messages, params, on_text))
+
+        answer = trio_run(run)
     print(json.dumps(answer) if args.json else "")
     if answer["finish_reason"].startswith("uncovered"):
-        print(f"notice: the swarm lost {answer['finish_reason'].removeprefix('uncovered ')} mid-answer and this "
-              "process does not hold them: the answer stops here", file=sys.stderr, flush=True)
+        notice(f"the swarm lost {answer['finish_reason'].removeprefix('uncovered ')} mid-answer and this process "
+               "does not hold them: the answer stops here")
     return 0
-
-
-def daemon_ask(args, messages, on_text):
-    """The answer from this home's daemon (client/daemon.py), None where none answers for these options."""
-    from diffuse.daemon.client import ask
-    from diffuse.daemon.protocol import SAMPLING
-
-    return ask(data_home(args.home), {"messages": messages, "sampling": {k: getattr(args, k) for k in SAMPLING},
-                                      "model": args.model, "local": args.local, "bootstrap": args.bootstrap,
-                                      "keep": args.history is not False}, on_text, notice)
-
-
-def _ask_here(args, messages, on_text):
-    config = service_config(args, (args.model,), fallback_from_store=True, speculate=args.speculate)
-    from diffuse.client.sampling import SamplingParams  # imports torch: only when a command runs
-    from diffuse.client.service import open_service
-
-    try:
-        params = from_args(SamplingParams, args)
-    except ValueError as e:
-        raise DiffuseError(str(e)) from None
-
-    async def run():
-        async with open_service(config) as service:
-            return service.answer_dict(await service.answer(messages, params, on_text))
-
-    return trio_run(run)
-
-
-def notice(text: str) -> None:
-    print(f"notice: {text}", file=sys.stderr, flush=True)

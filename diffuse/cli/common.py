@@ -49,20 +49,8 @@ def positive(text: str) -> float:
 
 def bootstrap_addrs(args: argparse.Namespace, required: bool) -> list[str]:
     """--bootstrap values plus the lines of --bootstrap-file, validated now (exit 2 if bad)."""
-    from diffuse.control.host import parse_peer_addr  # libp2p: only once a command runs
-    addrs = list(args.bootstrap)
-    if args.bootstrap_file is not None:
-        try:
-            text = args.bootstrap_file.read_text()
-        except OSError as e:
-            raise DiffuseError(f"cannot read {args.bootstrap_file}: {e.strerror or e}") from None
-        addrs += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
-        addrs = [a for a in addrs if a]
-    if required and not addrs:
-        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr)")
-    for a in addrs:
-        parse_peer_addr(a)
-    return addrs
+    from diffuse.control.bootstrap import bootstrap_list  # libp2p: only once a command runs
+    return bootstrap_list(args.bootstrap, args.bootstrap_file, required)
 
 
 def trio_run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:

@@ -2,16 +2,10 @@
 `api` go through it while it runs. start, run and install take `join`'s options and a client's."""
 
 import argparse
-import json
-import sys
 
 from diffuse.cli import ask, net
+from diffuse.daemon import ACTIONS
 from diffuse.home import data_home
-
-ACTIONS = {"start": "start it in the background and wait until it answers", "run": "run it in the foreground "
-           "(what start and the units run)", "install": "write a systemd user unit (Linux) or launchd agent (macOS) "
-           "that runs it with these options", "stop": "stop it (a peer drains first)", "status": "its state, "
-           "contribution and what it serves", "logs": "the end of its log", "uninstall": "remove the unit or agent"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,42 +20,23 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--local", action="store_true", help="answer from a whole model here, in no swarm")
             p.add_argument("--speculate", action=argparse.BooleanOptionalAction, help="guessed continuations "
                            "with each step through the swarm (default: on)")
-            p.set_defaults(exact=False, history=None)
-        p.add_argument("--json", action="store_true", help="status: one JSON object") if action == "status" else \
-            p.add_argument("-n", type=int, default=40, help="lines (default 40)") if action == "logs" else None
-        p.set_defaults(func=cmd_daemon)
+        elif action in ("status", "logs"):
+            p.add_argument(*(["--json"] if action == "status" else ["-n"]), **(
+                {"action": "store_true", "help": "one JSON object"} if action == "status" else {"type": int}))
+        p.set_defaults(func=cmd_daemon, json=False, n=40, exact=False, history=None)
 
 
 def cmd_daemon(args) -> int:
-    from diffuse.daemon import client, units
+    if args.action != "run":
+        from diffuse.daemon.client import command
 
-    home, action, say = data_home(args.home), args.action, lambda text: print(f"notice: {text}", file=sys.stderr)
-    if action == "run":
-        return _run(args)
-    if action in ("start", "install"):
-        argv = client.run_argv(args.argv)
-        print(client.describe(client.start(home, argv, 600.0, say)) if action == "start" else units.install(home, argv))
-    elif action == "stop":
-        print(f"stopped the daemon of {home} (pid {pid})" if (pid := client.stop(home, 120.0)) else f"no daemon runs "
-              f"for {home}")
-    elif action == "status":
-        status = client.call(home, {"op": "status"}, say=say)
-        print(f"no daemon runs for {home}" if status is None else json.dumps(status) if args.json else
-              client.describe(status))
-        return 0 if status else 3
-    else:
-        print(client.tail(home, args.n) if action == "logs" else units.uninstall(home))
-    return 0
-
-
-def _run(args) -> int:
+        text, code = command(data_home(args.home), args.action, args.argv, args.json, args.n)
+        return print(text) or code
     from diffuse.daemon.process import Daemon, DaemonConfig
 
     role = "local" if args.local else "client-only" if args.client_only else "peer"
     peer = net.make_peer(args) if role == "peer" else None
     model = None if (args.model or "").lower() == "auto" else args.model
-    service = ask.service_config(args, (model,), fallback_from_store=True, speculate=args.speculate,
-                                 warm_up=True)
-    daemon = Daemon(DaemonConfig(data_home(args.home), service, role), peer)
-    net.run_node(args, peer, daemon.run)
+    service = ask.service_config(args, (model,), fallback_from_store=True, speculate=args.speculate, warm_up=True)
+    net.run_node(args, peer, Daemon(DaemonConfig(data_home(args.home), service, role), peer).run)
     return 0

@@ -128,7 +128,6 @@ def make_peer(args: argparse.Namespace):  # -> peer.join.Peer
     boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
     from diffuse.control.identity import node_key
     from diffuse.control.node_config import NodeConfig
-    from diffuse.home import data_home
     from diffuse.peer.hooks import ServeConfig
     from diffuse.peer.join import JoinConfig, Peer
 
@@ -157,19 +156,17 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from diffuse.daemon.client import call
+    from diffuse.daemon.client import call, notice, survey_request
 
-    found = None if args.no_daemon else call(data_home(args.home), {"op": "survey", "models": args.model, "reach": (
-        args.reach), "wait": args.wait, "bootstrap": args.bootstrap}, say=lambda text: _say(f"notice: {text}"))
+    found = None if args.no_daemon else call(data_home(args.home), survey_request(vars(args)), say=notice)
     if found is None:
         boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
-        from diffuse.client.survey import manifests, report, survey
+        from diffuse.client.survey import status
         from diffuse.client.swarm_backend import SwarmConfig
 
         swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
                             wait=args.wait)
-        text, data = report(trio_run(survey, swarm, manifests(data_home(args.home), args.model), args.reach), swarm)
-        found = {"text": text, "json": data}
+        found = trio_run(status, data_home(args.home), args.model, swarm, args.reach)
     print(json.dumps(found["json"], indent=1) if args.json else found["text"])
     return 0
 
@@ -189,9 +186,5 @@ def _tamper_arg(text: str) -> tuple[str, float]:
 
 
 def _listen(args: argparse.Namespace) -> list[str]:
-    from diffuse.control.host import parse_multiaddr
-
-    addrs = args.listen or [args.listen_default]
-    for a in addrs:
-        parse_multiaddr(a)
-    return addrs
+    from diffuse.control.bootstrap import listen_list
+    return listen_list(args.listen, args.listen_default)

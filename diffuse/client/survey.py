@@ -69,6 +69,12 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
         return Survey(covs, list(node.lan_peers))
 
 
+async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool) -> dict[str, Any]:
+    """What `diffuse status` prints, for people ("text") and for --json ("json")."""
+    text, data = report(await survey(swarm, manifests(home, names), reach), swarm)
+    return {"text": text, "json": data}
+
+
 def report(found: Survey, swarm: SwarmConfig) -> tuple[str, dict[str, Any]]:
     """What `diffuse status` prints: for people, and as --json gives it."""
     lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []

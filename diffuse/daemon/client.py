@@ -19,11 +19,17 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from diffuse.daemon.protocol import MISMATCH, encode, paths
+from diffuse.daemon import units
+from diffuse.daemon.protocol import MISMATCH, SAMPLING, encode, paths
 from diffuse.errors import DiffuseError
 
 Say = Callable[[str], None]
 CONNECT_S = 5.0  # a live daemon accepts at once; a starting one binds its socket first thing
+START_S, STOP_S = 600.0, 120.0  # the most `daemon start` waits for it to answer, `stop` for it to leave
+
+
+def notice(text: str) -> None:
+    print(f"notice: {text}", file=sys.stderr, flush=True)
 
 
 def running(home: Path) -> int | None:
@@ -110,6 +116,26 @@ def ask(home: Path, request: dict[str, Any], on_text: Callable[[str], None] | No
             say(r["notice"])
 
     return call(home, {"op": "ask"} | request, reply, say)
+
+
+def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+    """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
+    machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history."""
+    return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
+            "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False}
+
+
+def survey_request(options: dict[str, Any]) -> dict[str, Any]:
+    """What `status`'s options ask of the daemon."""
+    return {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
+            "bootstrap": options["bootstrap"]}
+
+
+def api_request(options: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
+    """What `api`'s options ask of the daemon (its history and draft-head options are the daemon's)."""
+    return {"listen": options["listen"], "api_keys": sorted(keys), "max_sessions": options["max_sessions"],
+            "max_queue": options["max_queue"], "default_max_tokens": options["max_tokens"],
+            "models": options["model"], "local": options["local"], "bootstrap": options["bootstrap"]}
 
 
 def serve_api(home: Path, request: dict[str, Any], on_listening: Callable[[str], None], say: Say) -> bool:
@@ -208,6 +234,21 @@ def tail(home: Path, lines: int) -> str:
             return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
     except FileNotFoundError:
         return ""
+
+
+def command(home: Path, action: str, argv: list[str], as_json: bool = False, lines: int = 40) -> tuple[str, int]:
+    """`diffuse daemon ACTION` but run: what to print, and the exit status."""
+    if action in ("start", "install"):
+        run = run_argv(argv)
+        return describe(start(home, run, START_S, notice)) if action == "start" else units.install(home, run), 0
+    if action == "stop":
+        pid = stop(home, STOP_S)
+        return f"stopped the daemon of {home} (pid {pid})" if pid else f"no daemon runs for {home}", 0
+    if action == "status":
+        status = call(home, {"op": "status"}, say=notice)
+        text = json.dumps(status) if as_json else describe(status) if status else f"no daemon runs for {home}"
+        return text, 0 if status else 3
+    return tail(home, lines) if action == "logs" else units.uninstall(home), 0
 
 
 def describe(status: dict[str, Any]) -> str:

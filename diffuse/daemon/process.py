@@ -224,12 +224,10 @@ class Daemon:
                 send.close()
 
     async def _survey(self, request: protocol.Survey) -> dict[str, Any]:
-        from diffuse.client.survey import manifests, report, survey
+        from diffuse.client.survey import status
 
         swarm = replace(self.config.service.swarm, wait=request.wait)
-        found = await survey(swarm, manifests(self.config.home, request.models), request.reach)
-        text, data = report(found, swarm)
-        return {"text": text, "json": data}
+        return await status(self.config.home, request.models, swarm, request.reach)
 
     async def _api(self, request: protocol.Api, stream: trio.SocketStream) -> None:
         from diffuse.api.app import Settings, create_app

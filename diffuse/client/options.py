@@ -1,0 +1,48 @@
+"""The client service's config from a client's options, which `ask`, `api` and the daemon share:
+the command line resolves the swarm (its bootstrap peers, key and discovery) and hands the rest
+over as a mapping of option names to values; what they mean together is decided here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from diffuse.client.service import ServiceConfig
+from diffuse.client.swarm import SwarmOptions
+from diffuse.client.swarm_backend import SwarmConfig, trust_options
+from diffuse.client.vault import for_answers
+from diffuse.control.modes import SwarmAccess
+from diffuse.errors import DiffuseError
+from diffuse.model.load import parse_dtype
+
+
+def parse_local_blocks(text: str) -> tuple[int, int]:
+    try:
+        front, back = (int(x) for x in text.split(","))
+        if front < 0 or back < 0:
+            raise ValueError
+        return front, back
+    except ValueError:
+        raise DiffuseError(f"--local-blocks wants N,M with N, M >= 0, got {text!r}") from None
+
+
+def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | None, ...], boot: Sequence[str],
+                   access: SwarmAccess | None, mdns: bool, *, fallback_from_store: bool, speculate: bool | None,
+                   warm_up: bool = False) -> ServiceConfig:
+    """Whole models in this process where `access` is None (--local), else through that swarm."""
+    swarm, exact = None, options.get("exact", False)
+    if access is not None:
+        trust = options["trust"] or access.trust  # --trust, or the swarm mode's own form of the trust plane
+        if options["step_timeout"] <= 0 or options["route_wait"] < 0:
+            raise DiffuseError("--step-timeout must be positive and --route-wait not negative")
+        given = {f.name: options[f.name] for f in dataclasses.fields(SwarmOptions) if f.name in options}
+        swarm_options = SwarmOptions(**given | {
+            "local_blocks": parse_local_blocks(options["local_blocks"]), "exact": exact,
+            "dtype": parse_dtype(options["dtype"]), "wire_dtype": parse_dtype(options["wire_dtype"]),
+            "trust": trust_options(trust)})
+        swarm = SwarmConfig(tuple(boot), access, swarm_options, mdns=mdns, hole_punch=options["hole_punch"],
+                            wait=options["wait"], trust=trust, credit=options["credit"])
+    return ServiceConfig(home, models, swarm, options["fallback"], fallback_from_store, speculate, exact,
+                         options["dtype"], options["device"], warm_up, vault=for_answers(home, options["history"]))
