@@ -134,3 +134,40 @@ def _gone(home: Path) -> None:
     while client.running(home) is not None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_auto_limits_parse_and_judge():
+    import argparse
+
+    from diffuse.data.levels import AutoLimits, parse_limits
+    from diffuse.peer.auto import over
+
+    assert parse_limits("cpu=30, idle=5") == AutoLimits(cpu=30.0, idle=5.0)
+    for bad in ("cpu=101", "busy=0", "speed=3", "cpu", "idle=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_limits(bad)
+    limits = AutoLimits()
+    assert over({"cpu": 24.0, "memory": 9.0}, limits) is None
+    assert over({"cpu": 50.0}, limits) == "other processes use 50% of the CPUs (limit 25%)"
+    assert over({"cpu": 1.0, "memory": 40.0}, limits) == "other processes use 40% memory pressure (limit 10%)"
+
+
+def test_the_machine_counts_other_processes_not_its_own_tree(tmp_path):
+    from diffuse.peer.auto import Machine
+
+    machine = Machine(tmp_path)
+    machine.sample()
+    busy = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    mine = subprocess.Popen([sys.executable, "-c", busy])
+    mine.wait()  # a child of this process: its own tree, however busy
+    own = machine.sample()["cpu"]
+    orphan = ("import subprocess as s, sys\nprint(s.Popen([sys.executable, '-c', 'while True: pass'], "
+              "stdout=s.DEVNULL, "
+              "stderr=s.DEVNULL, start_new_session=True).pid)")  # its parent exits at once: not of our tree
+    other = int(subprocess.run([sys.executable, "-c", orphan], capture_output=True, text=True, timeout=60).stdout)
+    try:
+        time.sleep(1.5)
+        theirs = machine.sample()["cpu"]
+    finally:
+        os.kill(other, signal.SIGKILL)
+    assert theirs > own + 100 / machine.cpus / 4, (own, theirs)  # a busy core of others shows
