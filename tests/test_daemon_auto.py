@@ -69,33 +69,42 @@ def test_a_hog_pauses_an_auto_peer_whose_session_fails_over_unchanged(home, tmp_
         auto = procs.start("daemon", "run", "--bootstrap", swarm.boot, "--listen", LOCAL, "--blocks", "1:30",
                            "--identity", str(tmp_path / "auto.key"), "--throughput", "1000", *QUICK_RECORDS,
                            "--contribution", "auto", "--auto-limits", LIMITS, "--drain-timeout", "0",
-                           prefix=["unshare", "--pid", "--fork", "--mount-proc"], env=env)
+                           prefix=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"], env=env)
         auto.read_until("daemon ready", timeout=240)
         env = procs.env | env
-        until(env, lambda s: any(x.startswith("serving ") for x in s["serving"]), "serving")
-        ask = procs.start("--client-only", "ask", "--no-daemon", "--bootstrap", swarm.boot, "--json", "--max-tokens",
-                          str(TOKENS), "--no-speculate", "--wait", "30", PROMPT)
-        until(env, lambda s: s["load"].get("sessions", 0) >= 1, "a session on the auto peer")
-        inside = Path(f"/proc/{auto.p.pid}/task/{auto.p.pid}/children").read_text().split()[0]
-        hog = subprocess.Popen(["nsenter", "--target", inside, "--pid", "--mount", "--", sys.executable, "-c",
-                                "while True: pass"])
         try:
-            paused = until(env, lambda s: s["contribution"]["paused"], "paused")["contribution"]
-            assert paused["level"] == "auto" and paused["lending"] == "pause"
-            assert "of the CPUs (limit 25%)" in paused["paused"], paused
-            answer = json.loads(ask.read_until("{", timeout=600)[-1])
-            assert answer["token_ids"] == expected
-            assert answer["failovers"] and [h["peer"] for h in answer["route"]] == [swarm.ids["R"]], answer["route"]
+            watch(procs, swarm, auto, env, tmp_path, expected)
         finally:
-            hog.kill()
-            hog.wait()
-        until(env, lambda s: not s["contribution"]["paused"], "back")
-        said = "\n".join(auto.stderr)
-        events = ["contribution auto: pausing", "handed 1 sessions to replicas", "contribution auto: paused",
-                  "contribution auto: returning", "contribution auto: serving again"]
-        assert [said.find(e) >= 0 for e in events] == [True] * len(events), said
-        assert sorted(said.find(e) for e in events) == [said.find(e) for e in events], said
-        out = procs.run("status", "--bootstrap", swarm.boot, "--json", "--no-reach", "--no-daemon", timeout=120)
-        (model,) = json.loads(out.stdout)["models"]
-        assert len(model["peers"]) == 2, model  # announced again
-        subprocess.run(DIFFUSE + ["daemon", "stop"], env=env, timeout=150)
+            subprocess.run(DIFFUSE + ["daemon", "stop"], env=env, timeout=150)
+
+
+def watch(procs: Procs, swarm: Swarm, auto, env: dict[str, str], tmp_path: Path, expected: list[int]) -> None:
+    """With the auto peer up: a session through it, a hog, the pause, the failover, the return."""
+    until(env, lambda s: any(x.startswith("serving ") for x in s["serving"]), "serving")
+    ask = procs.start("--client-only", "ask", "--no-daemon", "--bootstrap", swarm.boot, "--json", "--max-tokens",
+                      str(TOKENS), "--no-speculate", "--wait", "30", PROMPT)
+    until(env, lambda s: s["load"].get("sessions", 0) >= 1, "a session on the auto peer")
+    inside = Path(f"/proc/{auto.p.pid}/task/{auto.p.pid}/children").read_text().split()[0]
+    stop = tmp_path / "hog.stop"  # the hog spins until this file appears (at most 10 minutes)
+    hog = subprocess.Popen(["nsenter", "--target", inside, "--pid", "--mount", "--", sys.executable, "-c",
+                            f"import os, time\nend = time.time() + 600\n"
+                            f"while time.time() < end and not os.path.exists({str(stop)!r}): pass"])
+    try:
+        paused = until(env, lambda s: s["contribution"]["paused"], "paused")["contribution"]
+        assert paused["level"] == "auto" and paused["lending"] == "pause"
+        assert "of the CPUs (limit 25%)" in paused["paused"], paused
+        answer = json.loads(ask.read_until("{", timeout=600)[-1])
+        assert answer["token_ids"] == expected
+        assert answer["failovers"] and [h["peer"] for h in answer["route"]] == [swarm.ids["R"]], answer["route"]
+    finally:
+        stop.touch()
+        hog.wait(timeout=60)
+    until(env, lambda s: not s["contribution"]["paused"], "back")
+    said = "\n".join(auto.stderr)
+    events = ["contribution auto: pausing", "handed 1 sessions to replicas", "contribution auto: paused",
+              "contribution auto: returning", "contribution auto: serving again"]
+    assert [said.find(e) >= 0 for e in events] == [True] * len(events), said
+    assert sorted(said.find(e) for e in events) == [said.find(e) for e in events], said
+    out = procs.run("status", "--bootstrap", swarm.boot, "--json", "--no-reach", "--no-daemon", timeout=120)
+    (model,) = json.loads(out.stdout)["models"]
+    assert len(model["peers"]) == 2, model  # announced again

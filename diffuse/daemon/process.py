@@ -35,6 +35,7 @@ from diffuse.validate import Malformed
 
 log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
+WARM_S = 120.0  # the most a starting daemon waits for the trust plane's material
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Daemon:
                     self.names = {n: i.manifest.model_id for n in config.models
                                   if (i := store.info(store.resolve(home, n)))}
                     self.names |= {m: m for m in service.orders}
+                    await _trust_warm(service)
                     self.service = service
                     self.ready.set()
                     print(f"daemon ready: pid {os.getpid()}, socket {protocol.paths(home)[0]}", flush=True)
@@ -241,6 +243,19 @@ class Daemon:
             while await stream.receive_some(4096):  # served until `diffuse api` lets go
                 pass
             nursery.cancel_scope.cancel()
+
+
+async def _trust_warm(service: Service) -> None:
+    """Until the trust plane's material for the spans a first session would route through is
+    computed (client/swarm_backend.py warms it in the background; the first `ask` would wait for
+    it), at most WARM_S: a daemon is ready when an answer costs only its own steps."""
+    trust = getattr(service.backend, "trust", None)
+    if trust is None:
+        return
+    await trio.sleep(0.05)  # the warm-up tasks say their state before their first wait
+    with trio.move_on_after(WARM_S):
+        while any(state["state"] in ("waiting for a route", "computing") for state in trust.values()):
+            await trio.sleep(0.1)
 
 
 async def _read_line(stream: trio.SocketStream) -> bytes | None:
