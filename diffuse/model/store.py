@@ -189,6 +189,7 @@ def import_gguf(home: Path, src: Path, name: str | None = None, progress: Progre
     dest.parent.mkdir(parents=True, exist_ok=True)
     gguf_import.import_gguf(src, dest, progress, extra_files)
     _commit(dest, progress)
+    gguf_import.keep_quantized(src, dest, progress)  # the file's own quantization, as a variant
     return dest
 
 
