@@ -120,7 +120,8 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
         swarm = SwarmConfig(tuple(boot), access, options, mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
                             wait=args.wait, trust=trust, credit=args.credit)
     return ServiceConfig(data_home(args.home), models, swarm, args.fallback, fallback_from_store, speculate, exact,
-                         args.dtype, args.device, warm_up, vault=for_answers(data_home(args.home), args.history))
+                         args.dtype, args.device, warm_up, vault=for_answers(data_home(args.home), args.history),
+                         quant=args.quant)
 
 
 def cmd_ask(args) -> int:

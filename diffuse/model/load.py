@@ -55,6 +55,7 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
         except RuntimeError as e:  # e.g. tensors of mismatched shapes concatenated
             raise ModelError(f"block {i} of {files.dir.name} does not fit its config: {e}") from None
         del tensors
+    span.quant = load_manifest(model_dir).quant
     return span.eval()
 
 

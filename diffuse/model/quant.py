@@ -38,6 +38,18 @@ def parse_scheme(name: str) -> str:
     return name
 
 
+def compute_name(dtype: torch.dtype | str, scheme: str) -> str:
+    """What a peer declares it computes in (OPEN_OK): "bfloat16", or "bfloat16+int4" for a variant."""
+    name = str(dtype).removeprefix("torch.")
+    return name if scheme == "none" else f"{name}+{scheme}"
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """compute_name's inverse: ("bfloat16", "int4")."""
+    dtype, _, scheme = name.partition("+")
+    return dtype, scheme or "none"
+
+
 def parse_accept(text: str | None, own: str) -> tuple[str, ...]:
     """`--accept-quant`: a comma-separated list of schemes, `any`, or None for the client's own
     scheme and those of more bits (an int4 client accepts int4, int8 and unquantized peers)."""
@@ -49,6 +61,13 @@ def parse_accept(text: str | None, own: str) -> tuple[str, ...]:
     if not got:
         raise ModelError("--accept-quant needs a list of none, int8, int4, or `any`")
     return got
+
+
+def weight_bytes(n: int, k: int, scheme: str, scale_bytes: int = 2) -> int:
+    """Bytes an [n, k] weight holds in a kernel's layout: values, and scales (and zeros)."""
+    if scheme == "int8":
+        return n * k + n * scale_bytes
+    return n * k // 2 + 2 * n * (k // GROUP) * scale_bytes
 
 
 @dataclass

@@ -168,7 +168,7 @@ class Guard:
         commitment the peer bound its output to) ties the evidence to what the peer committed."""
         self.counts["spot_checks"] += 1
         verdict = compare(out.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
-                          torch.float32, positions.tolist())
+                          material.referee_name(session.peer_dtype), positions.tolist())
         if verdict.ok:
             return None
         step, inputs = receipt
