@@ -10,6 +10,7 @@ from diffuse.errors import ModelError
 from diffuse.model.engine import BlockSpan, Head
 from diffuse.model.meta import on_meta
 from diffuse.model import variants
+from diffuse.model.quant import check_device
 from diffuse.model.weights import MANIFEST, ModelFiles, block_hash, load_manifest
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -34,6 +35,7 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
     """Blocks [start, end), reading only their tensors; verify checks them against the manifest.
     quant: hold the blocks of that variant (model/variants.py; made first if the store lacks
     it), computing in `dtype`; None: those of `model_dir` as it is."""
+    check_device(device)
     if quant is not None:
         model_dir = variants.resolve(model_dir, quant)
     files = ModelFiles(model_dir)
@@ -71,6 +73,7 @@ def load_head(model_dir: Path, dtype: torch.dtype = torch.float32, device: str =
     if verify and block_hash(tensors) != load_manifest(model_dir).head_hash:
         raise ModelError(f"the head (embeddings, final norm, LM head) of {files.dir.name} does not match its "
                          "manifest: the weights are damaged or altered; re-import the model")
+    check_device(device)
     with on_meta():
         head = Head(files.config)
     _materialise(head, dtype, device)

@@ -201,6 +201,16 @@ class Packed:
         return QWeight("int4", values.view(self.n, self.k), self.scale, self.zero, self.origin)
 
 
+def check_device(device: torch.device | str) -> None:
+    """A CUDA device this torch can use, or a ModelError naming what is missing."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"--device {device}: this torch ({torch.__version__}) has no usable CUDA "
+                         "(a CPU build, or no GPU/driver): use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
 def pack(w: QWeight, dtype: torch.dtype, device: torch.device | str) -> Packed:
     """The kernel layout of `w` on `device` for activations of `dtype` (built at load)."""
     device = torch.device(device)
@@ -208,14 +218,16 @@ def pack(w: QWeight, dtype: torch.dtype, device: torch.device | str) -> Packed:
     if device.type not in ("cpu", "cuda"):
         raise ModelError(f"quantized blocks run on a CPU or a CUDA GPU, not on {device}")
     if w.kind == "int8":
+        check_device(device)
         return Packed("int8", n, k, w.values.to(device), w.scale.to(device, dtype), w.scale, None, w.origin)
+    if device.type == "cuda" and (dtype != torch.bfloat16 or k % (16 * INT4_TILES) or n % 8):
+        raise ModelError(f"CUDA int4 needs bf16 activations, K a multiple of {16 * INT4_TILES} and N of 8 "
+                         f"(a {n}x{k} weight in {dtype}): use --dtype bf16 or --quant int8")
+    check_device(device)
     scales = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(device, dtype)
     if device.type == "cpu":
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.values.to(torch.int32), 1)
     else:
-        if dtype != torch.bfloat16 or k % (16 * INT4_TILES) or n % 8:
-            raise ModelError(f"CUDA int4 needs bf16 activations, K a multiple of {16 * INT4_TILES} and N of 8 "
-                             f"(a {n}x{k} weight in {dtype}): use --dtype bf16 or --quant int8")
         v = w.values.to(device, torch.int32)
         weight = torch.ops.aten._convert_weight_to_int4pack(((v[:, ::2] << 4) | v[:, 1::2]).to(torch.uint8),
                                                             INT4_TILES)
