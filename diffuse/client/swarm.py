@@ -396,7 +396,8 @@ class SwarmClient:
         """Blocks the swarm lost, from the store (verified against the manifest), to finish here;
         the last span loaded is kept for the next session that needs it (an outage lasts)."""
         if self._rescue_span is None or self._rescue_span[0] != (start, end):
-            self._rescue_span = ((start, end), load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device))
+            self._rescue_span = ((start, end), load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device,
+                                                         quant=self.opts.quant))
         return self._rescue_span[1]
 
     def _span_bytes(self, start: int, end: int) -> int:
