@@ -134,6 +134,10 @@ class Guard:
     async def canary(self, hop: Hop, open_session: OpenSession) -> None:
         base = await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
         session = await open_session(hop, base.canaries[0].hidden.shape[0])
+        if session.peer_dtype not in base.benign:  # first met (a variant): calibrate with no session idle
+            await session.close()
+            await self.material(hop.start, hop.end, session.peer_dtype)
+            session = await open_session(hop, base.canaries[0].hidden.shape[0])
         try:
             dtype = session.peer_dtype
             material = await self.material(hop.start, hop.end, dtype)
