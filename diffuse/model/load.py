@@ -43,7 +43,7 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
     if not 0 <= start < end <= cfg.num_layers:
         raise ModelError(f"blocks {start}:{end} are outside {files.dir.name}'s {cfg.num_layers} blocks")
     manifest = load_manifest(model_dir) if verify else None
-    quantized = load_manifest(model_dir).quant != "none"
+    quantized = (Path(model_dir) / MANIFEST).is_file() and load_manifest(model_dir).quant != "none"
     with on_meta():
         span = BlockSpan(cfg, start, end)
     _materialise(span, dtype, device)
@@ -57,7 +57,7 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
         except RuntimeError as e:  # e.g. tensors of mismatched shapes concatenated
             raise ModelError(f"block {i} of {files.dir.name} does not fit its config: {e}") from None
         del tensors
-    span.quant = load_manifest(model_dir).quant
+    span.quant = load_manifest(model_dir).quant if quantized else "none"
     return span.eval()
 
 

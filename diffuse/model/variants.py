@@ -60,6 +60,8 @@ def resolve(model_dir: Path, scheme: str, progress: Progress | None = None) -> P
     `none`, else its variant, made now from the source if the store lacks it."""
     quant.parse_scheme(scheme)
     model_dir = Path(model_dir)
+    if scheme == "none" and not (model_dir / MANIFEST).is_file():
+        return model_dir  # a directory without commitments (tests' models): as it is
     own = load_manifest(model_dir)
     if own.quant == scheme:
         return model_dir
