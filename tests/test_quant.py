@@ -169,3 +169,22 @@ def test_model_info_says_what_each_tensor_became(home, smollm2):
     assert block_bytes(cfg, "bfloat16", "int4") <= 0.35 * bf16
     assert block_bytes(cfg, "bfloat16", "int8") <= 0.55 * bf16
     assert max(v.manifest.block_bytes) <= 0.35 * bf16
+
+
+def test_coverage_counts_the_variants_a_client_accepts():
+    """A record names its variant (ext quant) and carries that variant's hashes; coverage checks
+    each against the variant's own hashes, and excludes variants the client does not accept."""
+    from dataclasses import replace
+
+    from diffuse.control.coverage import coverage
+    from test_placement import MODEL, fake_hashes, rec
+
+    plain, four = fake_hashes(30), fake_hashes(30, "int4")
+    recs = [rec(0, 15), replace(rec(15, 30, hashes=four), extra={"quant": "int4"}),
+            replace(rec(0, 30, hashes=plain), extra={"quant": "int4"})]  # int4 claimed, plain weights
+    both = coverage(recs, MODEL, 30, expected_hashes=plain, variants={"none": plain, "int4": four})
+    assert both.servable and len(both.peers) == 2
+    assert "other weights" in both.excluded[recs[2].peer_id]
+    only = coverage(recs, MODEL, 30, expected_hashes=plain, variants={"none": plain})
+    assert only.missing == list(range(15, 30))
+    assert "int4 variant, which is not accepted here" in only.excluded[recs[1].peer_id]
