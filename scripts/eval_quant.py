@@ -11,8 +11,9 @@ use. Per model and scheme (none = bf16 compute on the source's weights, int8, in
 - bytes per block (the largest block's weights as held) and the RSS a process gains loading all
   blocks, above a process that only imported torch;
 - decode and prefill tokens/s of a `diffuse join --quant` peer serving every block, driven by a
-  client in this process (no trust checks: speed alone), and whole-model `ask --local` decode
-  tokens/s in this process;
+  client in this process (no trust checks: speed alone; the three peers run at once and their
+  sessions take turns), and whole-model `ask --local` decode tokens/s in this process (the
+  schemes taking turns prompt by prompt);
 - perplexity on scripts/support/heldout.txt (text written for this, not what the draft head is
   trained on), teacher-forced in bf16;
 - greedy agreement with bf16 on the chat benchmark prompts: identical answers, and the share of
@@ -93,51 +94,57 @@ def greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
     return out, (n - 1) / (time.perf_counter() - t0)
 
 
-def local_figures(home: Path, name: str, scheme: str, tokens: int) -> dict:
+def local_figures(home: Path, name: str, tokens: int) -> dict[str, dict]:
+    """Per scheme: perplexity, greedy answers and median decode tokens/s in this process, the
+    schemes taking turns prompt by prompt (so a load that comes and goes hits them alike)."""
     from diffuse.client.local import open_local
 
-    model, tok = open_local(home, name, "bf16", quant=scheme)
-    answers, speeds = [], []
+    models = {s: open_local(home, name, "bf16", quant=s) for s in SCHEMES}
+    out = {s: {"answers": [], "speeds": []} for s in SCHEMES}
     for q in CHAT[:8]:
-        ids, tps = greedy(model, tok.encode_chat([{"role": "user", "content": q}]), tokens)
-        answers.append(ids)
-        speeds.append(tps)
-    return {"ppl": perplexity(model, tok, HELDOUT.read_text()), "answers": answers,
-            "local_tps": sorted(speeds)[len(speeds) // 2]}
+        for s, (model, tok) in models.items():
+            ids, tps = greedy(model, tok.encode_chat([{"role": "user", "content": q}]), tokens)
+            out[s]["answers"].append(ids)
+            out[s]["speeds"].append(tps)
+    return {s: {"ppl": perplexity(*models[s], HELDOUT.read_text()), "answers": o["answers"],
+                "local_tps": sorted(o["speeds"])[len(o["speeds"]) // 2]} for s, o in out.items()}
 
 
-async def peer_speed(home: Path, path: Path, boot: str, tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s of a 200-token prompt, decode tokens/s) through the peer, median of 3."""
+async def peer_speeds(path: Path, boot: str, tokens: int) -> dict[str, tuple[float, float]]:
+    """Per scheme, (prefill tokens/s of a 200-token prompt, decode tokens/s) through the peer
+    holding that variant (a client accepting it alone), sessions taking turns, median of 3."""
     from diffuse.client.swarm import SwarmClient, SwarmOptions
     from diffuse.control.node import NodeConfig, open_node
     from diffuse.model.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(path)
-    prompt = tok.encode(HELDOUT.read_text())[:200]
+    prompt = Tokenizer.load(path).encode(HELDOUT.read_text())[:200]
     async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False,
                                                            swarm_key=swarm_key())) as node:
-        client = SwarmClient(node, path, SwarmOptions(local_blocks=(0, 0), trust=None, accept_quant="any"))
-        with trio.fail_after(120):
-            while not await client.covered():
-                await trio.sleep(0.5)
-        runs = []
-        for _ in range(4):  # the first warms the connection and caches
-            pipe = await client.session(len(prompt) + tokens)
-            t0 = time.perf_counter()
-            _, stamps = await decode(pipe, prompt, tokens)
-            runs.append((len(prompt) / (stamps[0] - t0), decode_tps(stamps)))
-        runs = runs[1:]
-        return sorted(r[0] for r in runs)[1], sorted(r[1] for r in runs)[1]
+        clients = {s: SwarmClient(node, path, SwarmOptions(local_blocks=(0, 0), trust=None, accept_quant=s))
+                   for s in SCHEMES}
+        with trio.fail_after(180):
+            for client in clients.values():
+                while not await client.covered():
+                    await trio.sleep(0.5)
+        runs: dict[str, list[tuple[float, float]]] = {s: [] for s in SCHEMES}
+        for _ in range(4):  # the first warms connections and caches
+            for s, client in clients.items():
+                pipe = await client.session(len(prompt) + tokens)
+                t0 = time.perf_counter()
+                _, stamps = await decode(pipe, prompt, tokens)
+                runs[s].append((len(prompt) / (stamps[0] - t0), decode_tps(stamps)))
+        return {s: (sorted(r[0] for r in rs[1:])[1], sorted(r[1] for r in rs[1:])[1]) for s, rs in runs.items()}
 
 
-def serve_and_measure(home: Path, tmp: Path, path: Path, scheme: str, tokens: int) -> tuple[float, float]:
+def serve_and_measure(home: Path, tmp: Path, path: Path, tokens: int) -> dict[str, tuple[float, float]]:
+    """A peer per scheme, each serving every block of `path` as that variant."""
     from diffuse.model.config import ModelConfig
 
     n = ModelConfig.load(path).num_layers
     with Procs(home, one_thread=False) as procs:
-        swarm = Swarm(procs, tmp / f"{path.name}-{scheme}", {"P": f"0:{n}"},
-                      {"P": ["--quant", scheme, "--model", path.name, "--throughput", "20"]}, timeout=600)
-        return trio.run(peer_speed, home, path, swarm.boot, tokens)
+        swarm = Swarm(procs, tmp / path.name, {s: f"0:{n}" for s in SCHEMES},
+                      {s: ["--quant", s, "--model", path.name, "--throughput", "20"] for s in SCHEMES}, timeout=600)
+        return trio.run(peer_speeds, path, swarm.boot, tokens)
 
 
 def agreement(answers: list[list[int]], reference: list[list[int]]) -> tuple[float, float]:
@@ -153,18 +160,19 @@ def measure(home: Path, tmp: Path, name: str, tokens: int) -> list[dict]:
     from diffuse.model.weights import load_manifest
 
     path = store.resolve(home, name)
+    cfg = store.info(path).config
     rows = []
     for scheme in SCHEMES:
-        held = variants.resolve(path, scheme)
-        m = load_manifest(held)
-        cfg = store.info(path).config
+        m = load_manifest(variants.resolve(path, scheme))
         per = 2 * max(block_parameters(cfg, i) for i in range(cfg.num_layers)) if scheme == "none" \
             else max(m.block_bytes)
-        row = {"model": name, "scheme": scheme, "block_bytes": per, "rss": rss_above_torch(path, scheme)}
-        row |= local_figures(home, name, scheme, tokens)
-        row["prefill"], row["decode"] = serve_and_measure(home, tmp, path, scheme, tokens)
+        rows.append({"model": name, "scheme": scheme, "block_bytes": per, "rss": rss_above_torch(path, scheme)})
+    local = local_figures(home, name, tokens)
+    peer = serve_and_measure(home, tmp, path, tokens)
+    for row in rows:
+        row |= local[row["scheme"]]
+        row["prefill"], row["decode"] = peer[row["scheme"]]
         print(json.dumps({k: v for k, v in row.items() if k != "answers"}), file=sys.stderr, flush=True)
-        rows.append(row)
     return rows
 
 
