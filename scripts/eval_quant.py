@@ -2,7 +2,7 @@
 """Quantized blocks against bf16, per model and scheme, in one run: what holding a model in 8 or 4
 bits costs and buys.
 
-    .venv/bin/python scripts/eval_quant.py [--models SmolLM2-135M-Instruct,gemma-3-270m] [--tokens 48]
+    .venv/bin/python scripts/eval_quant.py [--models SmolLM2-135M-Instruct,gemma-3-270m] [--tokens 48] [--threads 1]
 
 A fresh store (temporary, or --home) gets both models as `diffuse model pull` installs them, with
 the variant each GGUF maps to kept as imported (model/variants.py); the others are made on first
@@ -19,7 +19,10 @@ use. Per model and scheme (none = bf16 compute on the source's weights, int8, in
 - greedy agreement with bf16 on the chat benchmark prompts: identical answers, and the share of
   tokens before the first difference.
 
-Ratios are against bf16 in the same run (the machine may be shared: timings are noisy).
+Ratios are against bf16 in the same run (the machine may be shared: timings are noisy). On a
+2-core machine that others use too, two torch threads per process spin against their work and
+a step can take ten times as long; `--threads 1` (here, and peers lending half of 2 cores) keeps
+each process on one core.
 """
 
 from __future__ import annotations
@@ -137,13 +140,16 @@ async def peer_speeds(path: Path, boot: str, tokens: int) -> dict[str, tuple[flo
 
 
 def serve_and_measure(home: Path, tmp: Path, path: Path, tokens: int) -> dict[str, tuple[float, float]]:
-    """A peer per scheme, each serving every block of `path` as that variant."""
+    """A peer per scheme, each serving every block of `path` as that variant (on one core of two
+    with --threads 1: `--contribution moderate`)."""
     from diffuse.model.config import ModelConfig
 
     n = ModelConfig.load(path).num_layers
+    lend = ["--contribution", "moderate"] if torch.get_num_threads() == 1 else []
     with Procs(home, one_thread=False) as procs:
         swarm = Swarm(procs, tmp / path.name, {s: f"0:{n}" for s in SCHEMES},
-                      {s: ["--quant", s, "--model", path.name, "--throughput", "20"] for s in SCHEMES}, timeout=600)
+                      {s: ["--quant", s, "--model", path.name, "--throughput", "20", *lend] for s in SCHEMES},
+                      timeout=600)
         return trio.run(peer_speeds, path, swarm.boot, tokens)
 
 
@@ -197,7 +203,10 @@ def main() -> None:
     ap.add_argument("--home", type=Path, help="a store to use (default: a fresh temporary one)")
     ap.add_argument("--models", default="SmolLM2-135M-Instruct,gemma-3-270m")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, help="torch threads here (1: peers lend one core of two too)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from diffuse.model import kernels, store
 
     with tempfile.TemporaryDirectory(prefix="eval-quant-") as tmp:
