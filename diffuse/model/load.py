@@ -10,7 +10,7 @@ from diffuse.errors import ModelError
 from diffuse.model.engine import BlockSpan, Head
 from diffuse.model.meta import on_meta
 from diffuse.model import variants
-from diffuse.model.quant import check_device
+from diffuse.model.quant import check_device, trim_heap
 from diffuse.model.weights import MANIFEST, ModelFiles, block_hash, load_manifest
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -58,6 +58,8 @@ def load_span(model_dir: Path, start: int, end: int, dtype: torch.dtype = torch.
             raise ModelError(f"block {i} of {files.dir.name} does not fit its config: {e}") from None
         del tensors
     span.quant = load_manifest(model_dir).quant if quantized else "none"
+    if quantized:
+        trim_heap()  # packing's transient buffers (int32 values) freed: hand their pages back
     return span.eval()
 
 

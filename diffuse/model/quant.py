@@ -18,6 +18,7 @@ and exact reductions (min, max), so a source gives the same canonical bytes ever
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +200,14 @@ class Packed:
         s = self.scale.float().where(self.scale.float() > 0, torch.ones(()))
         values = ((g - self.zero.float()[..., None]) / s[..., None] + 8).round().clamp(0, 15).to(torch.uint8)
         return QWeight("int4", values.view(self.n, self.k), self.scale, self.zero, self.origin)
+
+
+def trim_heap() -> None:
+    """Return freed heap pages to the OS (glibc keeps them; RSS would count them as held)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def check_device(device: torch.device | str) -> None:
