@@ -100,6 +100,8 @@ def _mismatch(r: PeerRecord, num_blocks: int, expected: Sequence[str] | None,
         if scheme not in variants:
             return f"serves the {scheme} variant, which is not accepted here"
         expected = variants[scheme]
+    elif scheme != "none":
+        return f"serves the {scheme} variant, whose hashes are not checked here"
     if expected is not None:
         bad = [i for i, h in zip(range(r.start, r.end), r.block_hashes) if h != expected[i]]
         if bad:
