@@ -156,7 +156,8 @@ class Peer:
             manifest = self.manifest
             start, end = self.span or choose_span(
                 coverage(await node.records(manifest.model_id), manifest.model_id, manifest.num_layers,
-                         expected_hashes=manifest.block_hashes).replicas, self.length)
+                         expected_hashes=manifest.block_hashes,
+                         variants={manifest.quant: manifest.block_hashes}).replicas, self.length)
             await self._serve(Offer(manifest.model_id, manifest.num_layers, 0, 0, tuple(manifest.block_hashes)),
                               start, end)
 
