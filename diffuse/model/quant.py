@@ -10,7 +10,7 @@ variant's files hold and its hashes cover (`QWeight.tensors`):
 
 The kernels' own layouts are built from it when a span loads, per device (`pack`): on a CPU
 `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (after `_convert_weight_to_int4pack_for_cpu`),
-on CUDA `_weight_int4pack_mm` (tinygemm, after `_convert_weight_to_int4pack`). PyTorch has no
+on CUDA `_weight_int4pack_mm` (tinygemm, after `_convert_weight_to_int4pack`; bf16 activations). PyTorch has no
 int8 weight-only CUDA kernel: there an int8 weight is widened to the activations' dtype inside
 the product (memory as int8, speed as bf16). Quantizing uses only elementwise IEEE operations
 and exact reductions (min, max), so a source gives the same canonical bytes everywhere.
@@ -30,7 +30,7 @@ from diffuse.errors import ModelError
 SCHEMES = ("none", "int8", "int4")
 GROUP = 32  # int4 columns per scale and zero (GGUF's Q4_0/Q4_1/Q4_K sub-blocks are 32 too)
 BETTER = {"none": ("none",), "int8": ("int8", "none"), "int4": ("int4", "int8", "none")}
-INT4_TILES = 8  # inner K tiles of the CUDA int4 layout (K must be a multiple of 16 x this)
+INT4_TILES = (8, 4, 2)  # inner K tiles of the CUDA int4 layout, the most that divide K / 16 (32 | K: 2 always)
 
 
 def parse_scheme(name: str) -> str:
@@ -229,15 +229,15 @@ def pack(w: QWeight, dtype: torch.dtype, device: torch.device | str) -> Packed:
     if w.kind == "int8":
         check_device(device)
         return Packed("int8", n, k, w.values.to(device), w.scale.to(device, dtype), w.scale, None, w.origin)
-    if device.type == "cuda" and (dtype != torch.bfloat16 or k % (16 * INT4_TILES) or n % 8):
-        raise ModelError(f"CUDA int4 needs bf16 activations, K a multiple of {16 * INT4_TILES} and N of 8 "
-                         f"(a {n}x{k} weight in {dtype}): use --dtype bf16 or --quant int8")
+    if device.type == "cuda" and (dtype != torch.bfloat16 or n % 8):
+        raise ModelError(f"CUDA int4 needs bf16 activations and N a multiple of 8 (a {n}x{k} weight in "
+                         f"{dtype}): use --dtype bf16 or --quant int8")
     check_device(device)
     scales = torch.stack([w.scale, w.zero], -1).transpose(0, 1).contiguous().to(device, dtype)
     if device.type == "cpu":
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.values.to(torch.int32), 1)
     else:
         v = w.values.to(device, torch.int32)
-        weight = torch.ops.aten._convert_weight_to_int4pack(((v[:, ::2] << 4) | v[:, 1::2]).to(torch.uint8),
-                                                            INT4_TILES)
+        tiles = next(t for t in INT4_TILES if k % (16 * t) == 0)
+        weight = torch.ops.aten._convert_weight_to_int4pack(((v[:, ::2] << 4) | v[:, 1::2]).to(torch.uint8), tiles)
     return Packed("int4", n, k, weight, scales, w.scale, w.zero, w.origin)
