@@ -194,8 +194,9 @@ class Packed:
         gives each weight alone, from which its integer is recovered exactly)."""
         if self.kind == "int8":
             return QWeight("int8", self.weight.cpu(), self.scale, None, self.origin)
-        w = torch.cat([self.matmul(torch.eye(self.k, dtype=torch.float32, device=self.weight.device)[s:s + 256])
-                       for s in range(0, self.k, 256)]).t().cpu()
+        dev = self.weight.device  # tinygemm (CUDA) takes bf16 only: each weight then within bf16's rounding
+        eye = torch.eye(self.k, dtype=torch.float32 if dev.type == "cpu" else torch.bfloat16, device=dev)
+        w = torch.cat([self.matmul(eye[s:s + 256]) for s in range(0, self.k, 256)]).t().float().cpu()
         g = w.view(self.n, self.k // GROUP, GROUP)
         s = self.scale.float().where(self.scale.float() > 0, torch.ones(()))
         values = ((g - self.zero.float()[..., None]) / s[..., None] + 8).round().clamp(0, 15).to(torch.uint8)
