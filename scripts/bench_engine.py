@@ -1,8 +1,14 @@
 #!/usr/bin/env python
-"""Engine vs transformers on the same weights, dtype and prompt: prefill and decode tokens/s.
+"""Engine vs transformers on the same weights, dtype and prompt: prefill and decode tokens/s;
+and, with --llama-cpp, the engine's bf16 and quantized blocks vs llama.cpp on the GGUF itself.
 
     .venv/bin/python scripts/bench_engine.py [--model gemma-3-270m] [--tokens 64] [--repeats 3] [--dtypes fp32,bf16]
-                                             [--threads N]
+                                             [--threads N] [--llama-cpp [--quants none,int8,int4] [--gguf FILE]]
+
+--llama-cpp (the `bench` extra: pip install -e '.[bench]', llama-cpp-python builds from source)
+times llama.cpp on the model's GGUF (the embedded file for the default model; --gguf for another),
+the same prompt's token ids, greedy, decode tokens/s from llama.cpp's own timings (prompt
+evaluation excluded), against the engine's decode in bf16 per --quants, runs alternated.
 
 transformers runs `generate` (greedy) on the store's safetensors; the engine runs one span of all
 blocks and the head, as `ask --local` does. Runs alternate (engine, transformers, engine, ...) so
@@ -16,6 +22,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # read once, when torch loads (below, in main)
 
@@ -57,6 +64,49 @@ def bench_hf(model, prompt: list[int], n: int) -> tuple[float, float]:
     return t1 - t0, (n - 1) / ((t2 - t1) - (t1 - t0))
 
 
+def bench_llama_cpp(llm, prompt: list[int], n: int) -> float:
+    """Decode tokens/s of n greedy tokens by llama.cpp, from its own timings (prefill excluded)."""
+    import llama_cpp
+
+    llm.reset()
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    made = 0
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        made += 1
+        if made >= n:
+            break
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    return perf.n_eval / (perf.t_eval_ms / 1000)
+
+
+def versus_llama_cpp(args, home, threads: int) -> None:
+    """The engine's decode per --quants against llama.cpp's on the GGUF, alternated, medians."""
+    import llama_cpp
+
+    from diffuse.client.local import open_local
+    from diffuse.model.gguf_import import embedded_gguf_path
+
+    gguf = args.gguf or embedded_gguf_path()
+    llm = llama_cpp.Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+    rows = []
+    for quant in args.quants.split(","):
+        model, tok = open_local(home, args.model, "bf16", quant=quant)
+        prompt = tok.encode_chat([{"role": "user", "content": PROMPT}])
+        bench_engine(model, prompt, 4), bench_llama_cpp(llm, prompt, 4)  # warm-up
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            ours.append(bench_engine(model, prompt, args.tokens)[1])
+            theirs.append(bench_llama_cpp(llm, prompt, args.tokens))
+        rows.append((quant, statistics.median(ours), statistics.median(theirs)))
+        del model
+    print(f"\nengine (bf16 compute) vs llama.cpp {llama_cpp.__version__} on {gguf.name}: prompt {len(prompt)} "
+          f"tokens, {args.tokens} greedy tokens, decode only, {threads} threads each, median of {args.repeats}")
+    print("| engine blocks | decode tok/s engine | decode tok/s llama.cpp | ratio |")
+    print("|---|---|---|---|")
+    for quant, de, dl in rows:
+        print(f"| {quant} | {de:.1f} | {dl:.1f} | {de / dl:.2f}x |")
+
+
 def median(runs: list[tuple[float, float]], i: int) -> float:
     return statistics.median(r[i] for r in runs)
 
@@ -69,6 +119,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--llama-cpp", action="store_true", help="also time llama.cpp on the model's GGUF")
+    ap.add_argument("--quants", default="none,int8,int4", help="engine blocks against llama.cpp")
+    ap.add_argument("--gguf", type=Path, help="the GGUF llama.cpp runs (default: the embedded model's)")
     args = ap.parse_args()
     import torch
     import transformers
@@ -103,6 +156,8 @@ def main() -> None:
     for dtype, pe, ph, de, dh in rows:
         n = len(prompt)
         print(f"| {dtype} | {n / pe:.0f} | {n / ph:.0f} | {ph / pe:.2f}x | {de:.1f} | {dh:.1f} | {de / dh:.2f}x |")
+    if args.llama_cpp:
+        versus_llama_cpp(args, home, torch.get_num_threads())
 
 
 if __name__ == "__main__":

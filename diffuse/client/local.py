@@ -20,12 +20,12 @@ from diffuse.model.tokenizer import Tokenizer
 from diffuse.model.weights import load_manifest
 
 
-def open_local(home: Path, name: str | None, dtype: str = "bf16", device: str = "cpu"
+def open_local(home: Path, name: str | None, dtype: str = "bf16", device: str = "cpu", quant: str = "none"
                ) -> tuple[LocalModel, Tokenizer]:
     path = store.resolve(home, name)
     cfg = ModelConfig.load(path)
     torch_dtype = parse_dtype(dtype)
-    span = load_span(path, 0, cfg.num_layers, torch_dtype, device)
+    span = load_span(path, 0, cfg.num_layers, torch_dtype, device, quant=quant)
     return LocalModel(load_head(path, torch_dtype, device), [span]), Tokenizer.load(path)
 
 
@@ -56,13 +56,13 @@ class LocalBackend:
 
     @classmethod
     def open(cls, home: Path, names: list[str | None], dtype: str = "bf16", device: str = "cpu",
-             speculate: bool = False, exact: bool = False) -> LocalBackend:
+             speculate: bool = False, exact: bool = False, quant: str = "none") -> LocalBackend:
         """Load each named model of the store (None: the default one) under its swarm id, with the
         draft head `diffuse model draft-head` trained for it when answers speculate."""
         backend = cls(speculate, exact)
         for name in names:
             path = store.resolve(home, name)
-            model, tokenizer = open_local(home, name, dtype, device)
+            model, tokenizer = open_local(home, name, dtype, device, quant)
             cfg = ModelConfig.load(path)
             draft = draft_head.load(draft_head.path(home, path.name), cfg.hidden_size) if speculate else None
             backend._models[load_manifest(path).model_id] = _Loaded(model, tokenizer, cfg, draft, dtype, time.time())

@@ -45,4 +45,5 @@ def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | N
         swarm = SwarmConfig(tuple(boot), access, swarm_options, mdns=mdns, hole_punch=options["hole_punch"],
                             wait=options["wait"], trust=trust, credit=options["credit"])
     return ServiceConfig(home, models, swarm, options["fallback"], fallback_from_store, speculate, exact,
-                         options["dtype"], options["device"], warm_up, vault=for_answers(home, options["history"]))
+                         options["dtype"], options["device"], warm_up, vault=for_answers(home, options["history"]),
+                         quant=options.get("quant", "none"))

@@ -58,6 +58,7 @@ class ServiceConfig:
     warm_up: bool = False  # run a few steps of each model held here before the first request
     say: Say = field(default=notice, compare=False)
     vault: Vault | None = field(default=None, compare=False)  # where finished conversations are kept (None: nowhere)
+    quant: str = "none"  # the variant of the blocks this process runs (model/variants.py)
 
 
 @dataclass
@@ -229,7 +230,7 @@ async def _swarm(config: ServiceConfig, swarm: SwarmConfig, names: dict[str, str
 async def _local(config: ServiceConfig, names: Sequence[str | None], orders: dict[str, tuple[str, ...]],
                  reason: str | None = None) -> AsyncIterator[Service]:
     backend = LocalBackend.open(config.home, list(names), config.dtype, config.device, bool(config.speculate),
-                                config.exact)
+                                config.exact, config.quant)
     if config.warm_up:
         await backend.warm_up()
     yield Service(config, backend, "local", orders, reason)

@@ -31,7 +31,9 @@ from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
 from diffuse.model.engine import BlockSpan, Head, block_parameters
+from diffuse.model import variants
 from diffuse.model.load import load_head, load_span
+from diffuse.model.quant import parse_accept
 from diffuse.model.weights import Manifest, load_manifest
 from diffuse.trust import reputation
 from diffuse.trust.bank import CanaryBank
@@ -59,6 +61,8 @@ class SwarmOptions:
     wire_dtype: torch.dtype = torch.float16
     step_timeout: float = 30.0
     device: str = "cpu"
+    quant: str = "none"  # the variant of the blocks this client runs (model/variants.py)
+    accept_quant: str | None = None  # variants of peers it routes through: "int4,none", "any"; None: its own and better
     exact: bool = False  # batch-invariant kernels on every hop: speculation = plain greedy, bit for bit
     trust: TrustOptions | None = field(default_factory=TrustOptions)  # None: no checks (private swarms)
     noise: float = 0.0  # secret Gaussian noise on what the swarm receives, x each row's RMS (client/privacy.py)
@@ -89,8 +93,11 @@ class SwarmClient:
             log.warning("no local front block: peers will receive embedding rows of your prompt")
         self.head: Head = load_head(self.model_dir, self.opts.dtype, self.opts.device)
         dtype, device = self.opts.dtype, self.opts.device
-        self.front: BlockSpan | None = load_span(self.model_dir, 0, front, dtype, device) if front else None
-        self.back: BlockSpan | None = load_span(self.model_dir, n - back, n, dtype, device) if back else None
+        quant, where = self.opts.quant, self.model_dir
+        self.front: BlockSpan | None = load_span(where, 0, front, dtype, device, quant=quant) if front else None
+        self.back: BlockSpan | None = load_span(where, n - back, n, dtype, device, quant=quant) if back else None
+        self.accepted = parse_accept(self.opts.accept_quant, quant)
+        self.variants: dict[str, list[str]] = {"none": self.manifest.block_hashes}  # scheme -> block hashes
         self.remote_range = (front, n - back)
         # Shared by this client's sessions (an API's users): their local rows compute together.
         lane = trio.CapacityLimiter(1)
@@ -125,8 +132,13 @@ class SwarmClient:
             return [r for r in cached if r.fresh() and self.node.may_serve(r.peer_id)]
         good = []
         for r in await self.node.records(self.model_id):
-            if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != self.manifest.block_hashes[r.start:r.end]:
-                self.rejected[r.peer_id] = "announced block hashes differ from the trusted manifest"
+            scheme = str(r.extra.get("quant", "none"))
+            if scheme not in self.accepted:
+                self.rejected[r.peer_id] = f"serves the {scheme} variant, which this client does not accept"
+                continue
+            hashes = await self.variant_hashes(scheme)
+            if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != hashes[r.start:r.end]:
+                self.rejected[r.peer_id] = f"announced block hashes differ from the trusted manifest ({scheme})"
                 continue
             if PROTOCOL_ID not in r.protocols:
                 continue
@@ -139,6 +151,14 @@ class SwarmClient:
                 self.runs[r.peer_id] = r.started
                 self.rtt.pop(r.peer_id, None)
         return good
+
+    async def variant_hashes(self, scheme: str) -> list[str]:
+        """The block hashes of this model's `scheme` variant, made here from our own weights the
+        first time a peer announces it (so a peer's variant is checked against ours, bytes alike)."""
+        if scheme not in self.variants:
+            made = await trio.to_thread.run_sync(variants.resolve, self.model_dir, scheme)
+            self.variants[scheme] = load_manifest(made).block_hashes
+        return self.variants[scheme]
 
     async def covered(self) -> bool:
         """Whether live, trusted peers serve every block this client does not run itself."""
@@ -376,7 +396,8 @@ class SwarmClient:
         """Blocks the swarm lost, from the store (verified against the manifest), to finish here;
         the last span loaded is kept for the next session that needs it (an outage lasts)."""
         if self._rescue_span is None or self._rescue_span[0] != (start, end):
-            self._rescue_span = ((start, end), load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device))
+            self._rescue_span = ((start, end), load_span(self.model_dir, start, end, self.opts.dtype, self.opts.device,
+                                                         quant=self.opts.quant))
         return self._rescue_span[1]
 
     def _span_bytes(self, start: int, end: int) -> int:

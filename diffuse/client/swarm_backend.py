@@ -124,8 +124,10 @@ class SwarmBackend:
     async def _coverage(self, client: SwarmClient) -> dict[str, Any]:
         """The DHT's block map (trusted records only), with the blocks this API computes itself
         as the peer 'local', and each peer's standing with this client (banned, RTT)."""
-        cov = coverage(await self._records(client), client.model_id, client.cfg.num_layers,
-                       expected_hashes=client.manifest.block_hashes).to_dict()
+        records = await self._records(client)
+        schemes = {str(r.extra.get("quant", "none")) for r in records} & set(client.accepted)
+        cov = coverage(records, client.model_id, client.cfg.num_layers, expected_hashes=client.manifest.block_hashes,
+                       variants={s: await client.variant_hashes(s) for s in schemes}).to_dict()
         start, end = client.remote_range
         local = [b for b in range(cov["num_blocks"]) if not start <= b < end]
         for b in local:

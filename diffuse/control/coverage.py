@@ -7,7 +7,7 @@ block placement all see the same picture, and tests need no network.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ def coverage(
     *,
     expected_hashes: Sequence[str] | None = None,
     now: float | None = None,
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> Coverage:
     """The block map of `model` from peer records (any mix of models, states and ages).
 
@@ -68,7 +69,8 @@ def coverage(
     manifest's per-block SHA-256) come from the model's manifest, never from the records: a peer
     announcing another block count, or other weights for any block it serves, is excluded rather
     than counted or routed through. Without hashes (tests of the map alone) only the block
-    count is checked.
+    count is checked. `variants` (scheme -> block hashes): the quantized variants accepted, a
+    peer announcing another (its record's ext "quant") excluded.
     """
     now = time.time() if now is None else now
     recs = [r for r in records if r.model == model and r.online and r.fresh(now)]
@@ -77,7 +79,7 @@ def coverage(
     peers: dict[str, PeerRecord] = {}
     excluded: dict[str, str] = {}
     for r in sorted(recs, key=lambda r: (r.started, r.peer_id)):
-        why = _mismatch(r, num_blocks, expected_hashes)
+        why = _mismatch(r, num_blocks, expected_hashes, variants)
         if why:
             excluded[r.peer_id] = why
         else:
@@ -89,9 +91,17 @@ def coverage(
     return Coverage(model, num_blocks, peers, blocks, excluded, now)
 
 
-def _mismatch(r: PeerRecord, num_blocks: int, expected: Sequence[str] | None) -> str:
+def _mismatch(r: PeerRecord, num_blocks: int, expected: Sequence[str] | None,
+              variants: Mapping[str, Sequence[str]] | None = None) -> str:
     if r.num_blocks != num_blocks:
         return f"announces {r.num_blocks} blocks, the model has {num_blocks}"
+    scheme = str(r.extra.get("quant", "none"))
+    if variants is not None:
+        if scheme not in variants:
+            return f"serves the {scheme} variant, which is not accepted here"
+        expected = variants[scheme]
+    elif scheme != "none":
+        return f"serves the {scheme} variant, whose hashes are not checked here"
     if expected is not None:
         bad = [i for i, h in zip(range(r.start, r.end), r.block_hashes) if h != expected[i]]
         if bad:

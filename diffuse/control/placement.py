@@ -16,8 +16,10 @@ import torch
 
 from diffuse.errors import DiffuseError
 from diffuse.model.config import ModelConfig
-from diffuse.model.engine import block_parameters
-from diffuse.model.kernels import reorders
+from diffuse.model.engine import block_parameters, family
+from diffuse.model.kernels import Linear, reorders
+from diffuse.model.meta import on_meta
+from diffuse.model.quant import weight_bytes
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
@@ -42,7 +44,7 @@ def choose_span(replicas: Sequence[float], length: int) -> tuple[int, int]:
 
 
 def requested_blocks(blocks: str, num_blocks: int | None, max_memory: str | None, cfg: ModelConfig,
-                     dtype: str) -> tuple[tuple[int, int] | None, int]:
+                     dtype: str, quant: str = "none") -> tuple[tuple[int, int] | None, int]:
     """What `--blocks / --num-blocks / --max-memory` ask for: an explicit span (None for `auto`)
     and, for auto, how many blocks to take; PlacementError for a bad or contradictory request."""
     if blocks.strip().lower() != "auto":
@@ -57,7 +59,7 @@ def requested_blocks(blocks: str, num_blocks: int | None, max_memory: str | None
             raise PlacementError("--num-blocks must be at least 1")
         return None, min(num_blocks, cfg.num_layers)
     if max_memory is not None:
-        return None, blocks_for_budget(parse_size(max_memory), cfg, dtype)
+        return None, blocks_for_budget(parse_size(max_memory), cfg, dtype, quant)
     return None, cfg.num_layers
 
 
@@ -87,17 +89,30 @@ def parse_size(text: str) -> int:
     return int(value * (1024 if m.group(3) else 1000) ** power)
 
 
-def block_bytes(cfg: ModelConfig, dtype: str) -> int:
+def block_bytes(cfg: ModelConfig, dtype: str, quant: str = "none") -> int:
     """Weight bytes of the model's largest transformer block in `dtype` (every expert of a
     mixture included: a peer holds whole blocks), twice that where products keep a reordered copy
-    of each weight (model/kernels.py, `reorders`: fp32, and bf16 on CPUs with native bf16)."""
+    of each weight (model/kernels.py, `reorders`: fp32, and bf16 on CPUs with native bf16). A
+    quantized variant's blocks: their kernels' real bytes (`held_bytes`)."""
+    if quant != "none":
+        return max(held_bytes(cfg, layer, quant, DTYPE_BYTES.get(dtype, 4)) for layer in range(cfg.num_layers))
     per = DTYPE_BYTES.get(dtype, 4) * (2 if reorders(getattr(torch, dtype, torch.float32)) else 1)
     return max(block_parameters(cfg, layer) for layer in range(cfg.num_layers)) * per
 
 
-def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str) -> int:
+def held_bytes(cfg, layer: int, scheme: str, dtype_bytes: int) -> int:
+    """Bytes block `layer` holds as variant `scheme` computing in a dtype of `dtype_bytes`: its
+    projections quantized, its norms (and biases) in the dtype. Counted on the meta device."""
+    with on_meta():
+        block = family(cfg).block(cfg, layer)
+    mats = [m for m in block.modules() if isinstance(m, Linear)]
+    rest = sum(p.numel() for p in block.parameters()) - sum(m.weight.numel() for m in mats)
+    return sum(weight_bytes(*m.weight.shape, scheme, dtype_bytes) for m in mats) + rest * dtype_bytes
+
+
+def blocks_for_budget(budget: int, cfg: ModelConfig, dtype: str, quant: str = "none") -> int:
     """How many blocks fit in `budget` bytes of weights (KV cache is budgeted by the data plane)."""
-    per = block_bytes(cfg, dtype)
+    per = block_bytes(cfg, dtype, quant)
     n = budget // per
     if n < 1:
         raise PlacementError(

@@ -60,8 +60,9 @@ class PeerService:
 
     def __init__(self, model_dir: Path, model_id: str, dtype: torch.dtype, device: str = "cpu",
                  limits: ServerLimits | None = None, wrap: Callable[[BlockSpan], BlockSpan] | None = None,
-                 throughput: float | None = None):
+                 throughput: float | None = None, quant: str = "none"):
         self.model_dir, self.model_id, self.dtype, self.device = model_dir, model_id, dtype, device
+        self.quant = quant  # the variant it holds: its blocks, hashes and kernels
         self.limits = limits or ServerLimits()
         self.wrap = wrap  # what serves the loaded span instead of it (testing only: `join --tamper`)
         self.server: BlockServer | None = None
@@ -77,7 +78,7 @@ class PeerService:
 
     async def prepare(self, start: int, end: int) -> float:
         def load() -> tuple[BlockServer, float]:
-            span = load_span(self.model_dir, start, end, self.dtype, self.device)  # verifies hashes
+            span = load_span(self.model_dir, start, end, self.dtype, self.device, quant=self.quant)  # verifies hashes
             throughput = self.throughput or measure_throughput(span)
             served = span if self.wrap is None else self.wrap(span)
             return BlockServer(self.model_id, served, self.limits), throughput

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from diffuse.model.quant import compute_name
 from diffuse.data.codec import (
     HEADER_SIZE, MAX_FRAME, Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping, Pong, Step,
     StepOk, WireError,
@@ -265,8 +266,8 @@ class _Conn:
         share[1] += tokens
         self.reserved, self.counted = tokens, True
         self.decoder.max_frame = frame_bound(m, srv.span.cfg.hidden_size, m.dtype.itemsize, srv.limits.max_frame)
-        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length,
-                                                       str(srv.dtype).removeprefix("torch."), exact)))
+        computes = compute_name(srv.dtype, getattr(srv.span, "quant", "none"))  # "bfloat16+int4": a variant
+        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, computes, exact)))
         return False
 
     async def on_step(self, m: Step) -> bool:

@@ -229,6 +229,8 @@ def block_parameters(cfg: ModelConfig, layer: int) -> int:
 class BlockSpan(nn.Module):
     """Blocks [start, end) of a model: hidden states in, hidden states out."""
 
+    quant = "none"  # the variant its weights are (model/variants.py), set by load_span
+
     def __init__(self, cfg: ModelConfig, start: int, end: int):
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
@@ -247,7 +249,7 @@ class BlockSpan(nn.Module):
         sub.cfg, sub.start, sub.end = self.cfg, start, end
         sub.blocks = nn.ModuleList(self.blocks[start - self.start:end - self.start])
         sub.freqs = _freqs(self.cfg, sub.blocks)
-        sub.slabs = self.slabs
+        sub.slabs, sub.quant = self.slabs, self.quant
         return sub
 
     def new_cache(self, max_len: int, batch: int = 1, exact: bool = False) -> KVCache:

@@ -474,3 +474,44 @@ def import_gguf(src: Path, dest: Path, progress: Progress | None = None, extra_f
     replace_dir(tmp, dest)
     say(f"done in {time.monotonic() - t0:.1f} s")
     return dest
+
+
+def keep_quantized(src: Path, source: Path, progress: Progress | None = None) -> Path | None:
+    """Write the variant of imported model `source` that keeps `src`'s own quantization where it
+    maps exactly (model/variants.py: `kept`), the rest of its block matrices requantized from the
+    imported weights; None when the file's blocks are not quantized or the family has no
+    quantized blocks. Replaces an older variant of that scheme."""
+    from diffuse.model import variants
+    from diffuse.model.quant import quantize
+    from diffuse.model.weights import ModelFiles
+
+    reader = _open(Path(src))
+    arch = _field(reader, "general.architecture", "")
+    cfg = ModelConfig.load(source)
+    if cfg.arch not in variants.FAMILIES or cfg.num_experts:
+        return None
+    blk = {hf_tensor_name(t.name, arch): t for t in reader.tensors if t.name.startswith("blk.")}
+    types = [t.tensor_type.name for n, t in blk.items() if n.split(".", 3)[3] in variants.QUANTIZED]
+    scheme = variants.kept_scheme(types)
+    if scheme is None:
+        return None
+    files = ModelFiles(source)
+
+    def one(i: int, name: str, w: torch.Tensor):
+        t = blk[f"model.layers.{i}.{name}"]
+        kind = t.tensor_type.name
+        q = variants.kept(t.data, kind, *w.shape) if scheme == "int4" else None
+        if q is None:
+            target = "int8" if kind in variants.KEPT_INT8 else scheme
+            return quantize(w, target, f"{target} {'per row' if target == 'int8' else 'g32'} (gguf {kind})")
+        if arch in PERMUTED and name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            q = q.rows(torch.from_numpy(unpermute_rotary(np.arange(w.shape[0]), heads).copy()))
+        return q
+
+    def blocks():
+        for i in range(cfg.num_layers):
+            yield {n: one(i, n, w) if n in variants.QUANTIZED else w for n, w in files.read_block(i).items()}
+
+    shutil.rmtree(variants.variant_dir(Path(source), scheme), ignore_errors=True)
+    return variants.write_variant(Path(source), scheme, blocks(), progress)

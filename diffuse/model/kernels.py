@@ -325,7 +325,16 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) computed by `linear`, or by
-    `exact_linear` for a session that asked for batch-invariant kernels."""
+    `exact_linear` for a session that asked for batch-invariant kernels. A quantized weight
+    (`packed`, model/quant.py) takes its weight-only kernel; in an exact session, `exact_linear`
+    over its canonical values widened to fp32 (the same numbers, the exact kernels' sums)."""
+
+    packed = None  # model.quant.Packed of a quantized weight (the float weight is then empty)
 
     def forward(self, x: Tensor, exact: bool = False) -> Tensor:
+        if self.packed is not None:
+            if exact:
+                return exact_linear(x, self.packed.canonical().dequantize(), self.bias)
+            out = self.packed.matmul(x)
+            return out if self.bias is None else out + self.bias
         return exact_linear(x, self.weight, self.bias) if exact else linear(x, self.weight, self.bias)

@@ -22,7 +22,9 @@ from torch import Tensor, nn
 from diffuse.errors import ModelError
 from diffuse.model import rope
 from diffuse.model.config import ModelConfig
+from diffuse.model import quant
 from diffuse.model.kernels import Linear, exact_attention
+from diffuse.model.quant import QWeight
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -265,10 +267,10 @@ class DecoderBlock(nn.Module):
     def load_attention_hf(self, w: "Weights") -> None:
         """self_attn.{q,k,v,o}_proj (with their biases and q/k norms): the layout most families share."""
         a = "self_attn."
-        copy_(self.wqkv.weight, torch.cat([w.take(f"{a}{p}_proj.weight") for p in "qkv"]), a + "qkv weights")
+        fill_(self.wqkv, cat_rows([w.take(f"{a}{p}_proj.weight") for p in "qkv"]), a + "qkv weights")
         if self.wqkv.bias is not None:
             copy_(self.wqkv.bias, torch.cat([w.take(f"{a}{p}_proj.bias") for p in "qkv"]), a + "qkv biases")
-        copy_(self.wo.weight, w.take(a + "o_proj.weight"), a + "o_proj.weight")
+        fill_(self.wo, w.take(a + "o_proj.weight"), a + "o_proj.weight")
         if self.wo.bias is not None:
             copy_(self.wo.bias, w.take(a + "o_proj.bias"), a + "o_proj.bias")
         if self.q_norm is not None:
@@ -277,8 +279,8 @@ class DecoderBlock(nn.Module):
 
     def load_mlp_hf(self, w: "Weights", prefix: str = "mlp.") -> None:
         gate, up = w.take(prefix + "gate_proj.weight"), w.take(prefix + "up_proj.weight")
-        copy_(self.w_gate_up.weight, torch.cat([gate, up]), prefix + "gate/up_proj.weight")
-        copy_(self.w_down.weight, w.take(prefix + "down_proj.weight"), prefix + "down_proj.weight")
+        fill_(self.w_gate_up, cat_rows([gate, up]), prefix + "gate/up_proj.weight")
+        fill_(self.w_down, w.take(prefix + "down_proj.weight"), prefix + "down_proj.weight")
 
 
 class Weights:
@@ -307,6 +309,24 @@ def copy_(param: Tensor | None, value: Tensor, name: str) -> None:
         want = None if param is None else tuple(param.shape)
         raise ModelError(f"tensor {name} has shape {tuple(value.shape)}, the config implies {want}")
     param.copy_(value)
+
+
+def cat_rows(parts: list) -> Tensor | QWeight:
+    """Weights stacked by rows into a fused one: tensors, or quantized weights (model/quant.py)."""
+    return quant.cat(parts) if isinstance(parts[0], QWeight) else torch.cat(parts)
+
+
+def fill_(linear: Linear, value: Tensor | QWeight, name: str) -> None:
+    """linear's weight <- value; a quantized one is packed for the weight's device and dtype,
+    and the float weight left empty (it keeps telling the dtype and device the span computes in)."""
+    if not isinstance(value, QWeight):
+        copy_(linear.weight, value, name)
+        return
+    if value.shape != tuple(linear.weight.shape):
+        raise ModelError(f"tensor {name} has shape {value.shape}, the config implies {tuple(linear.weight.shape)}")
+    w = linear.weight
+    linear.packed = quant.pack(value, w.dtype, w.device)
+    linear.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
 
 @dataclass(frozen=True)

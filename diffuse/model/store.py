@@ -73,11 +73,21 @@ class ModelInfo:
         served = {"fp32": 8 if reorders() else 4, "bf16": 4 if reorders(torch.bfloat16) else 2,
                   "fp16": 2}  # with the reordered copy of each weight, where products keep one
         cfg = self.config
+        m = self.manifest
+        if m.quant != "none":  # a variant: the bytes its blocks hold (bf16 scales), its head its source's
+            return self._dict(cfg, {m.quant: max(m.block_bytes)}, per) | {
+                "quant": m.quant, "group_size": m.group_size or None, "source": m.source, "source_id": m.source_id,
+                "head": f"not quantized: the source's, in the client's dtype ({m.source_id})",
+                "tensors": m.tensors}
+        return self._dict(cfg, {d: self.block_params * n for d, n in served.items()}, per) | {
+            "variants": sorted(p.name.split("@", 1)[1] for p in self.path.parent.glob(f"{self.name}@*")) or None}
+
+    def _dict(self, cfg: ModelConfig, block_bytes: dict[str, int], per: dict[str, int]) -> dict:
         return {"name": self.name, "path": str(self.path), "arch": cfg.arch,
                 "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                 "rope": cfg.rope_description, "attention": self.attention,
                 "experts": f"{cfg.num_experts_per_tok} of {cfg.num_experts}" if cfg.num_experts else None,
-                "block_bytes": {d: self.block_params * n for d, n in served.items()},
+                "block_bytes": block_bytes,
                 "kv_bytes_per_token_per_block": {d: self.kv_numbers_per_token * n for d, n in per.items()},
                 "licence": self.licence,
                 "dtype": self.manifest.dtype, "size_bytes": self.size_bytes,
@@ -96,16 +106,21 @@ def list_models(home: Path) -> list[ModelInfo]:
     root = models_dir(home)
     if not root.is_dir():
         return []
-    return [info(p) for p in sorted(root.iterdir()) if (p / "config.json").is_file()]
+    return [info(p) for p in sorted(root.iterdir()) if (p / "config.json").is_file() and "@" not in p.name]
 
 
 def table(models: Sequence[ModelInfo]) -> str:
-    """The store as `diffuse model list` prints it: a line per model, with its memory per block."""
+    """The store as `diffuse model list` prints it: a line per model, with its memory per block
+    (its quantized variants, model/variants.py, named on the next line)."""
     lines = [f"{'name':28} {'arch':12} {'blocks':>6} {'MiB':>8}  {'block MiB fp32/bf16':>19}  rope"]
     for m in models:
         b = m.as_dict()["block_bytes"]
         lines.append(f"{m.name:28} {m.config.arch:12} {m.config.num_layers:6} {_mib(m.size_bytes):>8}  "
                      f"{_mib(b['fp32']) + ' / ' + _mib(b['bf16']):>19}  {m.config.rope_description}")
+        for v in m.as_dict()["variants"] or []:
+            q = info(m.path.parent / f"{m.name}@{v}")
+            per = _mib(max(q.manifest.block_bytes))
+            lines.append(f"  {q.name:26} {v:12} {'':6} {_mib(q.size_bytes):>8}  {per:>19}")
     return "\n".join(lines)
 
 
@@ -116,13 +131,35 @@ def describe(m: ModelInfo) -> str:
 
     d = m.as_dict()
     lines = [f"{key:12} {d[key]}" for key in ("name", "path", "arch", "layers", "hidden_size", "rope", "attention",
-                                              "experts", "licence", "dtype", "size_bytes", "model_hash", "head_hash")
-             if d[key] is not None]
+                                              "experts", "licence", "dtype", "quant", "group_size", "source",
+                                              "source_id", "head", "variants", "size_bytes", "model_hash", "head_hash")
+             if d.get(key) is not None]
     blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
     lines += [f"{'tools':12} {describe_tools(m.path)}",
               "per block    " + ", ".join(f"{k} {_mib(v)} MiB" for k, v in blocks.items())
               + "; KV cache per token " + ", ".join(f"{k} {v / 1024:.1f} KiB" for k, v in kv.items())]
-    return "\n".join(lines + [f"block {i:<6} sha256 {h}" for i, h in enumerate(m.manifest.block_hashes)])
+    return "\n".join(lines + _became(d.get("tensors", {}))
+                     + [f"block {i:<6} sha256 {h}" for i, h in enumerate(m.manifest.block_hashes)])
+
+
+def _became(tensors: dict[str, str]) -> list[str]:
+    """What each quantized tensor became, per tensor of a block and the blocks where it did so."""
+    by: dict[str, dict[str, list[int]]] = {}
+    for name, origin in tensors.items():
+        _, _, layer, part = name.split(".", 3)
+        by.setdefault(part, {}).setdefault(origin, []).append(int(layer))
+    return [f"tensor       {part}: " + "; ".join(f"{o} (blocks {_spans(sorted(b))})" for o, b in origins.items())
+            for part, origins in sorted(by.items())]
+
+
+def _spans(blocks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _mib(n: int) -> str:
@@ -189,6 +226,7 @@ def import_gguf(home: Path, src: Path, name: str | None = None, progress: Progre
     dest.parent.mkdir(parents=True, exist_ok=True)
     gguf_import.import_gguf(src, dest, progress, extra_files)
     _commit(dest, progress)
+    gguf_import.keep_quantized(src, dest, progress)  # the file's own quantization, as a variant
     return dest
 
 

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -162,6 +162,14 @@ class Manifest:
     block_hashes: list[str]
     head_hash: str
     format: int = MANIFEST_FORMAT
+    # A quantized variant (model/variants.py): its scheme, group size, source (model hash and
+    # store name), what each quantized tensor became, and each block's bytes.
+    quant: str = "none"
+    group_size: int = 0
+    source: str = ""
+    source_id: str = ""
+    tensors: dict[str, str] = field(default_factory=dict)
+    block_bytes: list[int] = field(default_factory=list)
 
     @property
     def model_hash(self) -> str:

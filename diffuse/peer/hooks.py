@@ -28,6 +28,7 @@ class ServeConfig:
 
     dtype: str = "bf16"
     device: str = "cpu"
+    quant: str = "none"  # the variant of the blocks it holds (model/variants.py)
     throughput: float | None = None
     cache_tokens: int = 65536
     max_session_tokens: int = 8192
@@ -74,7 +75,7 @@ def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: C
         log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
                     f"{serve.tamper_rate:.0%}", kind, strength)
     service = PeerService(model_dir, model_id, parse_dtype(serve.dtype), serve.device, limits, wrap,
-                          serve.throughput)
+                          serve.throughput, serve.quant)
     handle = service.handle
     if metered:
         handle = watch_peer(lambda: service.model_id, lambda: service.server.status() if service.server else {},

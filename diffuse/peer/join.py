@@ -31,7 +31,7 @@ from diffuse.errors import DiffuseError
 from diffuse.home import models_dir
 from diffuse.http import parse_listen
 from diffuse.metrics import DHT_RECORDS, serve_metrics
-from diffuse.model import store
+from diffuse.model import store, variants
 from diffuse.model.config import ModelConfig
 from diffuse.model.weights import load_manifest
 from diffuse.peer.heads import DraftHeads
@@ -76,10 +76,15 @@ class Peer:
             raise DiffuseError("--drain-timeout must be at least 0")
         self.offers, self.dirs, self.budget = plan_offers(config) if self.auto else ([], {}, 0)
         self.model_dir = self.dirs[self.offers[0].model] if self.auto else store.resolve(config.home, config.model)
-        self.manifest = load_manifest(self.model_dir)
+        if self.auto and config.serve.quant != "none":
+            raise DiffuseError("--quant applies to a named model, not to --model auto")
+        # What it announces: the variant's hashes under its source's id, and which variant it is.
+        self.manifest = load_manifest(variants.resolve(self.model_dir, config.serve.quant, say))
+        self.variant = {} if self.manifest.quant == "none" else {"quant": self.manifest.quant,
+                                                                 "variant": self.manifest.model_hash}
         self.span, self.length = (None, 0) if self.auto else requested_blocks(
             config.blocks, config.num_blocks, config.max_memory, ModelConfig.load(self.model_dir),
-            self.manifest.dtype)
+            self.manifest.dtype, self.manifest.quant)
         allow, me = config.node.allow, peer_id(key_pair).to_base58()
         if allow is not None and me not in allow:
             log.warning("this peer (%s) is not on the allow-list %s: the swarm will not store its record or route "
@@ -175,7 +180,8 @@ class Peer:
             manifest = self.manifest
             start, end = self.span or choose_span(
                 coverage(await node.records(manifest.model_id), manifest.model_id, manifest.num_layers,
-                         expected_hashes=manifest.block_hashes).replicas, self.length)
+                         expected_hashes=manifest.block_hashes,
+                         variants={manifest.quant: manifest.block_hashes}).replicas, self.length)
             await self._serve(Offer(manifest.model_id, manifest.num_layers, 0, 0, tuple(manifest.block_hashes)),
                               start, end)
 
@@ -192,7 +198,7 @@ class Peer:
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
             protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
-            extra=files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}))
+            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}) | self.variant))
         if not self._printed:
             self._printed = True
             self.show("\n".join(node.full_addrs()))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from diffuse.model.engine import BlockSpan
 from diffuse.model.load import load_head, load_span
+from diffuse.model.quant import compute_name, split_name
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.model.weights import load_manifest
 from diffuse.trust import canary as C
@@ -49,6 +50,8 @@ class SpanMaterial:
     load_referee: Callable[[], BlockSpan]
     save: Callable[["SpanMaterial"], None]
     _referee: BlockSpan | None = None
+    load_variant: Callable[[str, torch.dtype], BlockSpan] | None = None  # (scheme, dtype) -> its blocks here
+    _variants: dict[str, BlockSpan] = field(default_factory=dict)  # fp32 referees of quantized variants
 
     def __post_init__(self) -> None:
         self.calibration = C.Calibration.from_outputs(self.canaries, self.benign)
@@ -62,14 +65,37 @@ class SpanMaterial:
             self._referee = self.load_referee()
         return self._referee
 
+    def referee_for(self, name: str) -> BlockSpan:
+        """What recomputes a peer computing in `name` (compute_name): the fp32 span, or for a
+        quantized variant that variant's blocks computing in fp32, so that a check's tolerance
+        is the kernels' noise, not the quantization's error."""
+        scheme = split_name(name)[1]
+        if scheme == "none":
+            return self.referee
+        if scheme not in self._variants:
+            self._variants[scheme] = self.load_variant(scheme, torch.float32)
+        return self._variants[scheme]
+
+    @staticmethod
+    def referee_name(name: str) -> str:
+        return compute_name(torch.float32, split_name(name)[1])
+
     def judge(self, dtype: str) -> None:
         """Make sure peers computing in `dtype` can be judged (calibrates it on first use)."""
         if dtype in self.benign:
             return
-        torch_dtype = getattr(torch, dtype, None)
+        name, scheme = split_name(dtype)
+        torch_dtype = getattr(torch, name, None)
         if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
             raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
-        self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+        if scheme == "none":
+            self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+        else:  # the variant's honest outputs, computed alone and batched, in fp32 (the referee) and `name`
+            hidden = torch.stack([c.hidden for c in self.canaries]).float()
+            for span, key in ((self.referee_for(dtype), self.referee_name(dtype)),
+                              (self.load_variant(scheme, torch_dtype), dtype)):
+                self.benign[key] = [C.forward_as_sent(span, hidden, alone).to(self.wire_dtype).float()
+                                    for alone in (True, False)]
         self.__post_init__()
         self.save(self)
 
@@ -146,17 +172,18 @@ class CanaryBank:
         path = self.dir / (f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}"
                            f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
+        variant = lambda scheme, dtype: load_span(self.model_dir, start, end, dtype, quant=scheme)  # noqa: E731
         if path.exists():
             saved = load_file(path)
             canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, saved["reference"])
             benign = {name.split("/")[1]: [saved[f"benign/{name.split('/')[1]}/{k}"] for k in range(2)]
                       for name in saved if name.startswith("benign/") and name.endswith("/0")}
-            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path))
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant)
         else:
             span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
             benign = _benign(span, canaries, self.dtypes, self.wire_dtype)
-            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span)
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant)
             m.save(m)
         self.spans[key] = m
         return m

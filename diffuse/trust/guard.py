@@ -134,6 +134,10 @@ class Guard:
     async def canary(self, hop: Hop, open_session: OpenSession) -> None:
         base = await self.material(hop.start, hop.end)  # before the session: a peer must not sit idle
         session = await open_session(hop, base.canaries[0].hidden.shape[0])
+        if session.peer_dtype not in base.benign:  # first met (a variant): calibrate with no session idle
+            await session.close()
+            await self.material(hop.start, hop.end, session.peer_dtype)
+            session = await open_session(hop, base.canaries[0].hidden.shape[0])
         try:
             dtype = session.peer_dtype
             material = await self.material(hop.start, hop.end, dtype)
@@ -168,7 +172,7 @@ class Guard:
         commitment the peer bound its output to) ties the evidence to what the peer committed."""
         self.counts["spot_checks"] += 1
         verdict = compare(out.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
-                          torch.float32, positions.tolist())
+                          material.referee_name(session.peer_dtype), positions.tolist())
         if verdict.ok:
             return None
         step, inputs = receipt

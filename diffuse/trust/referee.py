@@ -113,7 +113,8 @@ class Referee:
         """The step as the referee computes it from the session's committed `context`."""
         shadow = self.shadows.get(session.session_id)
         if shadow is None:
-            shadow = self.shadows[session.session_id] = Shadow(material.referee, session.max_len)
+            shadow = self.shadows[session.session_id] = Shadow(material.referee_for(session.peer_dtype),
+                                                                        session.max_len)
 
         def run() -> Tensor:
             shadow.replay(context)
@@ -190,8 +191,8 @@ class Referee:
         try:
             shadow = self._behind.get(first.session.session_id)
             if shadow is None:
-                shadow = self._behind[first.session.session_id] = Shadow(first.material.referee,
-                                                                         first.session.max_len)
+                span = first.material.referee_for(first.session.peer_dtype)
+                shadow = self._behind[first.session.session_id] = Shadow(span, first.session.max_len)
             refs = shadow.replay([*last.context, last.step], [c.step for c in checks])
             results = [(c, ref, None) for c, ref in zip(checks, refs)]
         except Exception as e:  # noqa: BLE001 - handed to the judge, which re-raises it

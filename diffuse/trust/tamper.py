@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from diffuse.model.engine import BlockSpan, KVCache, SpanStep
+from diffuse.model.quant import pack, quantize
 
 ACTIVATION_KINDS = ("noise", "scale", "signflip", "zero", "replay")
 WEIGHT_KINDS = ("skip", "quant", "minifloat", "lowrank")
@@ -129,6 +130,8 @@ class Tamper:
                     for w in _outputs(span.blocks[i]):  # residual + 0: the block is an identity
                         w.zero_()
             elif k in ("quant", "minifloat"):
+                if k == "quant":
+                    _fewer_bits(span, int(s))
                 for block in span.blocks:
                     for w in block.parameters():
                         if w.dim() >= 2:  # every matrix (experts included), not the norms
@@ -150,6 +153,16 @@ class Tamper:
         if self.on_weights:
             tampered = self.apply_weights(span if self.rate >= 1.0 else copy.deepcopy(span))
         return TamperedSpan(self, span, tampered)
+
+
+def _fewer_bits(span: BlockSpan, bits: int) -> None:
+    """A quantized span's weights requantized to int4 (bits <= 4) or int8: a peer holding
+    fewer bits than the variant it announces."""
+    scheme = "int4" if bits <= 4 else "int8"
+    for block in span.blocks:
+        for m in block.modules():
+            if getattr(m, "packed", None) is not None:
+                m.packed = pack(quantize(m.packed.canonical().dequantize(), scheme), m.weight.dtype, m.weight.device)
 
 
 def _outputs(block: torch.nn.Module) -> list[Tensor]:
