@@ -97,8 +97,8 @@ class PeerService:
             served = span if self.wrap is None else self.wrap(span)
             return BlockServer(self.model_id, served, self.limits), throughput
 
-        self.server, self.throughput = load()
-        self.server.dial, self.server.alter_forward = self.dial, self.alter_forward  # on the main thread, like every step (server.py)
+        self.server, self.throughput = load()  # on the main thread, like every step (server.py)
+        self.server.dial, self.server.alter_forward = self.dial, self.alter_forward
         log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)
         return self.throughput
 
