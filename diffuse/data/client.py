@@ -100,7 +100,9 @@ def cause_of(error: BaseException) -> str:
     """How a hop failed, in one word, for failover records and tests: "timeout" (no answer in the
     step's deadline), "closed" (connection lost), "unreachable" (no stream could be opened),
     "error" (the peer answered ERROR), "protocol" (a bad frame or answer), "rejected" (a check),
-    "numeric" (activations outgrew the wire dtype)."""
+    "numeric" (activations outgrew the wire dtype), "link" (on a chain: it received other bytes
+    than its upstream committed to), "stale" (it computed a forwarded input its replaced upstream
+    had sent)."""
     if isinstance(error, trio.TooSlowError):
         return "timeout"
     if isinstance(error, Rejected):
@@ -253,7 +255,7 @@ class RemoteSpan:
         cause = cause_of(error)
         if cause == "numeric":
             self.dtype = torch.bfloat16  # activations outgrew fp16: same peers, wider wire dtype
-        else:
+        elif cause != "stale":  # "stale": an upstream replaced mid-step had fed it, no fault of its own
             self.bans.ban(hop.peer_id, hop.started)
         log.warning("peer %s failed during %s (%s): %s", hop.peer_id, during, cause, error)
         self.stats.failovers.append({"peer": hop.peer_id, "blocks": [hop.start, hop.end], "during": during,

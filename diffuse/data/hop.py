@@ -299,9 +299,12 @@ class HopSession:
         """A reply's hidden states, once it answers `msg` (and, asked for, commits to its bytes)."""
         if not isinstance(reply, StepOk) or reply.step != msg.step:
             raise HopFailed(self.hop, f"bad answer to STEP {msg.step}")
-        if self.fed and self.commitments and reply.input_commitment != msg.input_commitment:
-            raise HopFailed(self.hop, f"STEP {msg.step}: the input it received from {self.upstream[-8:]} is not "
-                            "the output that peer committed to", cause="link", link=self.upstream)
+        if self.commitments and reply.input_commitment not in (None, msg.input_commitment):
+            if self.fed:
+                raise HopFailed(self.hop, f"STEP {msg.step}: the input it received from {self.upstream[-8:]} is "
+                                "not the output that peer committed to", cause="link", link=self.upstream)
+            raise HopFailed(self.hop, f"STEP {msg.step}: computed on a forwarded input its replaced upstream "
+                            "sent, not on this client's", cause="stale")
         if self.commitments:
             self._check_commitment(msg, reply)
         self.forwarded = reply.forwarded and self.chained

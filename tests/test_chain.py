@@ -1,0 +1,182 @@
+"""Chain routes over in-memory streams (protocol 1.2): peers forward outputs to each other.
+
+The same server and client code as over libp2p (tests/test_chain_swarm.py runs it through real
+processes); here each peer dials the next over a trio memory stream, so the rules are tested
+fast: the client sends only the first hop's STEPs, the answer is the star's, a stranger cannot
+attach to a session, an altered forward is caught, a dead hop is replaced.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.data.client import Bans, RemoteSpan
+from diffuse.data.codec import Attach, ErrorCode, ErrorMsg, FrameDecoder, encode
+from diffuse.model.load import load_head, load_span
+from test_sessions import MODEL, PROMPT, MemStream, Recording, Swarm, greedy, local_answer
+from tiny import make_tiny
+
+SPANS = {"a": (1, 2), "b": (2, 3), "c": (3, 4)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "t", layers=4)
+
+
+class ChainSwarm(Swarm):
+    """Swarm whose servers dial each other (as `name`), so hops can forward."""
+
+    def __init__(self, nursery, path, spans, alter: dict | None = None):
+        super().__init__(nursery, path, spans)
+        for name, server in self.servers.items():
+            server.dial = self._peer_dial(name)
+            server.alter_forward = (alter or {}).get(name)
+
+    def _peer_dial(self, me: str):
+        async def dial(peer_id: str, addrs):
+            if peer_id in self.dead:
+                raise ConnectionError(f"{peer_id} is down")
+            a, b = trio.testing.memory_stream_pair()
+            server = self.servers[peer_id]
+            self.nursery.start_soon(self._serve_as, me, peer_id, server, MemStream(b))
+            return Killable(MemStream(a), self, peer_id, count=False)
+        return dial
+
+    async def _serve_as(self, remote, name, server, stream):
+        await server.handle(stream, remote)
+
+    async def dial(self, hop):
+        self.dials.append(hop.peer_id)
+        a, b = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self._serve, hop.peer_id, self.servers[hop.peer_id], MemStream(b))
+        return Recording(MemStream(a), self.steps.setdefault(hop.peer_id, []), self.sent)
+
+    async def _serve(self, name, server, stream):
+        await server.handle(Killable(stream, self, name), "client")
+
+
+class Killable:
+    """A stream to or of peer `name` that dies with it: after kill_after[name] STEP_OKs the peer's
+    client stream closes mid-step, as a SIGKILLed peer's would, and links to it fail."""
+
+    def __init__(self, inner, swarm, name, count=True):
+        self.inner, self.swarm, self.name, self.count = inner, swarm, name, count
+        self.read, self.close = inner.read, inner.close
+
+    async def write(self, data):
+        if self.count and data[8] == 4 and self.name in self.swarm.kill_after:
+            self.swarm.kill_after[self.name] -= 1
+            if self.swarm.kill_after[self.name] < 0:
+                self.swarm.dead.add(self.name)
+        if self.name in self.swarm.dead:
+            await self.inner.close()
+            raise trio.BrokenResourceError(f"{self.name} is dead")
+        await self.inner.write(data)
+
+
+async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None):
+    async with trio.open_nursery() as nursery:
+        swarm = ChainSwarm(nursery, path, spans, alter)
+        swarm.kill_after.update(kill or {})
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                            timeout=10, route_wait=0, shape=shape)
+        await remote.open()
+        if during is not None:
+            await during(swarm, remote)
+        pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64), remote])
+        out = await greedy(pipe, PROMPT, n)
+        route = remote.route_taken
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return out, remote, swarm, route
+
+
+def test_chain_equals_star_and_the_client_sends_only_the_first_hop(tiny):
+    expected = local_answer(tiny, PROMPT, 10)
+    star, _, star_swarm, star_route = trio.run(lambda: chain_answer(tiny, SPANS, 10, "star"))
+    chain, remote, swarm, route = trio.run(lambda: chain_answer(tiny, SPANS, 10, "chain"))
+    assert chain == star == expected
+    assert [h["output"] for h in route] == ["peer", "peer", "client"]
+    assert [h["output"] for h in star_route] == ["client"] * 3
+    assert [h["forwarded_steps"] for h in route] == [11, 11, 0]  # the prompt, then one step per token
+    assert len(swarm.steps["a"]) == 11 and not swarm.steps["b"] and not swarm.steps["c"]
+    assert all(len(star_swarm.steps[n]) == 11 for n in "abc")
+    assert not remote.stats.failovers and not remote.stats.links
+
+
+def test_a_stranger_cannot_send_frames_into_a_session(tiny):
+    """A peer the client did not name (here "x") attaching to hop b's session is refused with
+    FORBIDDEN; the session and the chain carry on."""
+    refused = []
+
+    async def stranger(swarm, remote):
+        for sid in (remote.hops[1].session_id, b"\x07" * 16):
+            stream = await swarm._peer_dial("x")("b", ())
+            await stream.write(encode(Attach(sid)))
+            dec, got = FrameDecoder(), []
+            with trio.fail_after(5):
+                while not got:
+                    got = dec.feed(await stream.read(65536))
+            refused.append(got[0])
+
+    out, remote, _, route = trio.run(lambda: chain_answer(tiny, SPANS, 8, during=stranger))
+    assert out == local_answer(tiny, PROMPT, 8)
+    assert all(isinstance(m, ErrorMsg) and m.code == ErrorCode.FORBIDDEN for m in refused), refused
+    assert [h["output"] for h in route] == ["peer", "peer", "client"]
+
+
+def test_an_altered_forward_is_caught_and_the_answer_kept(tiny):
+    """Hop a forwards altered outputs while its copy to the client is honest: b's received-input
+    commitment differs from a's committed output at once; b is replaced (both banned: either may
+    lie), and the steps after it go through the client."""
+    from diffuse.data.checks import NoChecks
+    from diffuse.trust.tamper import altered_forward
+
+    class Committed(NoChecks):
+        commitments = True
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = ChainSwarm(nursery, tiny, {**SPANS, "b2": (2, 3)}, {"a": altered_forward(10.0)})
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                                timeout=10, route_wait=0, checks=Committed())
+            await remote.open()
+            first = remote.hops[1].hop.peer_id
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = await greedy(pipe, PROMPT, 8)
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, remote, first
+
+    out, remote, first = trio.run(run)
+    assert out == local_answer(tiny, PROMPT, 8)
+    failover, *rest = remote.stats.failovers
+    assert failover["cause"] == "link" and failover["link"] == ["a", first], failover
+    assert failover["during"] == "step"
+    # The hop after it computed what the replaced hop had forwarded: rebuilt, not blamed.
+    assert [f["cause"] for f in rest] in ([], ["stale"]), rest
+
+
+@pytest.mark.parametrize("victim", ["b", "c"])
+def test_a_dead_hop_of_a_chain_is_replaced_with_the_same_answer(tiny, victim):
+    spans = {**SPANS, "b2": (2, 3), "c2": (3, 4)}
+    expected = local_answer(tiny, PROMPT, 10)
+
+    async def pin(swarm, remote):  # the chain a-b-c is what opened: replicas only for the failover
+        assert [h.hop.peer_id for h in remote.hops] in (["a", "b", "c"], ["a", "b2", "c"], ["a", "b", "c2"],
+                                                         ["a", "b2", "c2"])
+        name = remote.hops[1 if victim == "b" else 2].hop.peer_id
+        swarm.kill_after[name] = 4
+        killed.append(name)
+
+    killed: list[str] = []
+    out, remote, swarm, route = trio.run(lambda: chain_answer(tiny, spans, 10, during=pin))
+    assert out == expected
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == killed[0] and failover["cause"] == "closed"
+    assert route[-1]["output"] == "client"
