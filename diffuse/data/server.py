@@ -115,8 +115,22 @@ class BlockServer:
         try:
             async with trio.open_nursery() as nursery:  # a chained session's link watcher lives here
                 conn.nursery = nursery
-                await conn.run()
+                await self._serve(conn)
                 nursery.cancel_scope.cancel()
+        finally:
+            self.conns.discard(conn)
+            if conn.link_out is not None:
+                with trio.move_on_after(1.0, shield=True):
+                    await conn.link_out.close()
+            conn.release()
+            await close_quietly(stream)
+
+    async def _serve(self, conn: _Conn) -> None:
+        try:
+            try:
+                await conn.run()
+            finally:
+                conn.release()  # at once: its client may read the last reply and look before we return
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
             log.info("session stream dropped by the client")
         except Exception as e:  # noqa: BLE001 - one session's bug must not take the peer down
@@ -125,13 +139,6 @@ class BlockServer:
             else:
                 log.exception("internal error in a session")
                 await conn.error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self.conns.discard(conn)
-            if conn.link_out is not None:
-                with trio.move_on_after(1.0, shield=True):
-                    await conn.link_out.close()
-            conn.release()
-            await close_quietly(stream)
 
 
 def _is_stream_error(e: Exception) -> bool:
