@@ -33,6 +33,7 @@ class ChainSwarm(Swarm):
 
     def __init__(self, nursery, path, spans, alter: dict | None = None):
         super().__init__(nursery, path, spans)
+        self.cut: set[tuple[str, str]] = set()  # links (from, to) that fail while both peers live
         for name, server in self.servers.items():
             server.dial = self._peer_dial(name)
             server.alter_forward = (alter or {}).get(name)
@@ -44,7 +45,7 @@ class ChainSwarm(Swarm):
             a, b = trio.testing.memory_stream_pair()
             server = self.servers[peer_id]
             self.nursery.start_soon(self._serve_as, me, peer_id, server, MemStream(b))
-            return Killable(MemStream(a), self, peer_id, count=False)
+            return Killable(MemStream(a), self, peer_id, count=False, sender=me)
         return dial
 
     async def _serve_as(self, remote, name, server, stream):
@@ -64,8 +65,8 @@ class Killable:
     """A stream to or of peer `name` that dies with it: after kill_after[name] STEP_OKs the peer's
     client stream closes mid-step, as a SIGKILLed peer's would, and links to it fail."""
 
-    def __init__(self, inner, swarm, name, count=True):
-        self.inner, self.swarm, self.name, self.count = inner, swarm, name, count
+    def __init__(self, inner, swarm, name, count=True, sender=None):
+        self.inner, self.swarm, self.name, self.count, self.sender = inner, swarm, name, count, sender
         self.read, self.close = inner.read, inner.close
 
     async def write(self, data):
@@ -73,7 +74,7 @@ class Killable:
             self.swarm.kill_after[self.name] -= 1
             if self.swarm.kill_after[self.name] < 0:
                 self.swarm.dead.add(self.name)
-        if self.name in self.swarm.dead:
+        if self.name in self.swarm.dead or (self.sender, self.name) in self.swarm.cut:
             await self.inner.close()
             raise trio.BrokenResourceError(f"{self.name} is dead")
         await self.inner.write(data)
@@ -180,3 +181,36 @@ def test_a_dead_hop_of_a_chain_is_replaced_with_the_same_answer(tiny, victim):
     (failover,) = remote.stats.failovers
     assert failover["peer"] == killed[0] and failover["cause"] == "closed"
     assert route[-1]["output"] == "client"
+
+
+def test_a_dead_link_between_live_peers_is_reported_and_stepped_around(tiny):
+    """The link b -> c breaks mid-answer while both peers live: b's next STEP_OK says so at once
+    (no step waits a deadline), the client steps c itself from then on, nobody is replaced, and
+    the client knows which link failed."""
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = ChainSwarm(nursery, tiny, SPANS)
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                                timeout=10, route_wait=0)
+            await remote.open()
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = []
+            logits = await pipe.forward(torch.tensor([PROMPT]))
+            for i in range(10):
+                if i == 4:
+                    swarm.cut.add(("b", "c"))
+                tok = int(logits[0, -1].argmax())
+                out.append(tok)
+                logits = await pipe.forward(torch.tensor([[tok]]))
+            route = remote.route_taken
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, remote, route
+
+    out, remote, route = trio.run(run)
+    assert out == local_answer(tiny, PROMPT, 10)
+    assert not remote.stats.failovers
+    (link,) = remote.stats.links
+    assert link["link"] == ["b", "c"] and link["when"] == "step", link
+    assert [h["output"] for h in route] == ["peer", "client", "client"]
+    assert "link_error" in route[1]
