@@ -16,6 +16,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from support.procs import Procs, swarm_key
+from support.routes import pin_route
 from support.speculation import ROUND_TRIP_80MS, FixedCost
 from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import Generation, session_length
@@ -24,7 +25,6 @@ from diffuse.client.speculative import SpecConfig, SpecState
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of, route_report
 from diffuse.control.dial import open_stream
 from diffuse.control.node import NodeConfig, open_node
-from diffuse.control.routing import NoRoute
 from diffuse.data.codec import PROTOCOL_ID, Attach, ErrorCode, ErrorMsg, FrameDecoder, encode
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.tokenizer import Tokenizer
@@ -47,20 +47,6 @@ def swarm(home, tmp_path_factory):
         yield procs, s
 
 
-def pin(client: SwarmClient, ids: dict[str, str], names: list[str]) -> None:
-    """Routes over `names` only while they can serve; failovers go anywhere else."""
-    plan = SwarmClient.route.__get__(client)
-    others = set(ids.values()) - {ids[n] for n in names}
-
-    async def route(start: int, end: int, exclude: set[str]):
-        try:
-            return await plan(start, end, exclude | others)
-        except NoRoute:
-            return await plan(start, end, exclude)
-
-    client.route = route
-
-
 async def answers(boot: str, home, ids: dict[str, str], runs: list[dict]) -> list[dict]:
     """Each run: names (the pinned route), shape, options (SwarmOptions fields), spec (speculate),
     during(n, remote, node) (after token n); returns tokens, the route report and the spec stats."""
@@ -76,7 +62,7 @@ async def answers(boot: str, home, ids: dict[str, str], runs: list[dict]) -> lis
             with trio.fail_after(60):
                 while not await client.covered():
                     await trio.sleep(0.25)
-            pin(client, ids, run["names"])
+            pin_route(client, set(ids.values()), {ids[n] for n in run["names"]})
             config = SpecConfig() if run.get("spec") else None
             state = SpecState(cost=FixedCost(ROUND_TRIP_80MS)) if config else None
             pipe = await client.session(session_length(len(prompt), TOKENS, config))

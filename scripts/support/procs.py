@@ -41,9 +41,9 @@ def free_port() -> int:
 class Proc:
     """A `diffuse ...` child process whose stdout lines arrive through a queue (no blocking reads)."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], prefix: tuple[str, ...] = ()) -> None:
         self.args = args
-        self.p = subprocess.Popen(DIFFUSE + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.p = subprocess.Popen([*prefix, *DIFFUSE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
@@ -113,8 +113,9 @@ class Procs:
         self.swarm_key = swarm_key()
         self.procs: list[Proc] = []
 
-    def start(self, *args: str) -> Proc:
-        proc = Proc(list(args), self.env)
+    def start(self, *args: str, prefix: tuple[str, ...] = ()) -> Proc:
+        """`diffuse ARGS`, run under `prefix` (e.g. `ip netns exec NS`) where one is given."""
+        proc = Proc(list(args), self.env, prefix)
         self.procs.append(proc)
         return proc
 
