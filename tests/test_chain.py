@@ -214,3 +214,68 @@ def test_a_dead_link_between_live_peers_is_reported_and_stepped_around(tiny):
     assert link["link"] == ["b", "c"] and link["when"] == "step", link
     assert [h["output"] for h in route] == ["peer", "client", "client"]
     assert "link_error" in route[1]
+
+
+def test_an_old_peer_is_never_asked_to_forward_nor_named_downstream(tiny):
+    """c speaks 1.1 (its OPEN_OK says minor 1 and it ignores chain extensions): b is not told to
+    forward to it, so b's outputs return through the client; a -> b stays chained."""
+
+    class Old(Killable):
+        async def write(self, data):
+            if data[8] == 2:  # OPEN_OK: as a 1.1 peer writes it
+                data = data[:7] + bytes([1]) + data[8:]
+            await super().write(data)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = ChainSwarm(nursery, tiny, SPANS)
+            swarm.servers["c"].dial = None
+            serve = swarm._serve
+
+            async def old_serve(name, server, stream):
+                if name == "c":
+                    await server.handle(Old(stream, swarm, name), "client")
+                else:
+                    await serve(name, server, stream)
+
+            swarm._serve = old_serve
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                                timeout=10, route_wait=0)
+            await remote.open()
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = await greedy(pipe, PROMPT, 6)
+            route = remote.route_taken
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, remote, route
+
+    out, remote, route = trio.run(run)
+    assert out == local_answer(tiny, PROMPT, 6)
+    assert [h["output"] for h in route] == ["peer", "client", "client"]
+    assert remote.hops[1].downstream is None
+    assert remote.stats.links and remote.stats.links[0]["link"] == ["b", "c"]
+
+
+def test_an_old_client_gets_a_plain_session(tiny):
+    """An OPEN of minor 1 carrying chain extensions (unknown to 1.1) is served as before: no link is
+    dialled, no CHAINED flag, STEP_OKs without FORWARDED."""
+    from diffuse.data.codec import Close, Downstream, Open, OpenOk, Step, StepOk
+    from diffuse.data.server import BlockServer
+    from test_sessions import raw_session
+
+    server = BlockServer(MODEL, load_span(tiny, 1, 4))
+    dialled = []
+
+    async def dial(peer_id, addrs):
+        dialled.append(peer_id)
+        raise ConnectionError("no")
+
+    server.dial = dial
+    sid = b"o" * 16
+    frames = [encode(Open(sid, MODEL, 1, 4, 32, 1, torch.float32, minor=1, upstream="x",
+                          downstream=Downstream("y", (), b"\x01" * 16))),
+              encode(Step(sid, 0, 0, [0], torch.zeros(1, 1, 64))), encode(Close(sid))]
+    replies = trio.run(raw_session, server, frames)
+    assert isinstance(replies[0], OpenOk) and not replies[0].chained and replies[0].link_error is None
+    assert isinstance(replies[1], StepOk) and not replies[1].forwarded and replies[1].input_commitment is None
+    assert not dialled and not server.linkable
