@@ -234,6 +234,7 @@ def main() -> int:
     wan = Wan(str(os.getpid() % 1000))
     relay = None
     with tempfile.TemporaryDirectory() as tmp, Procs(data_home(), one_thread=False) as procs:
+        procs.env["DIFFUSE_TRAIN_DRAFT"] = "0"  # idle peers would train a draft head beside the runs
         try:
             wan.build()
             boot, ids, ports = start_swarm(procs, wan, Path(tmp), args.dtype)
