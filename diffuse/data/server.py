@@ -171,7 +171,7 @@ class _Conn:
         self.link_out: Link | None = None  # where this session's outputs are forwarded
         self.last_step: Step | None = None  # a STEP that comes again from the other source is ignored
         self.ended = False  # set from the link side: the session is over, the client's read loop ends
-        self.active = trio.current_time()  # when the session last stepped through its upstream link
+        self.active = trio.current_time()  # when a message last came, on this stream or the upstream link
 
     def hand_off(self) -> None:
         """The peer is shutting down: end this session at the next message boundary."""
@@ -184,7 +184,8 @@ class _Conn:
         while True:
             data = b""
             wait = limits.idle_timeout if self.stepped else min(limits.first_step_timeout, limits.idle_timeout)
-            with trio.move_on_after(wait) as idle:
+            # Idle since the session's last message, from this stream or (chained) its upstream link.
+            with trio.move_on_after(max(0.0, wait - (trio.current_time() - self.active))) as idle:
                 self.waiting = idle
                 if not self.leaving:
                     data = await self.stream.read(READ_CHUNK)
@@ -202,6 +203,7 @@ class _Conn:
                 return
             if not data:  # end of stream; an unfinished frame in the decoder is dropped with it
                 return
+            self.active = trio.current_time()
             try:
                 self.decoder.receive(data)
                 while (msg := self.decoder.next_message()) is not None:
