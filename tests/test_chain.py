@@ -8,6 +8,8 @@ attach to a session, an altered forward is caught, a dead hop is replaced.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 import trio
@@ -279,3 +281,26 @@ def test_an_old_client_gets_a_plain_session(tiny):
     assert isinstance(replies[0], OpenOk) and not replies[0].chained and replies[0].link_error is None
     assert isinstance(replies[1], StepOk) and not replies[1].forwarded and replies[1].input_commitment is None
     assert not dialled and not server.linkable
+
+
+def test_chain_fields_travel_and_a_bad_chain_to_is_a_bad_frame():
+    from diffuse.data.codec import (
+        AttachOk, Downstream, Ext, Open, OpenOk, StepOk, WireError, decode,
+    )
+
+    sid, down = b"\x01" * 16, Downstream("12D3KooWNext", ("/ip4/10.0.0.2/tcp/4001", "/ip6/::1/tcp/4001"), b"\x02" * 16)
+    got = decode(encode(Open(sid, MODEL, 1, 3, 64, upstream="12D3KooWPrev", downstream=down)))
+    assert (got.upstream, got.downstream, got.minor) == ("12D3KooWPrev", down, 2)
+    ok = decode(encode(OpenOk(sid, 64, "bfloat16", chained=False, link_error="cannot reach the next peer")))
+    assert not ok.chained and ok.link_error == "cannot reach the next peer"
+    assert decode(encode(OpenOk(sid, 64, chained=True))).chained
+    reply = decode(encode(StepOk(sid, 3, torch.zeros(1, 2, 8, dtype=torch.float16), forwarded=True,
+                                 input_commitment=b"c" * 32)))
+    assert reply.forwarded and reply.input_commitment == b"c" * 32 and reply.link_error is None
+    assert isinstance(decode(encode(AttachOk(sid))), AttachOk)
+    for bad in (b"\x02" * 16 + b"\x00\x00", b"\x02" * 16 + b"\x01x\x01\x00\x09/ip4", bytes(16) + b"\x01x\x00"):
+        frame = encode(Open(sid, MODEL, 1, 3, 64)) + struct.pack(">HI", Ext.CHAIN_TO, len(bad)) + bad
+        with pytest.raises(WireError, match="CHAIN_TO"):
+            decode(struct.pack(">I", len(frame) - 4) + frame[4:])
+    with pytest.raises(WireError):
+        encode(Attach(bytes(16)))
