@@ -131,10 +131,10 @@ def apply_command(link: Link, line: str) -> None:
         link.set(**{words[0]: value / 1e3})
 
 
-async def _main(mappings: list[tuple[int, tuple[str, int]]], link: Link) -> None:
+async def _main(mappings: list[tuple[int, tuple[str, int]]], link: Link, host: str = "127.0.0.1") -> None:
     async with trio.open_nursery() as nursery:
         for port, target in mappings:
-            got = await nursery.start(relay, target, link, port)
+            got = await nursery.start(relay, target, link, port, host)
             print(got, f"{target[0]}:{target[1]}", flush=True)
         print("ready", flush=True)
         async with trio.wrap_file(sys.stdin) as stdin:
@@ -154,13 +154,14 @@ def main() -> None:
     ap.add_argument("--jitter-ms", type=float, default=0.0)
     ap.add_argument("--mbps", type=float, default=0.0, help="bandwidth per direction (0 = unlimited)")
     ap.add_argument("--seed", type=int, default=0, help="jitter's random seed")
+    ap.add_argument("--host", default="127.0.0.1", help="the address every mapping listens on")
     args = ap.parse_args()
     try:
         mappings = [parse_mapping(m) for m in args.mapping]
         link = Link(args.rtt_ms / 1e3, args.jitter_ms / 1e3, args.mbps * 1e6 / 8, args.seed)
     except ValueError as e:
         ap.error(str(e))
-    trio.run(_main, mappings, link)
+    trio.run(_main, mappings, link, args.host)
 
 
 if __name__ == "__main__":

@@ -334,7 +334,7 @@ def test_bad_step_fields():
 
 def test_unsupported_major_names_both_versions():
     frame = corrupt(GOOD, B + 2, b"\x02\x05")
-    with pytest.raises(UnsupportedVersion, match=r"2\.5.*1\.1") as info:
+    with pytest.raises(UnsupportedVersion, match=r"2\.5.*1\.2") as info:
         decode(frame)
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 
@@ -536,9 +536,9 @@ def test_session_checks_dtype_hidden_size_and_replies():
 
 def test_session_minor_and_client_error():
     s = SessionRules(Role.SERVER)
-    assert s.minor == 1
+    assert s.minor == 2
     s.receive(Open(SID, "m", 0, 4, 100, minor=0))
-    assert s.minor == 0  # min(client 0, ours 1): a 1.0 client gets no 1.1 feature
+    assert s.minor == 0  # min(client 0, ours 2): a 1.0 client gets no 1.1 feature
     s.send(OpenOk(SID, 100))
     s.receive(ErrorMsg(ErrorCode.INTERNAL, "client gave up", SID))
     assert s.state is SessionState.CLOSED
@@ -598,7 +598,7 @@ def test_exact_flags_travel_on_their_bits():
     """1.1's EXACT: OPEN flag bit 1 (asked), OPEN_OK flag bit 0 (granted); header flags sit at
     frame bytes 10-11 (after the length prefix, magic, versions, type and reserved byte)."""
     frame = encode(Open(SID, "m", 0, 4, 100, exact=True))
-    assert struct.unpack(">H", frame[10:12])[0] == 0x0002 and frame[7] == 1
+    assert struct.unpack(">H", frame[10:12])[0] == 0x0002 and frame[7] == 2
     assert decode(frame).exact and not decode(encode(Open(SID, "m", 0, 4, 100))).exact
     both = decode(encode(Open(SID, "m", 0, 4, 100, want_commitments=True, exact=True)))
     assert both.want_commitments and both.exact

@@ -69,6 +69,7 @@ class SwarmOptions:
     rescue: bool = True  # compute here, from the store, blocks no peer can take now (memory allowing)
     route_wait: float = 60.0  # seconds a session waits for a replica where it cannot compute here
     max_waiting: int = 64  # sessions that may wait so at once; past them SwarmBusy
+    route: str = "auto"  # how hops' outputs travel: chain (peer to peer), star (through here), auto (data/client.py)
 
 
 class SwarmBusy(DiffuseError):
@@ -333,6 +334,7 @@ class SwarmClient:
         finished here if the swarm loses them and the options allow it."""
         remote = RemoteSpan(self.model_id, start, end, self.dial, self.route, self.bans, max_len, batch,
                             self.opts.wire_dtype, self.opts.step_timeout, checks=checks, exact=exact,
+                            shape=self.opts.route,
                             route_wait=MID_ANSWER_WAIT_S if self.opts.rescue else self.opts.route_wait)
         return Rescuable(remote, self._load_span, self._span_bytes(start, end), max_len, batch, exact,
                          self.rescue_batcher, enabled=self.opts.rescue,
@@ -428,7 +430,11 @@ def route_report(pipeline: Pipeline, tokens: int) -> dict | None:
     pieces = [s for s in pipeline.stages if isinstance(s, Rescuable)]
     here_from = min((p.rescued_at for p in pieces if p.rescued_at is not None), default=None)
     on_peers = tokens if here_from is None else min(here_from, tokens)
-    return {"route": [h for r in remotes for h in r.route_taken],
+    hops = [h for r in remotes for h in r.route_taken]
+    linked = sum(h["output"] == "peer" for h in hops)
+    shape = "single" if len(hops) == 1 else "chain" if linked == len(hops) - 1 else "mixed" if linked else "star"
+    return {"route": hops, "shape": shape,
+            "links": [link for r in remotes for link in r.stats.links],
             "in_process": [b for p in pieces for b in p.in_process],
             "failovers": [f for r in remotes for f in r.stats.failovers],
             "tokens": {"peers": on_peers, "here": tokens - on_peers}}

@@ -213,6 +213,7 @@ class SwarmBackend:
         report = route_report(pipeline, tokens) or {"route": [], "in_process": [], "tokens": {}, "failovers": []}
         rescued = [s.rescued_at for s in pipeline.stages if getattr(s, "rescued_at", None) is not None]
         return {"route": [dict(h) | {"reached": client.node.relaying.reached(h["peer"])} for h in report["route"]],
+                "shape": report.get("shape"), "links": report.get("links", []),
                 "in_process": report["in_process"], "computed": report["tokens"], "failovers": report["failovers"],
                 "finished_here_from": min(rescued, default=None), "local_blocks": list(client.opts.local_blocks),
                 "checks": client.guard.status() if client.guard else None,

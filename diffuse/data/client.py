@@ -27,7 +27,7 @@ from torch import Tensor
 from diffuse.control.records import PeerRecord
 from diffuse.control.routing import Hop, NoRoute
 from diffuse.data.checks import ChecksUnavailable, HopChecks, NoChecks, Rejected
-from diffuse.data.codec import ErrorCode, Fp16Overflow, WireError
+from diffuse.data.codec import Downstream, ErrorCode, Fp16Overflow, WireError
 from diffuse.data.hop import HopFailed, HopSession, Sent, Session, deadline, rechunked, truncated
 from diffuse.data.stream import ByteStream
 from diffuse.errors import DiffuseError, Rewind
@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 Dial = Callable[[Hop], Awaitable[ByteStream]]
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
 DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bounds its own parts tighter)
+ROUTES = ("auto", "chain", "star")  # how hops' outputs travel (RemoteSpan's `shape`)
+
+
+class RouteShapeError(DiffuseError):
+    """`--route chain` where some hop cannot forward to the next."""
 
 
 @dataclass
@@ -95,7 +100,9 @@ def cause_of(error: BaseException) -> str:
     """How a hop failed, in one word, for failover records and tests: "timeout" (no answer in the
     step's deadline), "closed" (connection lost), "unreachable" (no stream could be opened),
     "error" (the peer answered ERROR), "protocol" (a bad frame or answer), "rejected" (a check),
-    "numeric" (activations outgrew the wire dtype)."""
+    "numeric" (activations outgrew the wire dtype), "link" (on a chain: it received other bytes
+    than its upstream committed to), "stale" (it computed a forwarded input its replaced upstream
+    had sent)."""
     if isinstance(error, trio.TooSlowError):
         return "timeout"
     if isinstance(error, Rejected):
@@ -112,6 +119,7 @@ def cause_of(error: BaseException) -> str:
 class RemoteStats:
     failovers: list[dict] = field(default_factory=list)
     bytes_sent: int = 0
+    links: list[dict] = field(default_factory=list)  # chain links that failed or never came up, and why
 
 
 class RemoteSpan:
@@ -123,7 +131,10 @@ class RemoteSpan:
     def __init__(self, model_id: str, start: int, end: int, dial: Dial, route: Route, bans: Bans,
                  max_len: int, batch: int = 1, dtype: torch.dtype = torch.float16,
                  timeout: float = 30.0, max_failovers: int = 8, route_wait: float = 5.0,
-                 checks: HopChecks | None = None, exact: bool = False):
+                 checks: HopChecks | None = None, exact: bool = False, shape: str = "auto"):
+        if shape not in ROUTES:
+            raise ValueError(f"route shape must be one of {', '.join(ROUTES)}, not {shape!r}")
+        self.shape = shape  # auto: chain the links that come up, star the others; chain: all or fail; star
         self.model_id, self.start, self.end = model_id, start, end
         self.exact = exact  # every hop must compute with batch-invariant kernels
         self.checks: HopChecks = checks or NoChecks()
@@ -135,7 +146,17 @@ class RemoteSpan:
 
     @property
     def route_taken(self) -> list[dict]:
-        return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end]} for h in self.hops]
+        """The route's hops and how each one's output travelled: on to the next peer ("peer", for
+        every step it forwarded) or back to this client ("client": star, the last hop, a link that
+        never came up or failed: `link_error` says why)."""
+        return [{"peer": h.hop.peer_id, "blocks": [h.hop.start, h.hop.end],
+                 "output": "peer" if i + 1 < len(self.hops) and h.feeds(self.hops[i + 1]) else "client",
+                 "forwarded_steps": h.forwarded_steps} | ({"link_error": h.link_error} if h.link_error else {})
+                for i, h in enumerate(self.hops)]
+
+    @property
+    def chained_links(self) -> int:
+        return sum(h.chained for h in self.hops[:-1])
 
     async def _build(self, start: int, end: int, inputs: list[Sent], wait: float | None = None) -> list[Session]:
         """Open sessions along a fresh route over [start, end) and replay `inputs` into them,
@@ -148,6 +169,11 @@ class RemoteSpan:
                 route = await self._route(start, end, self.route_wait if wait is None else wait)
                 for hop in route:  # canaries first: a peer's open session must not sit idle meanwhile
                     await self.checks.vet(hop, self._canary_session)
+                if not inputs and self.shape != "star" and len(route) > 1:
+                    for hop in reversed(route):  # the last first: each hop links to an open session
+                        new.insert(0, await self._open_linked(route, hop, new[0] if new else None))
+                    self._check_links(new)
+                    return new
                 feed = rechunked(inputs) if self.exact else inputs
                 for hop in route:  # each hop opens when its inputs are ready: the last one's outputs
                     session = self.checks.wrap(HopSession(hop, await self._dial(hop), self.model_id, self.max_len,
@@ -161,9 +187,39 @@ class RemoteSpan:
                 return new
             except BaseException as e:  # cancelled too: sessions opened so far must not outlive it
                 await self._discard(new)
-                if hop is None or not isinstance(e, Exception) or isinstance(e, (NoRoute, ChecksUnavailable)):
+                if hop is None or not isinstance(e, Exception) or isinstance(e, (NoRoute, ChecksUnavailable,
+                                                                                 RouteShapeError)):
                     raise
                 self._failed(hop, e, "replay" if inputs else "open")
+
+    async def _open_linked(self, route: list[Hop], hop: Hop, after: Session | None) -> Session:
+        """A session on `hop` that takes its input from the hop before it in `route` and forwards
+        its output to `after`'s session (a peer speaking 1.2), both where the peers manage."""
+        i = route.index(hop)
+        down = None
+        if after is not None and after.minor >= 2:
+            down = Downstream(after.hop.peer_id, tuple(after.hop.addrs), after.session_id)
+        session = self.checks.wrap(HopSession(hop, await self._dial(hop), self.model_id, self.max_len, self.batch,
+                                              self.dtype, self.timeout, self.checks.commitments,
+                                              self.exact, upstream=route[i - 1].peer_id if i else None,
+                                              downstream=down))
+        try:
+            await session.open()
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    def _check_links(self, hops: list[Session]) -> None:
+        """Note the links that did not come up (those hops return through the client); with the
+        shape "chain", refuse the route instead."""
+        for a, b in zip(hops, hops[1:]):
+            if not a.chained:
+                why = a.link_error or "the peer does not speak protocol 1.2"
+                self.stats.links.append({"link": [a.hop.peer_id, b.hop.peer_id], "when": "open", "error": why})
+                if self.shape == "chain":
+                    raise RouteShapeError(f"--route chain: peer {a.hop.peer_id[-8:]} does not forward to "
+                                       f"{b.hop.peer_id[-8:]} ({why}); --route auto returns through this client there")
 
     async def _dial(self, hop: Hop) -> ByteStream:
         """A stream to the hop's peer; one that gives none fails as "unreachable" (or "timeout",
@@ -199,11 +255,16 @@ class RemoteSpan:
         cause = cause_of(error)
         if cause == "numeric":
             self.dtype = torch.bfloat16  # activations outgrew fp16: same peers, wider wire dtype
-        else:
+        elif cause != "stale":  # "stale": an upstream replaced mid-step had fed it, no fault of its own
             self.bans.ban(hop.peer_id, hop.started)
         log.warning("peer %s failed during %s (%s): %s", hop.peer_id, during, cause, error)
         self.stats.failovers.append({"peer": hop.peer_id, "blocks": [hop.start, hop.end], "during": during,
                                      "cause": cause, "error": f"{type(error).__name__}: {error}"})
+        upstream = getattr(error, "link", None)
+        if upstream:  # the link delivered other bytes than the upstream committed to: either may lie
+            self.bans.ban(upstream)
+            self.stats.failovers[-1]["link"] = [upstream, hop.peer_id]
+            self.stats.links.append({"link": [upstream, hop.peer_id], "when": during, "error": str(error)})
 
     async def open(self, wait: float | None = None) -> None:
         """Sessions on a route over the span, looking `wait` seconds (default route_wait) for one."""
@@ -223,12 +284,19 @@ class RemoteSpan:
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
         """The step through every hop in turn, a failed or rejected hop replaced and the step
-        redone there. A Rewind from a hop's wrapper passes through: the pipeline rolls back."""
+        redone there. A Rewind from a hop's wrapper passes through: the pipeline rolls back.
+        On a chain a hop's input comes from the hop before it, which forwarded its output (the
+        client holds a copy of it, so the step reads the same); elsewhere the client sends it."""
         i = 0
         while i < len(self.hops):
             sent = time.perf_counter()
+            session = self.hops[i]
+            session.feed_from_upstream(i > 0 and self.hops[i - 1].feeds(session))
             try:
-                h = await self.hops[i].step(h, positions, tree_mask, commit)
+                h = await session.step(h, positions, tree_mask, commit)
+                if session.link_error and i + 1 < len(self.hops) and not self._noted(session):
+                    self.stats.links.append({"link": [session.hop.peer_id, self.hops[i + 1].hop.peer_id],
+                                             "when": "step", "error": session.link_error})
                 i += 1
             except (Rewind, ChecksUnavailable):
                 raise
@@ -238,6 +306,9 @@ class RemoteSpan:
             except Exception as e:  # noqa: BLE001 - trio.Cancelled is a BaseException and passes
                 await self._failover(i, e, noticed_s=time.perf_counter() - sent)
         return h
+
+    def _noted(self, session: Session) -> bool:
+        return any(r["link"][0] == session.hop.peer_id and r["error"] == session.link_error for r in self.stats.links)
 
     async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None,
                         during: str = "step", noticed_s: float | None = None) -> None:

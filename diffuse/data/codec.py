@@ -27,7 +27,7 @@ from diffuse.errors import ProtocolError
 PROTOCOL_ID = "/diffuse/inference/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 1  # 1.1: OPEN/OPEN_OK flag EXACT (batch-invariant kernels)
+VERSION_MINOR = 2  # 1.1: OPEN/OPEN_OK flag EXACT (batch-invariant kernels); 1.2: chain routes
 MAX_FRAME = 64 * 1024 * 1024  # default bound on a frame body; checked from the length prefix
 MAX_MODEL_ID = 255  # bytes of utf-8 (u8 length field)
 MAX_DTYPE_NAME = 255  # bytes of utf-8 (u8 length field)
@@ -39,7 +39,7 @@ ZERO_SESSION = bytes(SESSION_ID_LEN)
 # magic, major, minor, type, reserved, flags, session id
 _HEADER = struct.Struct(">2sBBBBH16s")
 HEADER_SIZE = _HEADER.size  # 24
-_U8, _U32, _U64 = (struct.Struct(f">{c}") for c in "BIQ")
+_U8, _U16, _U32, _U64 = (struct.Struct(f">{c}") for c in "BHIQ")
 _TLV = struct.Struct(">HI")
 _OPEN = struct.Struct(">IIIHBB")  # start, end, max_length, batch_size, dtype code, model_id length
 _STEP_HEAD = struct.Struct(">IIH")  # step, cache_len, keep count
@@ -53,6 +53,10 @@ OPEN_OK_EXACT = 0x0001  # since 1.1: the server grants them for this session
 STEP_COMMIT = 0x0001
 STEP_HAS_MASK = 0x0002
 STEP_REPLAY = 0x0004
+OPEN_OK_CHAINED = 0x0002  # since 1.2: this hop forwards its outputs to the downstream its OPEN named
+STEP_OK_FORWARDED = 0x0001  # since 1.2: this output also went to the downstream session
+MAX_PEER_ID = 255  # bytes of a base58 peer id in a chain extension (u8 length)
+MAX_ADDRS = 16  # addresses of a downstream peer in CHAIN_TO
 
 
 class MsgType(IntEnum):
@@ -64,6 +68,8 @@ class MsgType(IntEnum):
     ERROR = 6
     PING = 7
     PONG = 8
+    ATTACH = 9  # since 1.2: upstream peer -> downstream peer, on a stream of its own
+    ATTACH_OK = 10
 
 
 class ErrorCode(IntEnum):
@@ -80,6 +86,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 9
     TIMEOUT = 10
     NUMERIC = 11  # a value is not finite or overflows the wire dtype (e.g. fp16): reopen in bf16
+    FORBIDDEN = 12  # since 1.2: frames into a session from a peer its client did not name
 
 
 class Ext(IntEnum):
@@ -88,6 +95,9 @@ class Ext(IntEnum):
     INPUT_COMMITMENT = 1  # STEP: 32 bytes
     OUTPUT_COMMITMENT = 2  # STEP_OK: 32 bytes, Merkle root of the exact output tensor bytes
     COMPUTE_US = 3  # STEP_OK: u32, server compute time for this step in microseconds
+    CHAIN_FROM = 4  # OPEN (1.2): the peer id that may forward STEPs into this session
+    CHAIN_TO = 5  # OPEN (1.2): where this hop forwards its outputs (Downstream)
+    LINK_ERROR = 6  # OPEN_OK, STEP_OK (1.2): why this hop's outputs did not go downstream
 
 
 class WireError(ProtocolError):
@@ -160,6 +170,16 @@ _DIMS = {rank: struct.Struct(f">{rank}I") for rank in range(1, MAX_RANK + 1)}
 # --------------------------------------------------------------------------- messages
 
 
+@dataclass(frozen=True)
+class Downstream:
+    """Where a chained hop forwards its outputs (CHAIN_TO): the next hop's peer, its addresses and
+    the session the client opened there."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    session_id: bytes
+
+
 @dataclass
 class Open:
     """Client -> server: start a session on blocks [start, end) of `model_id`."""
@@ -175,6 +195,8 @@ class Open:
     exact: bool = False  # every position's output bits independent of what shares its step
     minor: int = VERSION_MINOR  # sender's protocol minor version (frame header)
     extensions: dict[int, bytes] = field(default_factory=dict)
+    upstream: str | None = None  # 1.2: the peer that may forward STEPs into this session
+    downstream: Downstream | None = None  # 1.2: where this hop forwards its outputs
 
 
 @dataclass
@@ -185,6 +207,8 @@ class OpenOk:
     exact: bool = False  # the server computes this session with batch-invariant kernels
     minor: int = VERSION_MINOR  # sender's protocol minor version (frame header)
     extensions: dict[int, bytes] = field(default_factory=dict)
+    chained: bool = False  # 1.2: the link to the downstream is up
+    link_error: str | None = None  # 1.2: why it is not
 
 
 @dataclass(eq=False)  # tensors do not compare with ==
@@ -217,6 +241,9 @@ class StepOk:
     output_commitment: bytes | None = None
     compute_us: int | None = None
     wire_dtype: torch.dtype | None = None
+    forwarded: bool = False  # 1.2: this output also went to the downstream session
+    input_commitment: bytes | None = None  # 1.2: the server's commitment to the input it received
+    link_error: str | None = None  # 1.2: why it did not go downstream (the link is dropped)
     extensions: dict[int, bytes] = field(default_factory=dict)
 
 
@@ -235,6 +262,21 @@ class ErrorMsg:
 
 
 @dataclass
+class Attach:
+    """Upstream peer -> downstream peer (1.2): the STEPs that follow on this stream are forwarded
+    into `session_id`, which a client opened here naming the sender as its upstream."""
+
+    session_id: bytes
+    extensions: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class AttachOk:
+    session_id: bytes
+    extensions: dict[int, bytes] = field(default_factory=dict)
+
+
+@dataclass
 class Ping:
     nonce: int
     session_id: bytes = ZERO_SESSION
@@ -248,16 +290,70 @@ class Pong:
     extensions: dict[int, bytes] = field(default_factory=dict)
 
 
-Message = Union[Open, OpenOk, Step, StepOk, Close, ErrorMsg, Ping, Pong]
+Message = Union[Open, OpenOk, Step, StepOk, Close, ErrorMsg, Ping, Pong, Attach, AttachOk]
 
-# Extensions with a typed field: (attribute, fixed length, Struct for integers or None for bytes).
-_KNOWN_EXT: dict[type, dict[int, tuple[str, int, struct.Struct | None]]] = {
+def _pack_downstream(d: Downstream) -> bytes:
+    """CHAIN_TO's value: session id (16), u8 n + peer id, u8 count, then u16 n + address each."""
+    pid = d.peer_id.encode()
+    addrs = [a.encode() for a in d.addrs]
+    if not 0 < len(pid) <= MAX_PEER_ID or len(addrs) > MAX_ADDRS or any(len(a) > 0xFFFF for a in addrs):
+        raise WireError("CHAIN_TO: peer id 1..255 bytes and at most 16 addresses")
+    return b"".join([bytes(d.session_id), _U8.pack(len(pid)), pid, _U8.pack(len(addrs)),
+                     *(struct.pack(">H", len(a)) + a for a in addrs)])
+
+
+def _read_downstream(value: bytes) -> Downstream:
+    r = _Reader(memoryview(value), 0)
+    sid = bytes(r.take(SESSION_ID_LEN, "CHAIN_TO session id"))
+    pid = r.text(r.unpack(_U8, "CHAIN_TO peer id length")[0], "CHAIN_TO peer id")
+    (n,) = r.unpack(_U8, "CHAIN_TO address count")
+    addrs = tuple(r.text(r.unpack(_U16, "CHAIN_TO address length")[0], "CHAIN_TO address") for _ in range(n))
+    if r.left() or not pid or n > MAX_ADDRS or sid == ZERO_SESSION:
+        raise WireError("CHAIN_TO: bad value (stray bytes, empty peer id, zero session or too many addresses)")
+    return Downstream(pid, addrs, sid)
+
+
+def _text_value(name: str, limit: int):
+    def pack(text: str) -> bytes:
+        return text.encode()[:limit].decode(errors="ignore").encode()
+
+    def read(value: bytes) -> str:
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError(f"{name} is not valid utf-8") from None
+
+    return pack, read
+
+
+# Extensions with a typed field: (attribute, fixed length or None for any, Struct for integers,
+# None for bytes, or a (pack, read) pair for structured values).
+_KNOWN_EXT: dict[type, dict[int, tuple[str, int | None, object]]] = {
     Step: {Ext.INPUT_COMMITMENT: ("input_commitment", 32, None)},
     StepOk: {
+        Ext.INPUT_COMMITMENT: ("input_commitment", 32, None),
         Ext.OUTPUT_COMMITMENT: ("output_commitment", 32, None),
         Ext.COMPUTE_US: ("compute_us", 4, _U32),
+        Ext.LINK_ERROR: ("link_error", None, _text_value("LINK_ERROR", MAX_ERROR_MESSAGE)),
     },
+    Open: {
+        Ext.CHAIN_FROM: ("upstream", None, _text_value("CHAIN_FROM", MAX_PEER_ID)),
+        Ext.CHAIN_TO: ("downstream", None, (_pack_downstream, _read_downstream)),
+    },
+    OpenOk: {Ext.LINK_ERROR: ("link_error", None, _text_value("LINK_ERROR", MAX_ERROR_MESSAGE))},
 }
+
+
+def _pack_ext(value, st) -> bytes:
+    if st is None:
+        return bytes(value)
+    return st.pack(value) if isinstance(st, struct.Struct) else st[0](value)
+
+
+def _read_ext(value: bytes, st):
+    if st is None:
+        return value
+    return st.unpack(value)[0] if isinstance(st, struct.Struct) else st[1](value)
 
 
 # --------------------------------------------------------------------------- tensors
@@ -341,7 +437,7 @@ def _tlvs(msg: Message) -> list[bytes]:
     for typ, (attr, _, st) in _KNOWN_EXT.get(type(msg), {}).items():
         value = getattr(msg, attr)
         if value is not None:
-            data = st.pack(value) if st else bytes(value)
+            data = _pack_ext(value, st)
             parts.append(_TLV.pack(typ, len(data)) + data)
     for typ, data in msg.extensions.items():
         if typ in _KNOWN_EXT.get(type(msg), {}):
@@ -378,7 +474,7 @@ def _payload(msg: Message) -> tuple[int, list]:
         parts = [fixed, mid]
     elif isinstance(msg, OpenOk):
         name = msg.compute_dtype.encode()
-        flags = OPEN_OK_EXACT if msg.exact else 0
+        flags = (OPEN_OK_EXACT if msg.exact else 0) | (OPEN_OK_CHAINED if msg.chained else 0)
         parts = [_U32.pack(msg.max_length), _U8.pack(len(name)), name]
     elif isinstance(msg, Step):
         keep, pos = msg.keep, msg.positions
@@ -393,8 +489,9 @@ def _payload(msg: Message) -> tuple[int, list]:
             bits = msg.mask.detach().cpu().contiguous().numpy().reshape(-1)
             parts.append(np.packbits(bits, bitorder="little").tobytes())
     elif isinstance(msg, StepOk):
+        flags = STEP_OK_FORWARDED if msg.forwarded else 0
         parts = [_U32.pack(msg.step), *tensor_wire(msg.hidden, msg.wire_dtype)]
-    elif isinstance(msg, Close):
+    elif isinstance(msg, (Close, Attach, AttachOk)):
         parts = []
     elif isinstance(msg, ErrorMsg):
         text = msg.message.encode()[:MAX_ERROR_MESSAGE].decode(errors="ignore").encode()
@@ -498,7 +595,8 @@ def _read_open(r: _Reader, flags: int, sid: bytes) -> Open:
 def _read_open_ok(r: _Reader, flags: int, sid: bytes) -> OpenOk:
     (max_length,) = r.unpack(_U32, "OPEN_OK max_length")
     (n,) = r.unpack(_U8, "OPEN_OK compute_dtype length")
-    return OpenOk(sid, max_length, r.text(n, "OPEN_OK compute_dtype"), bool(flags & OPEN_OK_EXACT))
+    return OpenOk(sid, max_length, r.text(n, "OPEN_OK compute_dtype"), bool(flags & OPEN_OK_EXACT),
+                  chained=bool(flags & OPEN_OK_CHAINED))
 
 
 def _read_error(r: _Reader, flags: int, sid: bytes) -> ErrorMsg:
@@ -517,15 +615,17 @@ _READERS = {
     MsgType.OPEN_OK: _read_open_ok,
     MsgType.STEP: _read_step,
     MsgType.STEP_OK: lambda r, f, sid: StepOk(sid, r.unpack(_U32, "STEP_OK step")[0],
-                                              r.tensor("STEP_OK hidden")),
+                                              r.tensor("STEP_OK hidden"), forwarded=bool(f & STEP_OK_FORWARDED)),
     MsgType.CLOSE: lambda r, f, sid: Close(sid),
+    MsgType.ATTACH: lambda r, f, sid: Attach(sid),
+    MsgType.ATTACH_OK: lambda r, f, sid: AttachOk(sid),
     MsgType.ERROR: _read_error,
     MsgType.PING: lambda r, f, sid: Ping(r.unpack(_U64, "PING nonce")[0], sid),
     MsgType.PONG: lambda r, f, sid: Pong(r.unpack(_U64, "PONG nonce")[0], sid),
 }
 _TYPE_OF = {Open: MsgType.OPEN, OpenOk: MsgType.OPEN_OK, Step: MsgType.STEP,
             StepOk: MsgType.STEP_OK, Close: MsgType.CLOSE, ErrorMsg: MsgType.ERROR,
-            Ping: MsgType.PING, Pong: MsgType.PONG}
+            Ping: MsgType.PING, Pong: MsgType.PONG, Attach: MsgType.ATTACH, AttachOk: MsgType.ATTACH_OK}
 
 
 def decode_body(body: bytes | bytearray | memoryview) -> Message:
@@ -556,9 +656,9 @@ def decode_body(body: bytes | bytearray | memoryview) -> Message:
             raise WireError(f"extension {typ} appears twice")
         if typ in known:
             attr, size, st = known[typ]
-            if n != size:
+            if size is not None and n != size:
                 raise WireError(f"extension {typ} ({attr}) must be {size} bytes, got {n}")
-            setattr(msg, attr, st.unpack(value)[0] if st else value)
+            setattr(msg, attr, _read_ext(value, st))
         else:
             msg.extensions[typ] = value  # unknown: kept for the curious, otherwise ignored
     validate(msg)
@@ -700,6 +800,9 @@ def validate(msg: Message) -> None:
             raise WireError(f"STEP_OK: hidden must be [batch, T, hidden], got {list(shape)}")
         if msg.output_commitment is not None and len(msg.output_commitment) != 32:
             raise WireError("STEP_OK: output_commitment must be 32 bytes")
+    elif isinstance(msg, (Attach, AttachOk)):
+        if sid == ZERO_SESSION:
+            raise WireError("ATTACH: session_id must not be all zeros")
     elif isinstance(msg, Open):
         if sid == ZERO_SESSION:
             raise WireError("OPEN: session_id must not be all zeros")

@@ -22,7 +22,9 @@ import trio
 from torch import Tensor
 
 from diffuse.control.routing import Hop
-from diffuse.data.codec import Close, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError
+from diffuse.data.codec import (
+    Close, Downstream, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError,
+)
 from diffuse.data.commitments import StepBinding, bind, input_commitment
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
@@ -35,6 +37,7 @@ REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bo
 # the session's cap (--step-timeout). A frozen peer is noticed in seconds, an honest prefill is not cut.
 FLOOR_S = 3.0
 SLACK = 4.0
+CHAIN_OPEN_S = 2.5  # what a chained OPEN adds to its deadline: the peer links to the next one first (data/chain.py)
 
 
 def truncated(inputs: Sequence[Sent], length: int) -> list[Sent]:
@@ -52,9 +55,11 @@ class HopFailed(DiffuseError):
     """A hop failed a session: `cause` says how ("closed", "error", "protocol"), for the failover
     record; `code`, an ERROR reply's."""
 
-    def __init__(self, hop: Hop, why: str, code: int | None = None, cause: str = "protocol"):
+    def __init__(self, hop: Hop, why: str, code: int | None = None, cause: str = "protocol",
+                 link: str | None = None):
         super().__init__(f"peer {hop.peer_id[-8:]} (blocks {hop.start}-{hop.end - 1}): {why}")
         self.hop, self.code, self.cause = hop, code, cause
+        self.link = link  # the upstream peer whose forwarded input this hop received, when it is in doubt
 
 
 def deadline(hop: Hop, rows: int, cap: float) -> float:
@@ -107,6 +112,10 @@ class Session(Protocol):
     puts around one (data/checks.py) to check its steps."""
 
     hop: Hop
+    session_id: bytes
+    chained: bool
+    link_error: str | None
+    forwarded_steps: int
 
     @property
     def bytes_sent(self) -> int: ...
@@ -117,14 +126,25 @@ class Session(Protocol):
     def rollback(self, length: int) -> None: ...
     def inputs(self) -> list[Sent]: ...
     async def close(self) -> None: ...
+    def feed_from_upstream(self, fed: bool) -> None: ...
+    def feeds(self, other: Session) -> bool: ...
 
 
 class HopSession:
     """One session on one peer: the protocol exchange plus the inputs it has committed."""
 
     def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
-                 dtype: torch.dtype, timeout: float, commitments: bool = False, exact: bool = False):
+                 dtype: torch.dtype, timeout: float, commitments: bool = False, exact: bool = False,
+                 upstream: str | None = None, downstream: Downstream | None = None):
         self.hop, self.stream, self.model_id = hop, stream, model_id
+        # A chain (protocol 1.2): the peer that may forward our STEPs here, where outputs go on.
+        self.upstream, self.downstream = upstream, downstream
+        self.chained = False  # the peer's link to `downstream` is up (OPEN_OK CHAINED)
+        self.link_error: str | None = None  # why it is not, or no longer
+        self.minor = 0  # the peer's protocol minor version
+        self.fed = False  # this step's input arrives from the upstream peer, not from us
+        self.forwarded = False  # the last step's output went on to `downstream`
+        self.forwarded_steps = 0
         self.commitments = commitments  # ask for, and check, per-step output commitments
         self.exact = exact  # require batch-invariant kernels (protocol 1.1 OPEN flag EXACT)
         self.peer_dtype = ""  # the compute dtype the peer declared in OPEN_OK
@@ -194,22 +214,37 @@ class HopSession:
             raise HopFailed(self.hop, f"no answer to {what} in {seconds:.1f} s", cause="timeout") from None
 
     async def open(self) -> None:
-        with self._within(deadline(self.hop, 0, self.timeout), "OPEN"):
+        extra = CHAIN_OPEN_S if self.downstream is not None else 0.0
+        with self._within(deadline(self.hop, 0, self.timeout) + extra, "OPEN"):
             await self._send(Open(self.session_id, self.model_id, self.hop.start, self.hop.end,
-                                  self.max_len, self.batch, self.dtype, self.commitments, self.exact))
+                                  self.max_len, self.batch, self.dtype, self.commitments, self.exact,
+                                  upstream=self.upstream, downstream=self.downstream))
             ok = await self._receive()
         if not isinstance(ok, OpenOk) or ok.max_length < self.max_len:
             raise HopFailed(self.hop, f"bad answer to OPEN: {ok!r}")
         if self.exact and not (ok.exact and ok.minor >= 1):
             raise HopFailed(self.hop, "peer does not grant exact (batch-invariant) computation: it "
                             f"speaks protocol 1.{ok.minor} or computes on a GPU")
-        self.peer_dtype = ok.compute_dtype
+        self.peer_dtype, self.minor = ok.compute_dtype, ok.minor
+        self.chained, self.link_error = ok.chained and self.downstream is not None, ok.link_error
+
+    def feed_from_upstream(self, fed: bool) -> None:
+        """Whether the next step's input comes from the upstream peer (it forwarded the previous
+        hop's output here) rather than from this client (star)."""
+        self.fed = fed
+
+    def feeds(self, other: Session) -> bool:
+        """Whether this hop's last output went on to `other`'s session (its peer took it)."""
+        return self.forwarded and self.downstream is not None and self.downstream.session_id == other.session_id
 
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
         msg = self._message(h, positions, mask, commit)
         with self._within(timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout), f"STEP {msg.step}"):
-            await self._send(msg)
+            if self.fed:
+                self.rules.sent(msg)  # the upstream peer delivers it
+            else:
+                await self._send(msg)
             reply = await self._receive()
         out = self._accept(msg, reply)
         self._advance(msg, positions)
@@ -264,8 +299,18 @@ class HopSession:
         """A reply's hidden states, once it answers `msg` (and, asked for, commits to its bytes)."""
         if not isinstance(reply, StepOk) or reply.step != msg.step:
             raise HopFailed(self.hop, f"bad answer to STEP {msg.step}")
+        if self.commitments and reply.input_commitment not in (None, msg.input_commitment):
+            if self.fed:
+                raise HopFailed(self.hop, f"STEP {msg.step}: the input it received from {self.upstream[-8:]} is "
+                                "not the output that peer committed to", cause="link", link=self.upstream)
+            raise HopFailed(self.hop, f"STEP {msg.step}: computed on a forwarded input its replaced upstream "
+                            "sent, not on this client's", cause="stale")
         if self.commitments:
             self._check_commitment(msg, reply)
+        self.forwarded = reply.forwarded and self.chained
+        self.forwarded_steps += self.forwarded
+        if reply.link_error:
+            self.chained, self.link_error = False, reply.link_error
         self.compute_s += (reply.compute_us or 0) / 1e6
         return reply.hidden
 

@@ -7,9 +7,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from diffuse.control.dial import open_stream
+from diffuse.data.chain import LINK_OPEN_S, DialPeer
 from diffuse.data.codec import PROTOCOL_ID
 from diffuse.data.levels import LEVELS
 from diffuse.data.server import BlockServer, ServerLimits
@@ -70,6 +73,18 @@ class PeerService:
         # shared cores skew (and routes follow it).
         self.throughput: float | None = throughput
         self.given_throughput = throughput
+        self.dial: DialPeer | None = None  # streams to other peers (chained sessions' links): `use_host`
+        self.alter_forward = None  # TESTING ONLY: `join --tamper forward` (trust/tamper.py)
+
+    def use_host(self, host: Any) -> None:
+        """Dial other peers through `host` (the node's, once it exists) for chained sessions."""
+
+        async def dial(peer_id: str, addrs: tuple[str, ...]) -> ByteStream:
+            return await open_stream(host, peer_id, PROTOCOL_ID, addrs, timeout=LINK_OPEN_S)
+
+        self.dial = dial
+        if self.server is not None:
+            self.server.dial = dial
 
     def use(self, model_dir: Path, model_id: str) -> None:
         """Serve another model from the next `prepare` on (join --model auto moving, once the
@@ -84,6 +99,7 @@ class PeerService:
             return BlockServer(self.model_id, served, self.limits), throughput
 
         self.server, self.throughput = load()  # on the main thread, like every step (server.py)
+        self.server.dial, self.server.alter_forward = self.dial, self.alter_forward
         log.info("blocks %d:%d loaded, %.1f tokens/s", start, end, self.throughput)
         return self.throughput
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from diffuse.model.quant import compute_name
+from diffuse.data.chain import DialPeer, Link, open_link
 from diffuse.data.codec import (
-    HEADER_SIZE, MAX_FRAME, Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping, Pong, Step,
-    StepOk, WireError,
+    HEADER_SIZE, MAX_FRAME, Attach, AttachOk, Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping,
+    Pong, Step, StepOk, WireError, encode,
 )
 from diffuse.data.commitments import input_commitment, output_commitment
 from diffuse.data import scheduler
@@ -32,6 +32,7 @@ from diffuse.data.admission import Admission, Books
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 from diffuse.model.engine import BlockSpan, KVCache
+from diffuse.model.quant import compute_name
 
 log = logging.getLogger(__name__)
 OPEN_FRAME = 4096  # bytes a frame may have before OPEN_OK: an OPEN is under 300, a PING 32
@@ -77,6 +78,9 @@ class BlockServer:
         self.conns: set[_Conn] = set()
         self.dtype = span.blocks[0].wo.weight.dtype
         self.device = span.blocks[0].wo.weight.device
+        self.dial: DialPeer | None = None  # streams to other peers, for chained sessions' links
+        self.linkable: dict[bytes, _Conn] = {}  # open sessions that name an upstream peer, by id
+        self.alter_forward = None  # TESTING ONLY (trust/tamper.py, kind "forward"): corrupts forwarded outputs
 
     @property
     def free_tokens(self) -> int:
@@ -110,7 +114,24 @@ class BlockServer:
         conn = _Conn(self, stream, remote)
         self.conns.add(conn)
         try:
-            await conn.run()
+            async with trio.open_nursery() as nursery:  # a chained session's link watcher lives here
+                conn.nursery = nursery
+                await self._serve(conn)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.conns.discard(conn)
+            if conn.link_out is not None:
+                with trio.move_on_after(1.0, shield=True):
+                    await conn.link_out.close()
+            conn.release()
+            await close_quietly(stream)
+
+    async def _serve(self, conn: _Conn) -> None:
+        try:
+            try:
+                await conn.run()
+            finally:
+                conn.release()  # at once: its client may read the last reply and look before we return
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
             log.info("session stream dropped by the client")
         except Exception as e:  # noqa: BLE001 - one session's bug must not take the peer down
@@ -119,10 +140,6 @@ class BlockServer:
             else:
                 log.exception("internal error in a session")
                 await conn.error(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self.conns.discard(conn)
-            conn.release()
-            await close_quietly(stream)
 
 
 def _is_stream_error(e: Exception) -> bool:
@@ -147,6 +164,15 @@ class _Conn:
         self.work = 0  # block-tokens computed for the client, for the peer's books
         self.waiting: trio.CancelScope | None = None  # the read between messages, while in it
         self.leaving = False
+        self.nursery: trio.Nursery | None = None
+        self.lock = trio.Lock()  # one message at a time, from the client's stream or the upstream link
+        self.upstream: str | None = None  # the peer the client named to forward STEPs into this session
+        self.link_in: _Conn | None = None  # the attached upstream link (a _Conn of its own)
+        self.target: _Conn | None = None  # on a link's _Conn: the session its STEPs go into
+        self.link_out: Link | None = None  # where this session's outputs are forwarded
+        self.last_step: Step | None = None  # a STEP that comes again from the other source is ignored
+        self.ended = False  # set from the link side: the session is over, the client's read loop ends
+        self.active = trio.current_time()  # when a message last came, on this stream or the upstream link
 
     def hand_off(self) -> None:
         """The peer is shutting down: end this session at the next message boundary."""
@@ -159,20 +185,26 @@ class _Conn:
         while True:
             data = b""
             wait = limits.idle_timeout if self.stepped else min(limits.first_step_timeout, limits.idle_timeout)
-            with trio.move_on_after(wait) as idle:
+            # Idle since the session's last message, from this stream or (chained) its upstream link.
+            with trio.move_on_after(max(0.0, wait - (trio.current_time() - self.active))) as idle:
                 self.waiting = idle
                 if not self.leaving:
                     data = await self.stream.read(READ_CHUNK)
             self.waiting = None
+            if self.ended or (self.leaving and self.target is not None):  # a link, or ended from its side
+                return
             if self.leaving:  # handed off between messages, so the client reads a clean ERROR
                 await self.error(ErrorCode.OVERLOADED, "peer is shutting down: continue on a replica")
                 return
+            if idle.cancelled_caught and trio.current_time() - self.active < wait:
+                continue  # the session steps through its upstream link meanwhile
             if idle.cancelled_caught:
                 what = "" if self.stepped else (" without a STEP" if self.counted else " without an OPEN")
                 await self.error(ErrorCode.TIMEOUT, f"session idle for {wait:g} s{what}: closed")
                 return
             if not data:  # end of stream; an unfinished frame in the decoder is dropped with it
                 return
+            self.active = trio.current_time()
             try:
                 self.decoder.receive(data)
                 while (msg := self.decoder.next_message()) is not None:
@@ -199,12 +231,24 @@ class _Conn:
         return True
 
     async def on_message(self, msg: Message) -> bool:
-        """Handle one message; True ends the session."""
+        """Handle one message; True ends the session (or the link, on a link's stream)."""
+        if self.target is not None:
+            return await self.target.forwarded(msg, self)
+        if isinstance(msg, Attach) and self.state.state is SessionState.AWAIT_OPEN:
+            return await self.on_attach(msg)
+        async with self.lock:
+            return await self._on_message(msg)
+
+    async def _on_message(self, msg: Message) -> bool:
         if isinstance(msg, Ping):
             await self.stream.write(self.state.send(Pong(msg.nonce, msg.session_id)))
             return False
         if isinstance(msg, Pong):
             return False
+        if isinstance(msg, Step):
+            self.detach()  # the client steps this session itself: no more forwarded frames
+            if self._duplicate(msg):
+                return False
         self.state.receive(msg)
         if isinstance(msg, Open):
             return await self.on_open(msg)
@@ -246,6 +290,91 @@ class _Conn:
         return (ErrorCode.NO_CAPACITY, f"no KV cache room: {tokens} entries asked, {srv.free_tokens} free, "
                 f"{srv.sessions} of {limits.max_sessions} sessions open")
 
+    async def on_attach(self, m: Attach) -> bool:
+        """Another peer asks to forward STEPs into session `m.session_id`: only the peer the
+        session's client named, once; anyone else is refused (the stream ends, the peer serves on)."""
+        target = self.server.linkable.get(m.session_id)
+        if target is None or target.upstream != self.remote or target.link_in is not None or target.ended:
+            log.info("refused a link from %s into session %s", self.remote, m.session_id.hex()[:8])
+            await self._say(ErrorMsg(int(ErrorCode.FORBIDDEN), "no session here takes forwarded frames from you",
+                                     m.session_id))
+            return True
+        self.target, target.link_in, self.stepped = target, self, True
+        self.decoder.max_frame = target.decoder.max_frame
+        await self.stream.write(encode(AttachOk(m.session_id)))
+        return False
+
+    async def forwarded(self, msg: Message, link: _Conn) -> bool:
+        """A message from the upstream link `link`; True ends the link (never the session: a bad
+        upstream must not cost this hop its session), after telling the upstream why."""
+        if isinstance(msg, Ping):
+            await link.stream.write(encode(Pong(msg.nonce, msg.session_id)))
+            return False
+        async with self.lock:
+            why = None
+            if self.link_in is not link:
+                why = "the client steps this session itself now"
+            elif not isinstance(msg, Step) or msg.session_id != self.state.open.session_id:
+                why = f"only STEPs of session {self.state.open.session_id.hex()[:8]} go on a forward link"
+            elif self.state.state is not SessionState.OPEN:
+                why = "the session has ended"
+            elif self._duplicate(msg):
+                return False
+            else:
+                msg.input_commitment = None  # the upstream cannot know this session's chain
+                try:
+                    self.state.receive(msg)
+                except WireError as e:
+                    why = str(e)
+            if why is None:
+                self.stepped, self.active = True, trio.current_time()
+                try:
+                    done = await self.on_step(msg)
+                except Exception as e:  # noqa: BLE001 - the client's stream failed under us
+                    log.info("session stream failed: %s", e)
+                    done = True
+                if done:
+                    self.end()
+                return False
+        if self.link_in is link:
+            self.detach()
+        await link._say(ErrorMsg(int(ErrorCode.BAD_STEP), f"forwarded frame refused: {why}", msg.session_id))
+        return True
+
+    def _duplicate(self, m: Step) -> bool:
+        """Whether `m` is the last STEP again, from the other source (the client stepped a hop itself
+        while the upstream's copy was on its way): answered once already, so ignored."""
+        p = self.last_step
+        if p is None or m.step != p.step:
+            self.last_step = m if p is None or m.step > p.step else p
+            return False
+        return (list(m.positions) == list(p.positions) and m.cache_len == p.cache_len and list(m.keep) == list(p.keep)
+                and m.commit == p.commit and m.hidden.dtype == p.hidden.dtype and torch.equal(m.hidden, p.hidden)
+                and ((m.mask is None and p.mask is None) or (m.mask is not None and p.mask is not None
+                                                             and torch.equal(m.mask, p.mask))))
+
+    def detach(self) -> None:
+        """Take no more forwarded frames: the upstream link's stream ends."""
+        link, self.link_in, self.upstream = self.link_in, None, None
+        if link is not None:
+            link.stop()
+
+    def stop(self) -> None:
+        """End this stream's read loop at the next message boundary, quietly."""
+        self.leaving = self.ended = True
+        if self.waiting is not None:
+            self.waiting.cancel()
+
+    def end(self) -> None:
+        """The session ended from its link's side (its client's stream failed): stop its read loop."""
+        self.stop()
+
+    async def _say(self, msg: ErrorMsg) -> None:
+        try:
+            await self.stream.write(encode(msg))
+        except Exception as e:  # noqa: BLE001 - the other side may be gone already
+            log.debug("ERROR not delivered: %s", e)
+
     async def on_open(self, m: Open) -> bool:
         srv = self.server
         refused = self._refusal(m) or await self._admitted(m.max_length * m.batch_size) or self._refusal(m)
@@ -267,8 +396,25 @@ class _Conn:
         self.reserved, self.counted = tokens, True
         self.decoder.max_frame = frame_bound(m, srv.span.cfg.hidden_size, m.dtype.itemsize, srv.limits.max_frame)
         computes = compute_name(srv.dtype, getattr(srv.span, "quant", "none"))  # "bfloat16+int4": a variant
-        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, computes, exact)))
+        link_error = await self._chain(m)
+        await self.stream.write(self.state.send(OpenOk(m.session_id, m.max_length, computes, exact,
+                                                       chained=self.link_out is not None, link_error=link_error)))
         return False
+
+    async def _chain(self, m: Open) -> str | None:
+        """A 1.2 session's part in a chain: the upstream it accepts, the link to its downstream
+        (data/chain.py); why that link is not up, when it was asked for and is not."""
+        if self.state.minor < 2:
+            return None
+        if m.upstream:
+            self.upstream = m.upstream
+            self.server.linkable[m.session_id] = self
+        if m.downstream is None:
+            return None
+        self.link_out, why = await open_link(self.server.dial, m.downstream)
+        if self.link_out is not None:
+            self.nursery.start_soon(self.link_out.watch)
+        return why
 
     async def on_step(self, m: Step) -> bool:
         """Run one STEP; True ends the session (its inputs disagree with the client's commitment)."""
@@ -292,12 +438,31 @@ class _Conn:
         self.server.tokens_served += m.hidden.shape[1]
         self.work += m.hidden.shape[1] * (opened.end - opened.start)
         commitment = None
+        if opened.want_commitments or self.link_out is not None:
+            out = out.to(opened.dtype)  # commit to, and forward, exactly the bytes that go out
         if opened.want_commitments:
-            out = out.to(opened.dtype)  # commit to exactly the bytes that go out
             commitment = output_commitment(m.session_id, m.step, self.last_input, out, opened.dtype)
-        await self.stream.write(self.state.send(StepOk(m.session_id, m.step, out, output_commitment=commitment,
-                                                       compute_us=min(math.ceil(seconds * 1e6), 2**32 - 1))))
+        forwarded, link_error = await self._forward(m, out)
+        await self.stream.write(self.state.send(StepOk(
+            m.session_id, m.step, out, output_commitment=commitment,
+            compute_us=min(math.ceil(seconds * 1e6), 2**32 - 1), forwarded=forwarded,
+            input_commitment=self.last_input if self.state.minor >= 2 else None, link_error=link_error)))
         return False
+
+    async def _forward(self, m: Step, out: torch.Tensor) -> tuple[bool, str | None]:
+        """Send the output down the chain first (the client's copy is off the critical path): a
+        replayed step never (the next hop has it), a dropped link never again."""
+        link = self.link_out
+        if link is None or m.replay:
+            return False, None
+        if link.error is None:
+            alter = self.server.alter_forward
+            ok = await link.forward(Step(link.downstream.session_id, m.step, m.cache_len, m.positions,
+                                         alter(out) if alter else out, m.keep, m.mask, m.commit))
+            if ok:
+                return True, None
+        self.link_out = None  # told once; the client steps the next hop itself from now on
+        return False, link.error
 
     async def _compute(self, m: Step) -> tuple[torch.Tensor, float]:
         """The step's output and the seconds its batches computed; T = 0 computes nothing."""
@@ -323,6 +488,11 @@ class _Conn:
         srv = self.server
         srv.buffered -= self.buffered
         self.buffered = 0
+        if self.state.open is not None and srv.linkable.get(self.state.open.session_id) is self:
+            del srv.linkable[self.state.open.session_id]
+        self.detach()
+        if self.target is not None and self.target.link_in is self:  # a link that broke: it stays unused
+            self.target.link_in = self.target.upstream = None
         if self.cache is not None:
             self.cache.wipe()
             srv.batcher.leave(id(self.cache))

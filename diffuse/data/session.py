@@ -70,6 +70,11 @@ class SessionRules:
         self._advance(msg, self.role, ours=True)
         return frame
 
+    def sent(self, msg: Message) -> None:
+        """Advance as `send` would for a message of ours that another peer delivers (a STEP its
+        upstream forwards down a chain, protocol 1.2): checked, never encoded."""
+        self._advance(msg, self.role, ours=True)
+
     def receive(self, msg: Message) -> None:
         """Check a message from the other side before acting on it, and advance."""
         self._advance(msg, Role.SERVER if self.role is Role.CLIENT else Role.CLIENT, ours=False)

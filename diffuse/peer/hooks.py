@@ -55,6 +55,7 @@ class ServeHooks:
     drain: Callable[[float], Awaitable[int]] | None = None
     use: Callable[[Path, str], None] = lambda model_dir, model_id: None  # serve this model from the next prepare
     resume: Callable[[], None] = lambda: None  # take sessions again after a drain
+    use_host: Callable[[Any], None] = lambda host: None  # the node's host, to dial the next peer of a chain
 
 
 def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: Contribution | None,
@@ -66,8 +67,13 @@ def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: C
                           max_total_tokens=lend.cache_tokens if lend else serve.cache_tokens,
                           idle_timeout=serve.session_timeout, max_sessions=lend.max_sessions if lend else 0,
                           books=books)
-    wrap = None
-    if serve.tamper is not None:
+    wrap = alter = None
+    if serve.tamper is not None and serve.tamper[0] == "forward":
+        from diffuse.trust.tamper import altered_forward
+
+        alter = altered_forward(serve.tamper[1])
+        log.warning("TESTING ONLY: this peer alters the outputs it forwards to the next peer of a chain")
+    elif serve.tamper is not None:
         from diffuse.trust.tamper import Tamper  # the test double loads only when asked for
 
         kind, strength = serve.tamper
@@ -76,13 +82,14 @@ def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: C
                     f"{serve.tamper_rate:.0%}", kind, strength)
     service = PeerService(model_dir, model_id, parse_dtype(serve.dtype), serve.device, limits, wrap,
                           serve.throughput, serve.quant)
+    service.alter_forward = alter
     handle = service.handle
     if metered:
         handle = watch_peer(lambda: service.model_id, lambda: service.server.status() if service.server else {},
                             handle)
     return ServeHooks(handlers={p: handle for p in service.protocols}, status_fn=service.status,
                       protocols=service.protocols, prepare=service.prepare, drain=service.drain, use=service.use,
-                      resume=service.resume)
+                      resume=service.resume, use_host=service.use_host)
 
 
 def placed(status_fn: Callable[[], Mapping[str, Any]] | None) -> Callable[[], Mapping[str, Any]]:

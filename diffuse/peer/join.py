@@ -155,6 +155,7 @@ class Peer:
     async def run(self) -> None:
         """Start the node, then serve (or, lending nothing, only take part in the DHT)."""
         node = self.node = self._node()
+        self.hooks.use_host(node.host)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             nursery.start_soon(self.ledger.keep)  # the credit books, written off the event loop

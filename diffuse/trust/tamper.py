@@ -19,6 +19,8 @@ Kinds and what `strength` means for each:
 | minifloat | weights     | mantissa bits kept, exponent untouched (3 ~ fp8 e4m3, 2 ~ e5m2) |
 | lowrank   | weights     | Frobenius norm of a rank-LOWRANK_RANK edit of one block's       |
 |           |             | down projection, relative to that weight's norm                 |
+| forward   | forwarding  | SNR in dB of noise added only to what a chained hop forwards to |
+|           |             | the next peer, its copy to the client left honest (altered_forward) |
 
 `rate` is the fraction of requests tampered with, drawn per request from `seed`, so a run is
 reproducible. The fixed dimensions / blocks / edit directions are drawn from `seed` too: a
@@ -49,11 +51,30 @@ SCALED_DIMS = 4
 LOWRANK_RANK = 4
 
 
+FORWARD_KIND = "forward"  # not a Tamper: the data plane's forwarding takes it (altered_forward)
+
+
+def altered_forward(snr_db: float, seed: int = 0):
+    """What a chained hop forwards instead of its output: the output plus Gaussian noise at
+    `snr_db`, while the copy it sends the client (and commits to) stays honest."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def alter(out: Tensor) -> Tensor:
+        x = out.float()
+        rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(x.shape, generator=gen) * rms * 10 ** (-snr_db / 20)
+        return (x + noise).to(out.dtype)
+
+    return alter
+
+
 def parse_spec(text: str) -> tuple[str, float]:
     """`KIND[:STRENGTH]` -> (kind, strength); ValueError naming what is wrong."""
     kind, _, strength = text.partition(":")
+    if kind == FORWARD_KIND:
+        return kind, float(strength) if strength else 20.0
     if kind not in KINDS:
-        raise ValueError(f"unknown tamper kind {kind!r}: choose one of {', '.join(KINDS)}")
+        raise ValueError(f"unknown tamper kind {kind!r}: choose one of {', '.join(KINDS + (FORWARD_KIND,))}")
     try:
         return kind, float(strength) if strength else DEFAULT_STRENGTH[kind]
     except ValueError:

@@ -1,0 +1,112 @@
+"""A chained hop's link to the next peer of its route (protocol 1.2, protocols/inference.md section 13).
+
+A client that opens a session with CHAIN_TO names where the hop's outputs go: the next hop's peer,
+its addresses and the session the client opened there (which in turn names this peer in
+CHAIN_FROM). While the session opens, the hop dials that peer (Noise, the same protocol id),
+sends ATTACH for that session and waits for ATTACH_OK: whether the link works is known before
+OPEN_OK, so a hop that cannot reach the next one answers without the CHAINED flag and its outputs
+return through the client for the whole session (no step ever waits on a link that never worked).
+Each output is then written to the link as a STEP of the downstream session (same step number,
+positions, keep, cache_len, mask and flags as the STEP it answers) before the client's copy
+goes out. A link that fails is dropped at once and the client is told in that step's STEP_OK
+(LINK_ERROR); the peer never forwards anywhere but the peer the client named.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from diffuse.data.codec import Attach, AttachOk, Downstream, ErrorMsg, FrameDecoder, Step, encode
+from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
+
+log = logging.getLogger(__name__)
+LINK_OPEN_S = 2.0  # dial + ATTACH: below the client's OPEN deadline, which a chained OPEN adds to
+LINK_WRITE_S = 2.0  # a forwarded frame the next peer does not take in this long drops the link
+
+DialPeer = Callable[[str, tuple[str, ...]], Awaitable[ByteStream]]
+
+
+class Link:
+    """The stream a hop forwards its outputs on; `error` says why it was dropped (None while up)."""
+
+    def __init__(self, downstream: Downstream, stream: ByteStream):
+        self.downstream, self.stream = downstream, stream
+        self.error: str | None = None
+        self.forwarded = 0
+
+    async def forward(self, step: Step) -> bool:
+        """Write one output as a STEP of the downstream session; False (and `error`) if the link is
+        gone. Never raises: the client's copy still has to go out."""
+        if self.error is not None:
+            return False
+        try:
+            frame = encode(step)
+            with trio.fail_after(LINK_WRITE_S):
+                await self.stream.write(frame)
+        except trio.TooSlowError:
+            return await self.drop(f"the next peer took no frame for {LINK_WRITE_S:g} s")
+        except Exception as e:  # noqa: BLE001 - py-libp2p's many ways of a stream ending; an encode error
+            return await self.drop(f"forwarding failed: {type(e).__name__}: {e}")
+        self.forwarded += 1
+        return True
+
+    async def drop(self, why: str) -> bool:
+        if self.error is None:
+            self.error = why
+            log.info("link to %s dropped: %s", self.downstream.peer_id, why)
+            await close_quietly(self.stream)
+        return False
+
+    async def watch(self) -> None:
+        """Read what the next peer says on the link (only ERROR, when it refuses a frame or its
+        session ends): the link is dropped then, and the next STEP_OK tells the client."""
+        dec = FrameDecoder()
+        while self.error is None:
+            try:
+                data = await self.stream.read(READ_CHUNK)
+                msgs = dec.feed(data) if data else None
+            except Exception as e:  # noqa: BLE001 - a reset or garbage (WireError): the link is gone
+                await self.drop(f"link failed: {type(e).__name__}: {e}")
+                return
+            if msgs is None:
+                await self.drop("the next peer closed the link")
+                return
+            for m in msgs:
+                if isinstance(m, ErrorMsg):
+                    await self.drop(f"the next peer refused: {m.message}")
+                    return
+
+    async def close(self) -> None:
+        self.error = self.error or "session ended"
+        await close_quietly(self.stream)
+
+
+async def open_link(dial: DialPeer | None, downstream: Downstream) -> tuple[Link | None, str | None]:
+    """A link to `downstream`, attached to its session, or None and why not (within LINK_OPEN_S)."""
+    if dial is None:
+        return None, "this peer does not forward (no host to dial from)"
+    stream = None
+    try:
+        with trio.fail_after(LINK_OPEN_S):
+            stream = await dial(downstream.peer_id, downstream.addrs)
+            await stream.write(encode(Attach(downstream.session_id)))
+            dec, got = FrameDecoder(), []
+            while not got:
+                data = await stream.read(READ_CHUNK)
+                if not data:
+                    raise EOFError("the next peer closed the stream")
+                got = dec.feed(data)
+    except trio.TooSlowError:
+        why = f"no link to the next peer in {LINK_OPEN_S:g} s"
+    except Exception as e:  # noqa: BLE001 - unreachable (NAT, firewall), a peer speaking 1.1, a refusal
+        why = f"cannot reach the next peer: {type(e).__name__}: {e}"
+    else:
+        if isinstance(got[0], AttachOk) and got[0].session_id == downstream.session_id:
+            return Link(downstream, stream), None
+        why = f"the next peer refused the link: {getattr(got[0], 'message', type(got[0]).__name__)}"
+    if stream is not None:
+        await close_quietly(stream)
+    return None, why
