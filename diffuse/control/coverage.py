@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffuse.model.store import block_ranges
 from diffuse.control.records import PeerRecord
 
 
@@ -105,7 +106,7 @@ def _mismatch(r: PeerRecord, num_blocks: int, expected: Sequence[str] | None,
     if expected is not None:
         bad = [i for i, h in zip(range(r.start, r.end), r.block_hashes) if h != expected[i]]
         if bad:
-            return f"announces other weights for blocks {_ranges(bad)}"
+            return f"announces other weights for blocks {block_ranges(bad)}"
     return ""
 
 
@@ -173,17 +174,6 @@ def format_text(cov: Coverage) -> str:
                          f"threshold {e['threshold']:.3g}, reported by {_short(e['reporter'])} "
                          f"{_dur(max(0.0, cov.now - e['time']))} ago")
     return "\n".join(lines)
-
-
-def _ranges(blocks: list[int]) -> str:
-    """[0, 1, 2, 7] -> "0-2, 7"."""
-    runs: list[list[int]] = []
-    for b in blocks:
-        if runs and b == runs[-1][1] + 1:
-            runs[-1][1] = b
-        else:
-            runs.append([b, b])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _reached(reach: dict[str, Any]) -> str:

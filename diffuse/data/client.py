@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import trio
@@ -38,6 +39,9 @@ Dial = Callable[[Hop], Awaitable[ByteStream]]
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
 DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bounds its own parts tighter)
 ROUTES = ("auto", "chain", "star")  # how hops' outputs travel (RemoteSpan's `shape`)
+
+
+S = TypeVar("S", bound=Session)
 
 
 class RouteShapeError(DiffuseError):
@@ -203,12 +207,7 @@ class RemoteSpan:
                                               self.dtype, self.timeout, self.checks.commitments,
                                               self.exact, upstream=route[i - 1].peer_id if i else None,
                                               downstream=down))
-        try:
-            await session.open()
-        except BaseException:
-            await session.close()
-            raise
-        return session
+        return await _opened(session)
 
     def _check_links(self, hops: list[Session]) -> None:
         """Note the links that did not come up (those hops return through the client); with the
@@ -275,12 +274,7 @@ class RemoteSpan:
         sessions (their max_length, unless the canary would not fit)."""
         session = HopSession(hop, await self._dial(hop), self.model_id, max(self.max_len, tokens), self.batch,
                              self.dtype, self.timeout, True, self.exact)
-        try:
-            await session.open()
-        except BaseException:
-            await session.close()
-            raise
-        return session
+        return await _opened(session)
 
     async def forward(self, h: Tensor, positions: Tensor, tree_mask: Tensor | None, commit: bool) -> Tensor:
         """The step through every hop in turn, a failed or rejected hop replaced and the step
@@ -347,3 +341,13 @@ class RemoteSpan:
         self.stats.bytes_sent = sum(s.bytes_sent for s in self.hops)
         await self._discard(self.hops)
         await self.checks.closed([s.hop for s in self.hops], self._canary_session)
+
+
+async def _opened(session: S) -> S:
+    """`session`, opened; closed again when opening fails."""
+    try:
+        await session.open()
+    except BaseException:
+        await session.close()
+        raise
+    return session

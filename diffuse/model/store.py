@@ -148,11 +148,12 @@ def _became(tensors: dict[str, str]) -> list[str]:
     for name, origin in tensors.items():
         _, _, layer, part = name.split(".", 3)
         by.setdefault(part, {}).setdefault(origin, []).append(int(layer))
-    return [f"tensor       {part}: " + "; ".join(f"{o} (blocks {_spans(sorted(b))})" for o, b in origins.items())
+    return [f"tensor       {part}: " + "; ".join(f"{o} (blocks {block_ranges(sorted(b))})" for o, b in origins.items())
             for part, origins in sorted(by.items())]
 
 
-def _spans(blocks: list[int]) -> str:
+def block_ranges(blocks: list[int]) -> str:
+    """[0, 1, 2, 7] -> "0-2, 7"."""
     runs: list[list[int]] = []
     for b in blocks:
         if runs and b == runs[-1][1] + 1:
