@@ -35,6 +35,8 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
                    "store, blocks no live peer can take, memory allowing (default: on; off: wait for a replica)")
     p.add_argument("--route", choices=["auto", "chain", "star"], default="auto", help="hops forward outputs peer to "
                    "peer (chain), return each through here (star), or chain where a link comes up (auto)")
+    p.add_argument("--accept-quant", help="peers' variants to route through: LIST (none,int8,int4) or any; "
+                   "default: --quant's and more bits")
     p.add_argument("--route-wait", type=float, default=60.0, metavar="SECONDS",
                    help="how long a session waits for a replica of blocks it cannot compute here")
     p.add_argument("--trust", choices=["public", "private", "off"], help="public: canaries, 10%% spot checks, "

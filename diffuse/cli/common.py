@@ -26,8 +26,6 @@ def add_compute_options(p: argparse.ArgumentParser, device: bool = True) -> None
         p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
         p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
                        help="hold blocks as the model's int8 or int4 variant (made on first use); the head stays")
-        p.add_argument("--accept-quant", help="peers' variants to route through: LIST (none,int8,int4) or any; "
-                       "default: --quant's and more bits")
 
 
 def add_train_draft_option(p: argparse.ArgumentParser) -> None:
