@@ -8,6 +8,7 @@ The events are asserted, not their durations."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from support.swarm import LOCAL, PROMPT, QUICK_RECORDS, Swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(900)]
 TOKENS = 600  # long enough to be running still when the hog has made the peer drain
+# The peer divides CPU use by the CPUs it may run on: pinned with the hog to one, the hog is 100%.
+PIN = ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
 LIMITS = "cpu=25,memory=100,gpu=100,busy=0.5,idle=3,every=0.25"  # memory and gpu: not this test's business
 
 
@@ -57,8 +60,9 @@ def until(env: dict[str, str], check, what: str, timeout: float = 240) -> dict:
 
 
 def test_a_hog_pauses_an_auto_peer_whose_session_fails_over_unchanged(home, tmp_path):
-    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
-        pytest.skip("unshare and nsenter (util-linux) are needed to give the peer its own PID namespace")
+    if not all(shutil.which(tool) for tool in ("unshare", "nsenter", "taskset")):
+        pytest.skip("unshare, nsenter and taskset (util-linux) are needed to give the peer its own PID namespace "
+                    "and CPU")
     expected = reference(home)
     own = tmp_path / "auto-home"
     own.mkdir()
@@ -69,7 +73,7 @@ def test_a_hog_pauses_an_auto_peer_whose_session_fails_over_unchanged(home, tmp_
         auto = procs.start("daemon", "run", "--bootstrap", swarm.boot, "--listen", LOCAL, "--blocks", "1:30",
                            "--identity", str(tmp_path / "auto.key"), "--throughput", "1000", *QUICK_RECORDS,
                            "--contribution", "auto", "--auto-limits", LIMITS, "--drain-timeout", "0",
-                           prefix=["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"], env=env)
+                           prefix=[*PIN, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child"], env=env)
         auto.read_until("daemon ready", timeout=240)
         env = procs.env | env
         try:
@@ -86,7 +90,7 @@ def watch(procs: Procs, swarm: Swarm, auto, env: dict[str, str], tmp_path: Path,
     until(env, lambda s: s["load"].get("sessions", 0) >= 1, "a session on the auto peer")
     inside = Path(f"/proc/{auto.p.pid}/task/{auto.p.pid}/children").read_text().split()[0]
     stop = tmp_path / "hog.stop"  # the hog spins until this file appears (at most 10 minutes)
-    hog = subprocess.Popen(["nsenter", "--target", inside, "--pid", "--mount", "--", sys.executable, "-c",
+    hog = subprocess.Popen([*PIN, "nsenter", "--target", inside, "--pid", "--mount", "--", sys.executable, "-c",
                             f"import os, time\nend = time.time() + 600\n"
                             f"while time.time() < end and not os.path.exists({str(stop)!r}): pass"])
     try:

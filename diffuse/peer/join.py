@@ -109,6 +109,7 @@ class Peer:
             if self.lend else None
         self.node: Node | None = None
         self._printed = False
+        self._held_serving: Serving | None = None  # loaded while paused: announced on resume
 
     def busy(self) -> bool:
         """Whether sessions are open now (a background draft-head training waits while they are)."""
@@ -137,10 +138,17 @@ class Peer:
         self.say(f"announcement withdrawn; handed {handed} sessions to replicas")
 
     async def _resume(self) -> None:
-        assert self.node is not None
+        """Take sessions again and announce what it holds: the span loaded while paused, else the
+        one `_pause` withdrew (none if it paused before it announced anything)."""
+        node = self.node
+        assert node is not None
+        held = self._held_serving
+        self._held_serving = None
         self.hooks.resume()
-        if self.node.announcer is not None:
-            await self.node.serve(self.node.announcer.serving)
+        if held is None and node.announcer is not None and node.announcer.withdrawn:
+            held = node.announcer.serving
+        if held is not None:
+            await node.serve(held)
 
     def _node(self) -> Node:
         hooks, files, client = self.hooks, self.files, self.config.serve.client_only
@@ -194,12 +202,19 @@ class Peer:
         if hooks.prepare is not None:
             hooks.use(self.dirs.get(offer.model, self.model_dir), offer.model)
             throughput = await hooks.prepare(start, end) or throughput
-        await node.serve(Serving(
+        serving = Serving(
             model=offer.model, num_blocks=offer.num_blocks, start=start, end=end,
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
             protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
-            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}) | self.variant))
+            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}) | self.variant)
+        if self.lending is not None and self.lending.paused:  # contribution auto paused: hold it until resume
+            if hooks.drain is not None:
+                await hooks.drain(0)  # the fresh server refuses sessions too
+            self._held_serving = serving
+            self.say(f"loaded {offer.model} blocks {start}:{end}; announced once contribution auto returns")
+            return
+        await node.serve(serving)
         if not self._printed:
             self._printed = True
             self.show("\n".join(node.full_addrs()))
