@@ -38,6 +38,36 @@ def test_requests_are_checked_and_name_what_is_wrong():
         assert e.value.field == where, (line, e.value)
 
 
+def test_per_ask_options_travel_only_when_given_and_a_daemon_running_others_says_mismatch(tmp_path):
+    from types import SimpleNamespace
+
+    from diffuse.cli import build_parser
+    from diffuse.client.service import ServiceConfig
+    from diffuse.daemon.process import Daemon, DaemonConfig
+
+    parse = build_parser().parse_args
+    plain = client.ask_request(vars(parse(["ask", "hi"])), [{"role": "user", "content": "hi"}])
+    assert not set(plain) & set(protocol.OPTIONS), plain  # the parser's defaults: whatever the daemon runs
+    asked = client.ask_request(vars(parse(["ask", "hi", "--route", "chain", "--accept-quant", "int8, none",
+                                           "--quant", "int8", "--exact"])), [{"role": "user", "content": "hi"}])
+    assert {k: asked[k] for k in protocol.OPTIONS} == {"quant": "int8", "accept_quant": "int8, none",
+                                                        "route": "chain", "exact": True}
+    api = client.api_request(vars(parse(["api", "--route", "star"])), frozenset())
+    assert api["route"] == "star" and "quant" not in api
+    swarm = SimpleNamespace(bootstrap=("/ip4/127.0.0.1/tcp/1/p2p/QmX",),
+                            options=SimpleNamespace(route="chain", accept_quant="none,int8"))
+    daemon = Daemon(DaemonConfig(tmp_path, ServiceConfig(tmp_path, swarm=swarm, quant="int8", exact=True), "peer"))
+    assert daemon._why_not(protocol.parse(json.dumps({"op": "ask"} | asked).encode())) is None
+    assert daemon._why_not(protocol.parse(json.dumps({"op": "ask"} | plain).encode())) is None
+    for given, why in [({"route": "star"}, "--route chain, not --route star"), ({"exact": False}, "not --no-exact"),
+                       ({"quant": "none"}, "--quant int8, not --quant none"),
+                       ({"accept_quant": "any"}, "not --accept-quant any")]:
+        assert why in daemon._why_not(protocol.parse(json.dumps({"op": "ask"} | plain | given).encode()))
+    local = Daemon(DaemonConfig(tmp_path, ServiceConfig(tmp_path), "local"))
+    assert "whole model" in local._why_not(protocol.parse(json.dumps({"op": "ask"} | plain | {"route": "chain"})
+                                                          .encode()))
+
+
 def _argv() -> list[str]:
     return ["daemon", "run", "--bootstrap", "/ip4/127.0.0.1/tcp/31330/p2p/QmX", "--contribution", "auto",
             "--auto-limits", "cpu=30,idle=120", "--system", "50% of $HOME \"quoted\""]

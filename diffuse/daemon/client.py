@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diffuse.daemon import units
-from diffuse.daemon.protocol import MISMATCH, SAMPLING, encode, paths
+from diffuse.daemon.protocol import MISMATCH, OPTIONS, SAMPLING, encode, paths
 from diffuse.errors import DiffuseError
 
 Say = Callable[[str], None]
@@ -118,11 +118,18 @@ def ask(home: Path, request: dict[str, Any], on_text: Callable[[str], None] | No
     return call(home, {"op": "ask"} | request, reply, say)
 
 
+def given(options: dict[str, Any]) -> dict[str, Any]:
+    """The per-ask options (--quant, --accept-quant, --route, --exact) the user set: the daemon
+    answers only where its service runs with the same."""
+    return {k: options[k] for k, default in OPTIONS.items() if options.get(k, default) != default}
+
+
 def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
     """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
     machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history."""
     return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
-            "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False}
+            "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False,
+            **given(options)}
 
 
 def survey_request(options: dict[str, Any]) -> dict[str, Any]:
@@ -135,7 +142,8 @@ def api_request(options: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]
     """What `api`'s options ask of the daemon (its history and draft-head options are the daemon's)."""
     return {"listen": options["listen"], "api_keys": sorted(keys), "max_sessions": options["max_sessions"],
             "max_queue": options["max_queue"], "default_max_tokens": options["max_tokens"],
-            "models": options["model"], "local": options["local"], "bootstrap": options["bootstrap"]}
+            "models": options["model"], "local": options["local"], "bootstrap": options["bootstrap"],
+            **given(options)}
 
 
 def serve_api(home: Path, request: dict[str, Any], on_listening: Callable[[str], None], say: Say) -> bool:

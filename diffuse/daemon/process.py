@@ -153,7 +153,21 @@ class Daemon:
         if isinstance(request, protocol.Survey):
             return self.mismatch(False, request.bootstrap, []) if self.config.service.swarm else "it runs no swarm"
         models = ([request.model] if request.model else []) if isinstance(request, protocol.Ask) else request.models
-        return self.mismatch(request.local, request.bootstrap, models)
+        return self.mismatch(request.local, request.bootstrap, models) or self.other_options(request)
+
+    def other_options(self, request: protocol.Routed) -> str | None:
+        """The first per-ask option the request gives that this daemon's service does not run with."""
+        service, swarm = self.config.service, self.config.service.swarm
+        runs = {"quant": service.quant, "exact": service.exact, "route": swarm.options.route if swarm else None,
+                "accept_quant": _variants(swarm.options.accept_quant) if swarm else None}
+        for name in protocol.OPTIONS:
+            asked = getattr(request, name)
+            asked = _variants(asked) if name == "accept_quant" else asked
+            if asked is not None and asked != runs[name]:
+                if swarm is None and name in ("route", "accept_quant"):
+                    return f"it answers from a whole model in its process, not with {_flag(name, asked)}"
+                return f"it runs with {_flag(name, runs[name])}, not {_flag(name, asked)}"
+        return None
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
@@ -243,6 +257,18 @@ class Daemon:
             while await stream.receive_some(4096):  # served until `diffuse api` lets go
                 pass
             nursery.cancel_scope.cancel()
+
+
+def _variants(accept: str | None) -> str | None:
+    """--accept-quant's LIST in one spelling ("int8, none" and "none,int8" are the same)."""
+    return None if accept is None else ",".join(sorted({v.strip().lower() for v in accept.split(",") if v.strip()}))
+
+
+def _flag(name: str, value: Any) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"the default {flag}" if value is None else f"{flag} {value}"
 
 
 async def _trust_warm(service: Service) -> None:

@@ -61,7 +61,21 @@ class Stop(Request, tag="stop"):
     """Leave as on SIGTERM (a peer drains first); the answer comes before it goes."""
 
 
-class Ask(Request, tag="ask"):
+class Routed(Request, kw_only=True):
+    """The per-ask options a user gave (None: not given, so whatever the daemon's service runs with);
+    a daemon whose service runs with other ones answers kind "mismatch"."""
+
+    quant: Annotated[str, Meta(pattern="^(none|int8|int4)$")] | None = None
+    accept_quant: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    route: Annotated[str, Meta(pattern="^(auto|chain|star)$")] | None = None
+    exact: bool | None = None
+
+
+OPTIONS = {"quant": "none", "accept_quant": None, "route": "auto", "exact": False}  # the parser's defaults
+assert set(OPTIONS) == set(Routed.__struct_fields__) - set(Request.__struct_fields__)
+
+
+class Ask(Routed, tag="ask", kw_only=True):
     """One chat answer. `local`: the asker wants the model in this machine's process; `bootstrap`:
     the swarm it names (the daemon answers only for its own: else kind "mismatch")."""
 
@@ -82,7 +96,7 @@ class Survey(Request, tag="survey"):
     bootstrap: Names = []
 
 
-class Api(Request, tag="api"):
+class Api(Routed, tag="api", kw_only=True):
     """Serve the OpenAI-compatible API on `listen` from the daemon's service until this
     connection closes (`diffuse api` holds it open)."""
 
