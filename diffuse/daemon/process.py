@@ -36,6 +36,7 @@ from diffuse.validate import Malformed
 log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 WARM_S = 120.0  # the most a starting daemon waits for the trust plane's material
+REQUEST_S = 30.0  # the most a connection may take to send its request line (then it is closed)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,9 @@ class Daemon:
     async def _handle(self, stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                line = await _read_line(stream)
+                line = None
+                with trio.move_on_after(REQUEST_S):  # a silent connection does not hold a task forever
+                    line = await _read_line(stream)
                 if line is None:
                     return
                 try:
