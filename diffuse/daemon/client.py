@@ -49,13 +49,33 @@ def running(home: Path) -> int | None:
     return None
 
 
-def _open(home: Path, say: Say) -> socket.socket | None:
+def _clear_stale(home: Path, say: Say) -> None:
+    """Remove a dead daemon's socket and pid file, holding the pid file's exclusive lock: a daemon
+    starting now holds it (then nothing is stale) or waits, and checks that the file it locks is
+    still the one at the path."""
     sock_path, pid_path, _ = paths(home)
-    if running(home) is None:
-        if sock_path.exists():
+    if not sock_path.exists():
+        return
+    try:
+        fd = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if sock_path.exists() and os.stat(pid_path).st_ino == os.fstat(fd).st_ino:
             say(f"the daemon of {home} is gone (a stale socket: killed?); going on without it")
-            for stale in (sock_path, pid_path):
-                stale.unlink(missing_ok=True)
+            sock_path.unlink(missing_ok=True)
+            pid_path.unlink(missing_ok=True)
+    except OSError:  # locked: a daemon lives (or is starting); the path changed: someone else cleaned up
+        pass
+    finally:
+        os.close(fd)
+
+
+def _open(home: Path, say: Say) -> socket.socket | None:
+    sock_path, _, _ = paths(home)
+    if running(home) is None:
+        _clear_stale(home, say)
         return None
     deadline = time.monotonic() + CONNECT_S
     while True:

@@ -36,6 +36,7 @@ from diffuse.validate import Malformed
 log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 WARM_S = 120.0  # the most a starting daemon waits for the trust plane's material
+LOCK_S = 1.0  # how long a starting daemon tries for the pid file's lock
 REQUEST_S = 30.0  # the most a connection may take to send its request line (then it is closed)
 
 
@@ -51,13 +52,7 @@ def pid_lock(home: Path) -> Iterator[None]:
     """This home's pid file, locked and holding our pid while the daemon lives."""
     _, pid_path, _ = protocol.paths(home)
     home.mkdir(parents=True, exist_ok=True)
-    fd = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        other = os.read(fd, 32).decode(errors="replace").strip()
-        os.close(fd)
-        raise DiffuseError(f"a daemon already runs for {home} (pid {other})") from None
+    fd = _lock(pid_path, home)
     os.ftruncate(fd, 0)
     os.write(fd, str(os.getpid()).encode())
     try:
@@ -65,6 +60,29 @@ def pid_lock(home: Path) -> Iterator[None]:
     finally:
         protocol.paths(home)[0].unlink(missing_ok=True)
         pid_path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _lock(pid_path: Path, home: Path) -> int:
+    """The pid file open and exclusively locked. Tried for LOCK_S: a `running` probe holds a shared
+    lock for an instant, and is no daemon. The file locked must still be the one at the path (a
+    leaving daemon or a stale cleanup unlinks it while holding the lock)."""
+    deadline = time.monotonic() + LOCK_S
+    while True:
+        fd = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                os.close(fd)
+                time.sleep(0.05)
+                continue
+            other = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise DiffuseError(f"a daemon already runs for {home} (pid {other})") from None
+        with suppress(FileNotFoundError):
+            if os.stat(pid_path).st_ino == os.fstat(fd).st_ino:
+                return fd
         os.close(fd)
 
 
