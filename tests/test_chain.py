@@ -82,10 +82,11 @@ class Killable:
         await self.inner.write(data)
 
 
-async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None):
+async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None, addrs=None):
     async with trio.open_nursery() as nursery:
         swarm = ChainSwarm(nursery, path, spans, alter)
         swarm.kill_after.update(kill or {})
+        swarm.addrs.update(addrs or {})
         remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
                             timeout=10, route_wait=0, shape=shape)
         await remote.open()
@@ -110,6 +111,21 @@ def test_chain_equals_star_and_the_client_sends_only_the_first_hop(tiny):
     assert len(swarm.steps["a"]) == 11 and not swarm.steps["b"] and not swarm.steps["c"]
     assert all(len(star_swarm.steps[n]) == 11 for n in "abc")
     assert not remote.stats.failovers and not remote.stats.links
+
+
+def test_a_next_peer_announcing_many_long_addresses_is_still_chained_to(tiny):
+    """c's record announces 16 addresses of 265 bytes: CHAIN_TO names only the first few, so b's
+    OPEN stays under a peer's limit before OPEN_OK (4096 bytes) and b is neither refused nor banned."""
+    from diffuse.data.client import CHAIN_TO_ADDRS, CHAIN_TO_BYTES
+
+    many = tuple(f"/dns4/{'x' * 240}{i:02}.example/tcp/{4000 + i}" for i in range(16))
+    out, remote, swarm, route = trio.run(lambda: chain_answer(tiny, SPANS, 4, "chain", addrs={"c": many}))
+    assert out == local_answer(tiny, PROMPT, 4)
+    assert [h["output"] for h in route] == ["peer", "peer", "client"]
+    assert not remote.stats.failovers and not remote.stats.links
+    named = remote.hops[1].downstream.addrs
+    assert named and named == many[:len(named)] and len(named) <= CHAIN_TO_ADDRS
+    assert sum(2 + len(a) for a in named) <= CHAIN_TO_BYTES
 
 
 def test_a_stranger_cannot_send_frames_into_a_session(tiny):

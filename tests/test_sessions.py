@@ -58,12 +58,15 @@ class Swarm:
         self.dials: list[str] = []
         self.steps: dict[str, list[Step]] = {}  # name -> every STEP clients sent it
         self.sent: list[bytes] = []  # every byte clients wrote, in order
+        self.addrs: dict[str, tuple[str, ...]] = {}  # name -> the addresses its record announces
+        self.quant: dict[str, str] = {}  # name -> the variant its record announces (else "none")
 
     async def route(self, start, end, exclude):
         from diffuse.control.routing import plan_route
         from types import SimpleNamespace as NS
 
-        recs = [NS(peer_id=n, addrs=(), start=s.span.start, end=s.span.end, online=True,
+        recs = [NS(peer_id=n, addrs=self.addrs.get(n, ()), start=s.span.start, end=s.span.end, online=True,
+                   extra={"quant": self.quant.get(n, "none")},
                    fresh=lambda now: True, throughput=100.0, cache_tokens=10**6, started=0.0,
                    serves=lambda b, s=s: s.span.start <= b < s.span.end)
                 for n, s in self.servers.items() if n not in self.dead]

@@ -27,7 +27,7 @@ from diffuse.control.routing import Hop, NoRoute, plan_route
 from diffuse.data import scheduler
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
-from diffuse.errors import DiffuseError
+from diffuse.errors import DiffuseError, ModelError
 from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
 from diffuse.model.engine import BlockSpan, Head, block_parameters
@@ -137,7 +137,11 @@ class SwarmClient:
             if scheme not in self.accepted:
                 self.rejected[r.peer_id] = f"serves the {scheme} variant, which this client does not accept"
                 continue
-            hashes = await self.variant_hashes(scheme)
+            try:
+                hashes = await self.variant_hashes(scheme)
+            except ModelError as e:  # this model has no such variant here (a family int4 cannot take)
+                self.rejected[r.peer_id] = f"serves the {scheme} variant, which this client cannot make: {e}"
+                continue
             if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != hashes[r.start:r.end]:
                 self.rejected[r.peer_id] = f"announced block hashes differ from the trusted manifest ({scheme})"
                 continue

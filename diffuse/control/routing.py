@@ -33,7 +33,8 @@ class NoRoute(DiffuseError):
 class Hop:
     """One peer of a route and the blocks it computes there. `started` (its record's start time)
     tells a failure of this run of the peer from one of its next run; `throughput` (announced,
-    tokens/s through its span) and `rtt` (measured, seconds) size a step's deadline."""
+    tokens/s through its span) and `rtt` (measured, seconds) size a step's deadline; `quant`, the
+    variant its record announces (the one the client accepted), is what its OPEN_OK must declare."""
 
     peer_id: str
     addrs: tuple[str, ...]
@@ -42,6 +43,7 @@ class Hop:
     started: float = 0.0
     throughput: float = 0.0
     rtt: float = DEFAULT_RTT
+    quant: str = "none"
 
 
 def _cost(r: PeerRecord, s: int, e: int, rtt: Mapping[str, float], tokens: int) -> float:
@@ -82,7 +84,7 @@ def plan_route(records: Iterable[PeerRecord], start: int, end: int, *, rtt: Mapp
     while e != start:
         s, r = back[e]
         hops.append(Hop(r.peer_id, tuple(r.addrs), s, e, r.started, r.throughput * (r.end - r.start) / (e - s),
-                        rtt.get(r.peer_id, DEFAULT_RTT)))
+                        rtt.get(r.peer_id, DEFAULT_RTT), str(r.extra.get("quant", "none"))))
         e = s
     return hops[::-1]
 

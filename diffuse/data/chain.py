@@ -23,8 +23,16 @@ from diffuse.data.codec import Attach, AttachOk, Downstream, ErrorMsg, FrameDeco
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 
 log = logging.getLogger(__name__)
-LINK_OPEN_S = 2.0  # dial + ATTACH: below the client's OPEN deadline, which a chained OPEN adds to
-LINK_WRITE_S = 2.0  # a forwarded frame the next peer does not take in this long drops the link
+LINK_OPEN_S = 5.0  # dial + ATTACH: below what a chained OPEN adds to the client's OPEN deadline
+LINK_WRITE_S = 2.0  # a forwarded frame the next peer does not take in this long, plus LINK_WRITE_RATE, drops the link
+LINK_WRITE_RATE = 1_000_000  # bytes/s a forwarded frame may take on top of LINK_WRITE_S (a prefill's frame is large)
+UNREACHABLE = "cannot reach the next peer"  # all the client learns of a failed dial: no port-scan oracle
+
+
+def link_write_s(nbytes: int) -> float:
+    """Seconds a forwarded frame of `nbytes` may take to write; the client's step deadline of a
+    chained hop adds the same."""
+    return LINK_WRITE_S + nbytes / LINK_WRITE_RATE
 
 DialPeer = Callable[[str, tuple[str, ...]], Awaitable[ByteStream]]
 
@@ -44,10 +52,11 @@ class Link:
             return False
         try:
             frame = encode(step)
-            with trio.fail_after(LINK_WRITE_S):
+            limit = link_write_s(len(frame))
+            with trio.fail_after(limit):
                 await self.stream.write(frame)
         except trio.TooSlowError:
-            return await self.drop(f"the next peer took no frame for {LINK_WRITE_S:g} s")
+            return await self.drop(f"the next peer did not take a frame in {limit:.1f} s")
         except Exception as e:  # noqa: BLE001 - py-libp2p's many ways of a stream ending; an encode error
             return await self.drop(f"forwarding failed: {type(e).__name__}: {e}")
         self.forwarded += 1
@@ -102,7 +111,8 @@ async def open_link(dial: DialPeer | None, downstream: Downstream) -> tuple[Link
     except trio.TooSlowError:
         why = f"no link to the next peer in {LINK_OPEN_S:g} s"
     except Exception as e:  # noqa: BLE001 - unreachable (NAT, firewall), a peer speaking 1.1, a refusal
-        why = f"cannot reach the next peer: {type(e).__name__}: {e}"
+        log.info("no link to %s: %s: %s", downstream.peer_id, type(e).__name__, e)  # the detail stays here
+        why = UNREACHABLE
     else:
         if isinstance(got[0], AttachOk) and got[0].session_id == downstream.session_id:
             return Link(downstream, stream), None

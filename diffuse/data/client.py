@@ -39,6 +39,10 @@ Dial = Callable[[Hop], Awaitable[ByteStream]]
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
 DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bounds its own parts tighter)
 ROUTES = ("auto", "chain", "star")  # how hops' outputs travel (RemoteSpan's `shape`)
+# The next peer's addresses named in CHAIN_TO: at most this many and bytes, so that an OPEN stays
+# well under a peer's limit on frames before OPEN_OK (4096 bytes) whatever a record announces.
+CHAIN_TO_ADDRS = 4
+CHAIN_TO_BYTES = 1024
 
 
 S = TypeVar("S", bound=Session)
@@ -98,6 +102,19 @@ class Bans:
         """The peer answered a probe: usable again (its strikes stay)."""
         if peer_id in self.bans:
             self.bans[peer_id].until = self.clock()
+
+
+def chain_addrs(addrs: Iterable[str]) -> tuple[str, ...]:
+    """The first of a record's addresses that fit CHAIN_TO's budget, in the record's order (a
+    long one is skipped, not the rest)."""
+    kept: list[str] = []
+    size = 0
+    for a in addrs:
+        n = 2 + len(a.encode())
+        if len(kept) < CHAIN_TO_ADDRS and size + n <= CHAIN_TO_BYTES:
+            kept.append(a)
+            size += n
+    return tuple(kept)
 
 
 def cause_of(error: BaseException) -> str:
@@ -202,7 +219,7 @@ class RemoteSpan:
         i = route.index(hop)
         down = None
         if after is not None and after.minor >= 2:
-            down = Downstream(after.hop.peer_id, tuple(after.hop.addrs), after.session_id)
+            down = Downstream(after.hop.peer_id, chain_addrs(after.hop.addrs), after.session_id)
         session = self.checks.wrap(HopSession(hop, await self._dial(hop), self.model_id, self.max_len, self.batch,
                                               self.dtype, self.timeout, self.checks.commitments,
                                               self.exact, upstream=route[i - 1].peer_id if i else None,

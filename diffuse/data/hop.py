@@ -22,6 +22,7 @@ import trio
 from torch import Tensor
 
 from diffuse.control.routing import Hop
+from diffuse.data.chain import LINK_OPEN_S, link_write_s
 from diffuse.data.codec import (
     Close, Downstream, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError,
 )
@@ -29,6 +30,7 @@ from diffuse.data.commitments import StepBinding, bind, input_commitment
 from diffuse.data.session import Role, SessionRules, SessionState
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 from diffuse.errors import DiffuseError
+from diffuse.model.quant import split_name
 
 log = logging.getLogger(__name__)
 REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bounds a step's attention)
@@ -37,7 +39,8 @@ REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bo
 # the session's cap (--step-timeout). A frozen peer is noticed in seconds, an honest prefill is not cut.
 FLOOR_S = 3.0
 SLACK = 4.0
-CHAIN_OPEN_S = 2.5  # what a chained OPEN adds to its deadline: the peer links to the next one first (data/chain.py)
+CHAIN_OPEN_S = LINK_OPEN_S + 0.5  # what a chained OPEN adds to its deadline: the peer links to the next one first
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")  # what a peer may declare it computes in (OPEN_OK)
 
 
 def truncated(inputs: Sequence[Sent], length: int) -> list[Sent]:
@@ -126,6 +129,15 @@ class Session(Protocol):
     def rollback(self, length: int) -> None: ...
     def inputs(self) -> list[Sent]: ...
     async def close(self) -> None: ...
+    def _check_variant(self, name: str) -> None:
+        """The variant a peer declares must be the one its record announced (which this client
+        accepted), computed in a float dtype: checks then only meet variants the client chose,
+        and a peer naming another or a made-up one broke the protocol (it is banned)."""
+        dtype, scheme = split_name(name)
+        if scheme != self.hop.quant or dtype not in COMPUTE_DTYPES:
+            raise HopFailed(self.hop, f"declares it computes in {name!r}, but its record announces the "
+                            f"{self.hop.quant} variant in one of {', '.join(COMPUTE_DTYPES)}")
+
     def feed_from_upstream(self, fed: bool) -> None: ...
     def feeds(self, other: Session) -> bool: ...
 
@@ -225,8 +237,18 @@ class HopSession:
         if self.exact and not (ok.exact and ok.minor >= 1):
             raise HopFailed(self.hop, "peer does not grant exact (batch-invariant) computation: it "
                             f"speaks protocol 1.{ok.minor} or computes on a GPU")
+        self._check_variant(ok.compute_dtype)
         self.peer_dtype, self.minor = ok.compute_dtype, ok.minor
         self.chained, self.link_error = ok.chained and self.downstream is not None, ok.link_error
+
+    def _check_variant(self, name: str) -> None:
+        """The variant a peer declares must be the one its record announced (which this client
+        accepted), computed in a float dtype: checks then only meet variants the client chose,
+        and a peer naming another or a made-up one broke the protocol (it is banned)."""
+        dtype, scheme = split_name(name)
+        if scheme != self.hop.quant or dtype not in COMPUTE_DTYPES:
+            raise HopFailed(self.hop, f"declares it computes in {name!r}, but its record announces the "
+                            f"{self.hop.quant} variant in one of {', '.join(COMPUTE_DTYPES)}")
 
     def feed_from_upstream(self, fed: bool) -> None:
         """Whether the next step's input comes from the upstream peer (it forwarded the previous
@@ -240,7 +262,10 @@ class HopSession:
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
         msg = self._message(h, positions, mask, commit)
-        with self._within(timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout), f"STEP {msg.step}"):
+        limit = timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout)
+        if self.chained:  # the peer writes its output to the next peer before ours goes out
+            limit += link_write_s(msg.hidden.numel() * msg.hidden.element_size())
+        with self._within(limit, f"STEP {msg.step}"):
             if self.fed:
                 self.rules.sent(msg)  # the upstream peer delivers it
             else:
