@@ -217,6 +217,7 @@ class TamperedSpan:
     def __init__(self, tamper: Tamper, honest: BlockSpan, tampered: BlockSpan | None):
         self.tamper, self.honest, self.tampered = tamper, honest, tampered
         self.cfg, self.start, self.end, self.blocks = honest.cfg, honest.start, honest.end, honest.blocks
+        self.quant = honest.quant  # it declares the variant it announces, as an honest peer of it does
 
     def view(self, start: int, end: int) -> "TamperedSpan":
         t = self.tampered
