@@ -233,7 +233,7 @@ def test_auto_peers_climb_the_ladder_and_replan_when_one_dies(both, tmp_path_fac
         peers, chosen = {}, []
         for i in range(4):
             name = f"P{i + 1}"
-            peers[name] = procs.start("join", "--model", "auto", "--identity", str(tmp / f"{name}.key"),
+            peers[name] = procs.start("-v", "join", "--model", "auto", "--identity", str(tmp / f"{name}.key"),
                                       "--bootstrap", boot, "--listen", LOCAL, "--heartbeat", "1", "--ttl", "4",
                                       "--replan", "6", "--max-memory", "2GiB")
             line = peers[name].read_until("serving", timeout=300)[-1]

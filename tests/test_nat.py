@@ -358,9 +358,13 @@ def test_peer_behind_a_upnp_router_maps_its_port_and_is_reached_directly(home, t
 
 def ask_json(net: Internet, name: str, base: list[str], boot: str, *args: str) -> dict:
     """`ask --json` from `name`'s namespace through the swarm at `boot`, greedy and plain."""
-    out = subprocess.run(net.prefix(name) + CLI + base + [
-        "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
-        "--no-speculate", *args, QUESTION], capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run(net.prefix(name) + CLI + base + [
+            "-v", "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS), "--wait", "60",
+            "--no-speculate", *args, QUESTION], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:  # what it logged, to say where it hung
+        log = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        raise AssertionError(f"ask did not end in 300 s; its log:\n{log[-6000:]}") from None
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -64,7 +64,8 @@ class Proc:
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no output from diffuse {' '.join(self.args)} in {timeout} s") from None
+            raise TimeoutError(f"no output from diffuse {' '.join(self.args)} in {timeout} s; its stderr ends:\n"
+                               + "\n".join(self.stderr[-40:])) from None
         if line is None:
             raise RuntimeError(f"diffuse {' '.join(self.args)} exited {self.p.wait()}:\n" + "\n".join(self.stderr))
         return line
