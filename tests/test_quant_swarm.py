@@ -1,7 +1,8 @@
 """Quantized peers in a real swarm: a sentinel and `diffuse join` peers as OS processes, one swarm
-for the module: an int4 peer (blocks 1:15) and a bf16 one (15:30), an int4 peer that tampers
-with its outputs and one announcing int8 while computing int4 (both 1:15, testing only). The
-client runs in this process, each test letting it route only through the peers it names."""
+for the module: an int4 and an int8 peer (blocks 1:15) and a bf16 one (15:30), an int4 peer that
+tampers with its outputs and one announcing int8 while computing int4 (both 1:15, testing only),
+every one computing in bf16, the default. The client runs in this process, each test letting it
+route only through the peers it names."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ from diffuse.trust.guard import TrustOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TOKENS = 12
-SPANS = {"q4": "1:15", "bf": "15:30", "cheat4": "1:15", "liar": "1:15"}
-EXTRA = {"q4": ["--quant", "int4"], "cheat4": ["--quant", "int4", "--tamper", "noise:20"],
-         "liar": ["--quant", "int8", "--tamper", "quant:4", "--dtype", "fp32"]}
+SPANS = {"q4": "1:15", "q8": "1:15", "bf": "15:30", "cheat4": "1:15", "liar": "1:15"}
+EXTRA = {"q4": ["--quant", "int4"], "q8": ["--quant", "int8"], "cheat4": ["--quant", "int4", "--tamper", "noise:20"],
+         "liar": ["--quant", "int8", "--tamper", "quant:4"]}
 AUDIT_ALL = TrustOptions(spot_rate=1.0, vet_canaries=1, canary_rate=1.0)  # every session audited, every step
 
 
@@ -125,22 +126,23 @@ def test_a_client_accepting_only_unquantized_peers_is_not_routed_through_int4(ho
     assert "no live peer serves blocks 1-14" in got["answer"].get("error", "no live peer serves blocks 1-14")
 
 
-def test_an_honest_int4_peer_is_never_accused_in_20_audited_sessions(home, swarm):
+@pytest.mark.parametrize("honest", ["q4", "q8"])
+def test_an_honest_quantized_peer_is_never_accused_in_20_audited_sessions(home, swarm, honest):
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         routes = [await answer(client, prompt, 6) for _ in range(20)]
         return {"routes": routes, "counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
 
-    got = run(home, swarm, ["q4", "bf"], body, quant="int4", trust=AUDIT_ALL)
+    got = run(home, swarm, [honest, "bf"], body, quant="int4", trust=AUDIT_ALL)
     assert got["counts"]["caught"] == 0 and not got["banned"], got["counts"]
     assert got["counts"]["spot_checks"] >= 20 * 6 and got["counts"]["canaries"] >= 20
-    assert all(not r["failovers"] and r["route"][0]["peer"] == swarm.ids["q4"] for r in got["routes"])
+    assert all(not r["failovers"] and r["route"][0]["peer"] == swarm.ids[honest] for r in got["routes"])
 
 
 @pytest.mark.parametrize("cheat", ["cheat4", "liar"])
 def test_a_tampering_int4_peer_and_one_announcing_int8_are_caught(home, swarm, cheat):
-    """Canaries catch both as they open (a bf16 peer's spot-check thresholds, fitted against the
-    fp32 referee of its own variant, are too wide for 10% noise: DESIGN.md). The liar computes in
-    fp32: at bf16 those thresholds do not yet tell int4 weights from int8 ones."""
+    """Canaries catch both as they open, at bf16: a variant's canaries are scored against its own
+    fp32 output, where int4 weights drift far from the int8 ones announced (spot checks' per-token
+    thresholds are too wide for 10% noise or for int4 against int8: docs/quantization.md)."""
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         got = await answer(client, prompt, 6)
         return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
