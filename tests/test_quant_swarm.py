@@ -145,8 +145,10 @@ def test_a_tampering_int4_peer_and_one_announcing_int8_are_caught(home, swarm, c
     thresholds are too wide for 10% noise or for int4 against int8: docs/quantization.md)."""
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         got = await answer(client, prompt, 6)
-        return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
+        kinds = {e.evidence.kind: e.evidence.dtype for e in client.guard.bans.evidence.get(swarm.ids[cheat], [])}
+        return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active(), "kinds": kinds}
 
     got = run(home, swarm, [cheat, "bf"], body, quant="int4", trust=AUDIT_ALL)
     assert got["counts"]["caught"] >= 1 and swarm.ids[cheat] in got["banned"], (got["counts"], got["banned"])
+    assert got["kinds"].get("canary") == ("bfloat16+int8" if cheat == "liar" else "bfloat16+int4"), got["kinds"]
     assert swarm.ids[cheat] not in [h["peer"] for h in got["route"]][-1:] or got["in_process"], got
