@@ -6,6 +6,8 @@ route only through the peers it names."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import trio
@@ -152,3 +154,24 @@ def test_a_tampering_int4_peer_and_one_announcing_int8_are_caught(home, swarm, c
     assert got["counts"]["caught"] >= 1 and swarm.ids[cheat] in got["banned"], (got["counts"], got["banned"])
     assert got["kinds"].get("canary") == ("bfloat16+int8" if cheat == "liar" else "bfloat16+int4"), got["kinds"]
     assert swarm.ids[cheat] not in [h["peer"] for h in got["route"]][-1:] or got["in_process"], got
+
+
+def test_status_counts_the_quantized_peers_whose_variant_it_accepts(swarm):
+    """`diffuse status` checks each quantized peer's hashes against the variant this store makes,
+    as a client does, and counts it (default: any variant); `--accept-quant none` excludes them."""
+    def status(*options: str) -> dict:
+        out = swarm.procs.run("status", "--bootstrap", swarm.boot, "--json", "--no-reach", "--no-daemon", *options,
+                              timeout=180)
+        assert out.returncode == 0, out.stderr
+        (model,) = json.loads(out.stdout)["models"]
+        return model
+
+    every = status()
+    counted = {p["peer_id"]: p["quant"] for p in every["peers"]}
+    assert counted == {swarm.ids[n]: q for n, q in
+                       [("q4", "int4"), ("q8", "int8"), ("bf", "none"), ("cheat4", "int4"), ("liar", "int8")]}, every
+    assert not every["excluded"] and [b["replicas"] for b in every["blocks"][1:15]] == [4] * 14
+    plain = status("--accept-quant", "none")
+    assert {p["peer_id"] for p in plain["peers"]} == {swarm.ids["bf"]}
+    assert all("variant, which is not accepted here" in why for why in plain["excluded"].values()), plain["excluded"]
+    assert len(plain["excluded"]) == 4 and plain["missing"] == list(range(15))
