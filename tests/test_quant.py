@@ -188,3 +188,51 @@ def test_coverage_counts_the_variants_a_client_accepts():
     only = coverage(recs, MODEL, 30, expected_hashes=plain, variants={"none": plain})
     assert only.missing == list(range(15, 30))
     assert "int4 variant, which is not accepted here" in only.excluded[recs[1].peer_id]
+
+
+def test_status_counts_the_peers_of_variants_it_accepts(home, smollm2, monkeypatch):
+    """`diffuse status` checks a quantized peer's hashes against the variant this store makes from
+    its own weights, as a client does, and counts it where --accept-quant (default any) accepts it."""
+    import time
+    from types import SimpleNamespace as NS
+
+    import trio
+
+    from diffuse.client.survey import Variants, stored
+    from diffuse.control.coverage import format_text
+    from diffuse.control.records import PeerRecord
+
+    manifest = load_manifest(smollm2)
+    int4 = load_manifest(variants.variant_dir(smollm2, "int4")).block_hashes  # kept by the import
+
+    def rec(peer: str, start: int, end: int, hashes, scheme: str) -> PeerRecord:
+        now = time.time()
+        return PeerRecord(peer, manifest.model_id, 30, start, end, tuple(hashes[start:end]), "bfloat16", 10.0, 100,
+                          ("/ip4/127.0.0.1/tcp/1",), now, now + 60, now - 5, extra={"quant": scheme})
+
+    recs = [rec("QmPlain", 0, 15, manifest.block_hashes, "none"), rec("QmFour", 15, 30, int4, "int4"),
+            rec("QmLiar", 15, 30, manifest.block_hashes, "int4")]  # int4 announced, the full weights' hashes
+    node = NS(records=lambda model: _value(recs))
+
+    def survey(accept, sources=None):
+        return trio.run(Variants(stored(home, []) if sources is None else sources, accept).coverage,
+                        node, manifest)
+
+    cov = survey(quant.SCHEMES)
+    assert cov.servable and set(cov.peers) == {"QmPlain", "QmFour"}, cov.excluded
+    assert "other weights" in cov.excluded["QmLiar"] and "[15,30) int4" in format_text(cov)
+    assert cov.to_dict()["peers"][1]["quant"] == "int4"
+    plain = survey(("none",))
+    assert plain.missing == list(range(15, 30)) and "not accepted here" in plain.excluded["QmFour"]
+    unchecked = survey(quant.SCHEMES, {})  # a manifest from the swarm: no weights to make a variant from
+    assert "whose hashes are not checked here" in unchecked.excluded["QmFour"]
+
+    def cannot(source, scheme):
+        raise ModelError("no int4 for this family")
+
+    monkeypatch.setattr(variants, "resolve", cannot)
+    assert "cannot be made here: no int4 for this family" in survey(quant.SCHEMES).excluded["QmFour"]
+
+
+async def _value(x):
+    return x

@@ -1,9 +1,12 @@
 """Quantized peers in a real swarm: a sentinel and `diffuse join` peers as OS processes, one swarm
-for the module: an int4 peer (blocks 1:15) and a bf16 one (15:30), an int4 peer that tampers
-with its outputs and one announcing int8 while computing int4 (both 1:15, testing only). The
-client runs in this process, each test letting it route only through the peers it names."""
+for the module: an int4 and an int8 peer (blocks 1:15) and a bf16 one (15:30), an int4 peer that
+tampers with its outputs and one announcing int8 while computing int4 (both 1:15, testing only),
+every one computing in bf16, the default. The client runs in this process, each test letting it
+route only through the peers it names."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -27,9 +30,9 @@ from diffuse.trust.guard import TrustOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TOKENS = 12
-SPANS = {"q4": "1:15", "bf": "15:30", "cheat4": "1:15", "liar": "1:15"}
-EXTRA = {"q4": ["--quant", "int4"], "cheat4": ["--quant", "int4", "--tamper", "noise:20"],
-         "liar": ["--quant", "int8", "--tamper", "quant:4", "--dtype", "fp32"]}
+SPANS = {"q4": "1:15", "q8": "1:15", "bf": "15:30", "cheat4": "1:15", "liar": "1:15"}
+EXTRA = {"q4": ["--quant", "int4"], "q8": ["--quant", "int8"], "cheat4": ["--quant", "int4", "--tamper", "noise:20"],
+         "liar": ["--quant", "int8", "--tamper", "quant:4"]}
 AUDIT_ALL = TrustOptions(spot_rate=1.0, vet_canaries=1, canary_rate=1.0)  # every session audited, every step
 
 
@@ -125,26 +128,50 @@ def test_a_client_accepting_only_unquantized_peers_is_not_routed_through_int4(ho
     assert "no live peer serves blocks 1-14" in got["answer"].get("error", "no live peer serves blocks 1-14")
 
 
-def test_an_honest_int4_peer_is_never_accused_in_20_audited_sessions(home, swarm):
+@pytest.mark.parametrize("honest", ["q4", "q8"])
+def test_an_honest_quantized_peer_is_never_accused_in_20_audited_sessions(home, swarm, honest):
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         routes = [await answer(client, prompt, 6) for _ in range(20)]
         return {"routes": routes, "counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
 
-    got = run(home, swarm, ["q4", "bf"], body, quant="int4", trust=AUDIT_ALL)
+    got = run(home, swarm, [honest, "bf"], body, quant="int4", trust=AUDIT_ALL)
     assert got["counts"]["caught"] == 0 and not got["banned"], got["counts"]
     assert got["counts"]["spot_checks"] >= 20 * 6 and got["counts"]["canaries"] >= 20
-    assert all(not r["failovers"] and r["route"][0]["peer"] == swarm.ids["q4"] for r in got["routes"])
+    assert all(not r["failovers"] and r["route"][0]["peer"] == swarm.ids[honest] for r in got["routes"])
 
 
 @pytest.mark.parametrize("cheat", ["cheat4", "liar"])
 def test_a_tampering_int4_peer_and_one_announcing_int8_are_caught(home, swarm, cheat):
-    """Canaries catch both as they open (a bf16 peer's spot-check thresholds, fitted against the
-    fp32 referee of its own variant, are too wide for 10% noise: DESIGN.md). The liar computes in
-    fp32: at bf16 those thresholds do not yet tell int4 weights from int8 ones."""
+    """Canaries catch both as they open, at bf16: a variant's canaries are scored against its own
+    fp32 output, where int4 weights drift far from the int8 ones announced (spot checks' per-token
+    thresholds are too wide for 10% noise or for int4 against int8: docs/quantization.md)."""
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
         got = await answer(client, prompt, 6)
-        return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active()}
+        kinds = {e.evidence.kind: e.evidence.dtype for e in client.guard.bans.evidence.get(swarm.ids[cheat], [])}
+        return got | {"counts": dict(client.guard.counts), "banned": client.guard.bans.active(), "kinds": kinds}
 
     got = run(home, swarm, [cheat, "bf"], body, quant="int4", trust=AUDIT_ALL)
     assert got["counts"]["caught"] >= 1 and swarm.ids[cheat] in got["banned"], (got["counts"], got["banned"])
+    assert got["kinds"].get("canary") == ("bfloat16+int8" if cheat == "liar" else "bfloat16+int4"), got["kinds"]
     assert swarm.ids[cheat] not in [h["peer"] for h in got["route"]][-1:] or got["in_process"], got
+
+
+def test_status_counts_the_quantized_peers_whose_variant_it_accepts(swarm):
+    """`diffuse status` checks each quantized peer's hashes against the variant this store makes,
+    as a client does, and counts it (default: any variant); `--accept-quant none` excludes them."""
+    def status(*options: str) -> dict:
+        out = swarm.procs.run("status", "--bootstrap", swarm.boot, "--json", "--no-reach", "--no-daemon", *options,
+                              timeout=180)
+        assert out.returncode == 0, out.stderr
+        (model,) = json.loads(out.stdout)["models"]
+        return model
+
+    every = status()
+    counted = {p["peer_id"]: p["quant"] for p in every["peers"]}
+    assert counted == {swarm.ids[n]: q for n, q in
+                       [("q4", "int4"), ("q8", "int8"), ("bf", "none"), ("cheat4", "int4"), ("liar", "int8")]}, every
+    assert not every["excluded"] and [b["replicas"] for b in every["blocks"][1:15]] == [4] * 14
+    plain = status("--accept-quant", "none")
+    assert {p["peer_id"] for p in plain["peers"]} == {swarm.ids["bf"]}
+    assert all("variant, which is not accepted here" in why for why in plain["excluded"].values()), plain["excluded"]
+    assert len(plain["excluded"]) == 4 and plain["missing"] == list(range(15))

@@ -69,6 +69,7 @@ def _register_status(p: argparse.ArgumentParser) -> None:
     add_bootstrap_options(p)
     p.add_argument("--model", action="append", default=[], help="model in the store (repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--accept-quant", metavar="LIST|any", help="variants counted (default: any this store can check)")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="poll until servable, up to SECONDS")
     p.add_argument("--reach", action=argparse.BooleanOptionalAction, default=True,
                    help="connect to each peer listed and say how it is reached: direct, relayed via a relay, "
@@ -166,7 +167,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
                             wait=args.wait)
-        found = trio_run(status, data_home(args.home), args.model, swarm, args.reach)
+        found = trio_run(status, data_home(args.home), args.model, swarm, args.reach, args.accept_quant)
     print(json.dumps(found["json"], indent=1) if args.json else found["text"])
     return 0
 

@@ -13,17 +13,18 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import trio
 
 from diffuse.client.swarm_backend import SwarmConfig
-from diffuse.control.coverage import Coverage, format_text
+from diffuse.control.coverage import Coverage, coverage, format_text
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, open_node
 from diffuse.data import files
 from diffuse.errors import FetchError, ModelError
-from diffuse.model import store
+from diffuse.model import store, variants
+from diffuse.model.quant import SCHEMES, parse_accept
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
 from diffuse.trust import reputation
 
@@ -42,16 +43,56 @@ class Survey:
     lan: list[str]  # nodes of this swarm found on the LAN by mDNS
 
 
-def manifests(home: Path, names: list[str]) -> list[Manifest]:
-    """The named models' manifests; by default every model in the store (the swarm's other models
-    have no manifest to judge them by); none from an empty store: the survey fetches the swarm's."""
-    if names:
-        return [load_manifest(store.resolve(home, name)) for name in names]
-    return [m.manifest for m in store.list_models(home)]
+def stored(home: Path, names: list[str]) -> dict[str, Path]:
+    """The named models' directories by model hash; by default every model in the store (the
+    swarm's other models have no manifest to judge them by); none from an empty store: the
+    survey fetches the swarm's manifests."""
+    dirs = [store.resolve(home, name) for name in names] if names else [m.path for m in store.list_models(home)]
+    return {load_manifest(d).model_hash: d for d in dirs}
 
 
-async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Survey:
-    """Coverage of `models`, polled until all are servable or `swarm.wait` seconds pass."""
+class Variants:
+    """The quantized variants a survey counts: those accepted (`--accept-quant`), their hashes
+    made from the store's own weights as a client makes them (model/variants.py; kept in the
+    store once made), so a peer's variant is counted only with the bytes a client would check."""
+
+    def __init__(self, sources: Mapping[str, Path], accept: tuple[str, ...]):
+        self.sources, self.accept = sources, accept
+        self.hashes: dict[tuple[str, str], list[str]] = {}
+        self.failed: dict[tuple[str, str], str] = {}  # (model hash, scheme) -> why it cannot be made
+
+    async def coverage(self, node: Node, m: Manifest) -> Coverage:
+        """`m`'s block map; without its weights here (a manifest from the swarm), a quantized peer
+        is excluded as one whose hashes are not checked."""
+        records = await node.records(m.model_id)
+        source = self.sources.get(m.model_hash)
+        if source is None:
+            return coverage(records, m.model_id, m.num_layers, expected_hashes=m.block_hashes)
+        known = {}
+        for scheme in {str(r.extra.get("quant", "none")) for r in records} & set(self.accept):
+            key = (m.model_hash, scheme)
+            if scheme == "none":
+                known[scheme] = m.block_hashes
+            elif key not in self.hashes and key not in self.failed:
+                try:
+                    made = await trio.to_thread.run_sync(variants.resolve, source, scheme)
+                    self.hashes[key] = load_manifest(made).block_hashes
+                except ModelError as e:
+                    self.failed[key] = str(e)
+            if key in self.hashes:
+                known[scheme] = self.hashes[key]
+        cov = coverage(records, m.model_id, m.num_layers, expected_hashes=m.block_hashes, variants=known)
+        for r in records:
+            why = self.failed.get((m.model_hash, str(r.extra.get("quant", "none"))))
+            if why and r.peer_id in cov.excluded:
+                cov.excluded[r.peer_id] = f"serves the {r.extra['quant']} variant, which cannot be made here: {why}"
+        return cov
+
+
+async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge: Variants | None = None) -> Survey:
+    """Coverage of `models`, polled until all are servable or `swarm.wait` seconds pass; `judge`:
+    the variants counted (default: none of them, their hashes unchecked)."""
+    judge = judge or Variants({}, SCHEMES)
     async with open_node(ephemeral(), swarm.node_config(), codecs=reputation.swarm_codecs()) as node:
         if swarm.mdns and not swarm.bootstrap:  # the swarm is whoever answers on the LAN: give them a moment
             with trio.move_on_after(max(swarm.wait, MDNS_WAIT_S)):
@@ -60,7 +101,7 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
         models = models or await swarm_manifests(node)
         deadline = trio.current_time() + max(0.0, swarm.wait)
         while True:
-            covs = [await node.coverage(m.model_id, m.num_layers, m.block_hashes) for m in models]
+            covs = [await judge.coverage(node, m) for m in models]
             if all(c.servable for c in covs) or trio.current_time() >= deadline:
                 break
             await trio.sleep(0.5)
@@ -69,9 +110,14 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool) -> Sur
         return Survey(covs, list(node.lan_peers))
 
 
-async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool) -> dict[str, Any]:
-    """What `diffuse status` prints, for people ("text") and for --json ("json")."""
-    text, data = report(await survey(swarm, manifests(home, names), reach), swarm)
+async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool,
+                 accept: str | None = None) -> dict[str, Any]:
+    """What `diffuse status` prints, for people ("text") and for --json ("json"). `accept`:
+    --accept-quant (default: every variant, each checked against what this store makes)."""
+    sources = stored(home, names)
+    judge = Variants(sources, parse_accept(accept or "any", "none"))
+    models = [load_manifest(d) for d in sources.values()]
+    text, data = report(await survey(swarm, models, reach, judge), swarm)
     return {"text": text, "json": data}
 
 

@@ -118,6 +118,7 @@ def _peer_dict(r: PeerRecord, now: float) -> dict[str, Any]:
         "addrs": list(r.addrs),
         "dtype": r.dtype,
         "mode": r.extra.get("mode"),  # the swarm mode the peer announces: private or public
+        "quant": str(r.extra.get("quant", "none")),  # the variant whose blocks it holds
         "throughput": r.throughput,
         "cache_tokens": r.cache_tokens,
         "age_s": round(max(0.0, now - r.started), 1),
@@ -158,7 +159,7 @@ def format_text(cov: Coverage) -> str:
         lines.append("  peer          blocks     age  heartbeat  mode     tokens/s  cache  reached  addrs")
     for r in sorted(cov.peers.values(), key=lambda r: (r.start, r.peer_id)):
         d = _peer_dict(r, cov.now)
-        span = f"[{r.start},{r.end})"
+        span = f"[{r.start},{r.end})" + (f" {d['quant']}" if d["quant"] != "none" else "")
         lines.append(
             f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
             f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  "

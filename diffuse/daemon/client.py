@@ -155,7 +155,7 @@ def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict
 def survey_request(options: dict[str, Any]) -> dict[str, Any]:
     """What `status`'s options ask of the daemon."""
     return {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
-            "bootstrap": options["bootstrap"]}
+            "bootstrap": options["bootstrap"], "accept_quant": options["accept_quant"]}
 
 
 def api_request(options: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:

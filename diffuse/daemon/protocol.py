@@ -94,6 +94,7 @@ class Survey(Request, tag="survey"):
     reach: bool = True
     wait: Annotated[float, Meta(ge=0, le=3600)] = 0.0
     bootstrap: Names = []
+    accept_quant: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # variants counted (any)
 
 
 class Api(Routed, tag="api", kw_only=True):

@@ -248,17 +248,15 @@ class DecoderBlock(nn.Module):
         another machine's kernels this way)."""
         for norm in self.norms():
             norm.weight.copy_(norm.weight[hidden])
-        self.wqkv.weight.copy_(self.wqkv.weight[:, hidden])
-        self.wo.weight.copy_(self.wo.weight[hidden])
+        reindex_(self.wqkv, cols=hidden)
+        reindex_(self.wo, rows=hidden)
         if self.wo.bias is not None:
             self.wo.bias.copy_(self.wo.bias[hidden])
         self.permute_mlp_(hidden, inner)
 
     def permute_mlp_(self, hidden: Tensor, inner: Tensor) -> None:
-        n = self.w_down.weight.shape[1]
-        w = self.w_gate_up.weight
-        w.copy_(torch.cat([w[:n][inner], w[n:][inner]])[:, hidden])
-        self.w_down.weight.copy_(self.w_down.weight[hidden][:, inner])
+        reindex_(self.w_gate_up, rows=torch.cat([inner, inner + self.w_down.in_features]), cols=hidden)
+        reindex_(self.w_down, rows=hidden, cols=inner)
 
     def load_hf(self, tensors: dict[str, Tensor]) -> None:
         """Take the block's HF tensors (names relative to the block) into the fused layout."""
@@ -314,6 +312,27 @@ def copy_(param: Tensor | None, value: Tensor, name: str) -> None:
 def cat_rows(parts: list) -> Tensor | QWeight:
     """Weights stacked by rows into a fused one: tensors, or quantized weights (model/quant.py)."""
     return quant.cat(parts) if isinstance(parts[0], QWeight) else torch.cat(parts)
+
+
+def reindex_(linear: Linear, rows: Tensor | None = None, cols: Tensor | None = None) -> None:
+    """linear's weight with its rows and columns reordered, in place (a quantized one repacked)."""
+    if linear.packed is not None:
+        linear.packed = linear.packed.reindexed(rows, cols)
+        return
+    w = linear.weight
+    w.copy_(w[rows if rows is not None else slice(None)][:, cols if cols is not None else slice(None)])
+
+
+def widen_(module: nn.Module) -> nn.Module:
+    """Every quantized weight of `module` made a float one of its dtype holding the canonical
+    values dequantized: the same numbers, computed by the float kernels. For fp32 recomputation
+    (a referee): torch's int kernels take fp32 activations on a slow reference path only."""
+    for m in module.modules():
+        if isinstance(m, Linear) and m.packed is not None:
+            w = m.weight
+            m.weight = nn.Parameter(m.packed.canonical().dequantize(w.dtype).to(w.device), requires_grad=False)
+            m.packed = None
+    return module
 
 
 def fill_(linear: Linear, value: Tensor | QWeight, name: str) -> None:

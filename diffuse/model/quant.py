@@ -171,11 +171,12 @@ class Packed:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def matmul(self, x: Tensor) -> Tensor:
-        """x [..., K] @ W.T in x's dtype."""
+    def matmul(self, x: Tensor, scales: Tensor | None = None) -> Tensor:
+        """x [..., K] @ W.T in x's dtype (with other `scales` than the weight's: `canonical`)."""
         rows = x.numel() // self.k
         flat = x.reshape(rows, self.k).contiguous()
-        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
+        scales = self.scales if scales is None else scales
+        scales = scales if scales.dtype == x.dtype else scales.to(x.dtype)
         if rows == 0:
             out = flat.new_zeros(0, self.n)
         elif self.kind == "int8" and x.device.type == "cpu":
@@ -188,19 +189,46 @@ class Packed:
             out = torch.ops.aten._weight_int4pack_mm(flat, self.weight, GROUP, scales)
         return out.reshape(*x.shape[:-1], self.n)
 
+    def reindexed(self, rows: Tensor | None = None, cols: Tensor | None = None) -> "Packed":
+        """The same weight with its rows and columns reordered (trust's canaries permute a span to
+        model another machine's sums). An int4 weight's columns move only in whole groups of GROUP,
+        each kept together (`group_permutation`), so that scales and zeros still fit."""
+        w = self.canonical()
+        values, scale, zero = w.values, w.scale, w.zero
+        if rows is not None:
+            values, scale, zero = values[rows], scale[rows], None if zero is None else zero[rows]
+        if cols is not None:
+            values = values[:, cols]
+            if w.kind == "int4":
+                groups = cols.view(-1, GROUP) // GROUP
+                if not (groups == groups[:, :1]).all():
+                    raise ModelError("an int4 weight's columns are permuted only within whole groups")
+                scale, zero = scale[:, groups[:, 0]], zero[:, groups[:, 0]]
+        moved = QWeight(w.kind, values.contiguous(), scale.contiguous(),
+                        None if zero is None else zero.contiguous(), w.origin)
+        return pack(moved, self.scales.dtype, self.weight.device)
+
     def canonical(self) -> QWeight:
         """The canonical form back (exact sessions, tests, a tampering double): int8 values are
-        the kernel's own; int4 values are read out through the kernel (a product by the identity
-        gives each weight alone, from which its integer is recovered exactly)."""
+        the kernel's own; int4 values are read out through the kernel, a product by the identity
+        with scale 1 and zero 8 in place of the weight's, which gives each integer itself
+        (exactly, in bf16: the dtype the kernels are fast in on a CPU, and tinygemm's only one)."""
         if self.kind == "int8":
             return QWeight("int8", self.weight.cpu(), self.scale, None, self.origin)
-        dev = self.weight.device  # tinygemm (CUDA) takes bf16 only: each weight then within bf16's rounding
-        eye = torch.eye(self.k, dtype=torch.float32 if dev.type == "cpu" else torch.bfloat16, device=dev)
-        w = torch.cat([self.matmul(eye[s:s + 256]) for s in range(0, self.k, 256)]).t().float().cpu()
-        g = w.view(self.n, self.k // GROUP, GROUP)
-        s = self.scale.float().where(self.scale.float() > 0, torch.ones(()))
-        values = ((g - self.zero.float()[..., None]) / s[..., None] + 8).round().clamp(0, 15).to(torch.uint8)
-        return QWeight("int4", values.view(self.n, self.k), self.scale, self.zero, self.origin)
+        dev = self.weight.device
+        eye = torch.eye(self.k, dtype=torch.bfloat16, device=dev)
+        unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16, device=dev).expand(self.k // GROUP, self.n, 2)
+        q = torch.cat([self.matmul(eye[s:s + 256], unit.contiguous()) for s in range(0, self.k, 256)])
+        values = q.t().float().round().clamp(0, 15).to(torch.uint8).cpu()
+        return QWeight("int4", values.contiguous(), self.scale, self.zero, self.origin)
+
+
+def group_permutation(n: int, generator: torch.Generator) -> Tensor:
+    """A random permutation of n (a multiple of GROUP) that moves whole groups of GROUP and
+    shuffles within each: what an int4 weight's columns can take (`Packed.reindexed`)."""
+    groups = torch.randperm(n // GROUP, generator=generator)
+    within = torch.stack([torch.randperm(GROUP, generator=generator) for _ in range(n // GROUP)])
+    return (groups[:, None] * GROUP + within).flatten()
 
 
 def trim_heap() -> None:

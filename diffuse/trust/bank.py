@@ -7,6 +7,9 @@ Each client samples its own text from the OS's randomness, so no two clients sha
 Per span, the bank derives what a judge needs: the canaries themselves (inputs in the wire
 dtype and fp32 references), the benign drift of every calibrated compute dtype (canary.Calibration)
 and the spot-check tolerance (spotcheck.Tolerance), plus the fp32 span that recomputes spot checks.
+A quantized variant a peer announces gets its own canary references (the variant in fp32), so
+that what is judged is whether the peer computes that variant, not how far it sits from the
+full weights.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffuse.model.engine import BlockSpan
+from diffuse.model.layers import widen_
 from diffuse.model.load import load_head, load_span
 from diffuse.model.quant import compute_name, split_name
 from diffuse.model.tokenizer import Tokenizer
@@ -52,9 +56,16 @@ class SpanMaterial:
     _referee: BlockSpan | None = None
     load_variant: Callable[[str, torch.dtype], BlockSpan] | None = None  # (scheme, dtype) -> its blocks here
     _variants: dict[str, BlockSpan] = field(default_factory=dict)  # fp32 referees of quantized variants
+    references: dict[str, torch.Tensor] = field(default_factory=dict)  # per variant: its fp32 output [n, T, H]
 
     def __post_init__(self) -> None:
-        self.calibration = C.Calibration.from_outputs(self.canaries, self.benign)
+        by_scheme: dict[str, dict[str, list[torch.Tensor]]] = {}
+        for name, outs in self.benign.items():
+            by_scheme.setdefault(split_name(name)[1], {})[name] = outs
+        self.calibration = C.Calibration({})
+        for outputs in by_scheme.values():  # each variant's outputs scored against its own references
+            canaries = self.canaries_for(next(iter(outputs)))
+            self.calibration.benign |= C.Calibration.from_outputs(canaries, outputs).benign
         fitted = Tolerance.from_outputs(self.benign)
         self.tolerance = Tolerance({k: v * SPOT_MARGIN for k, v in fitted.thresholds.items()}, fitted.alpha)
 
@@ -76,6 +87,17 @@ class SpanMaterial:
             self._variants[scheme] = self.load_variant(scheme, torch.float32)
         return self._variants[scheme]
 
+    def canaries_for(self, name: str) -> list[C.Canary]:
+        """The canaries as a peer computing in `name` is judged on them: for a quantized variant,
+        each one's reference is the variant's own fp32 output, so that its benign drift is the
+        kernels' noise alone. Against the full weights' reference the quantization's error would
+        dominate, and a peer holding fewer bits than it announces could even drift less (on
+        SmolLM2, int4 in groups of 32 sits nearer the full weights than int8 per row)."""
+        scheme = split_name(name)[1]
+        if scheme == "none":
+            return self.canaries
+        return [replace(c, reference=r) for c, r in zip(self.canaries, self.references[scheme])]
+
     @staticmethod
     def referee_name(name: str) -> str:
         return compute_name(torch.float32, split_name(name)[1])
@@ -90,14 +112,27 @@ class SpanMaterial:
             raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
         if scheme == "none":
             self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
-        else:  # the variant's honest outputs, computed alone and batched, in fp32 (the referee) and `name`
-            hidden = torch.stack([c.hidden for c in self.canaries]).float()
-            for span, key in ((self.referee_for(dtype), self.referee_name(dtype)),
-                              (self.load_variant(scheme, torch_dtype), dtype)):
-                self.benign[key] = [C.forward_as_sent(span, hidden, alone).to(self.wire_dtype).float()
-                                    for alone in (True, False)]
+        else:  # the variant's reference, and its honest outputs in fp32 (the referee's) and in `dtype`
+            self._judge_variant(scheme, torch_dtype)
         self.__post_init__()
         self.save(self)
+
+    def _judge_variant(self, scheme: str, dtype: torch.dtype) -> None:
+        """Two honest realizations, as for the full weights (canary.honest_output: this machine's
+        kernels alone, and the dimensions permuted and batched), of the variant in fp32 and in
+        `dtype`, and the variant's reference (its fp32 output, computed at once)."""
+        hidden = torch.stack([c.hidden for c in self.canaries]).float()
+        name = compute_name(torch.float32, scheme)
+        referee = self.referee_for(name)
+        if scheme not in self.references or name not in self.benign:
+            ref = C.forward(referee, hidden)
+            self.references[scheme] = ref
+            self.benign[name] = [ref.to(self.wire_dtype).float(),
+                                 C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
+        if dtype != torch.float32:
+            peer = self.load_variant(scheme, dtype)
+            self.benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
+                                                         for seed in (None, 1)]
 
 
 class CanaryBank:
@@ -172,13 +207,16 @@ class CanaryBank:
         path = self.dir / (f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}"
                            f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
-        variant = lambda scheme, dtype: load_span(self.model_dir, start, end, dtype, quant=scheme)  # noqa: E731
+        variant = lambda scheme, dtype: _variant(self.model_dir, start, end, scheme, dtype)  # noqa: E731
         if path.exists():
             saved = load_file(path)
             canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, saved["reference"])
+            references = {name.split("/")[1]: saved[name] for name in saved if name.startswith("variant/")}
             benign = {name.split("/")[1]: [saved[f"benign/{name.split('/')[1]}/{k}"] for k in range(2)]
                       for name in saved if name.startswith("benign/") and name.endswith("/0")}
-            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant)
+            benign = {k: v for k, v in benign.items() if split_name(k)[1] in ("none", *references)}
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant,
+                             references=references)
         else:
             span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
@@ -191,9 +229,16 @@ class CanaryBank:
     def _saver(self, path: Path) -> Callable[[SpanMaterial], None]:
         def save(m: SpanMaterial) -> None:
             tensors = {"reference": torch.stack([c.reference for c in m.canaries])}
+            tensors |= {f"variant/{scheme}": ref for scheme, ref in m.references.items()}
             tensors |= {f"benign/{name}/{k}": out for name, outs in m.benign.items() for k, out in enumerate(outs)}
             self._write(path, tensors)
         return save
+
+
+def _variant(model_dir: Path, start: int, end: int, scheme: str, dtype: torch.dtype) -> BlockSpan:
+    """The variant's blocks computing in `dtype`; in fp32 (a referee) on float kernels (widen_)."""
+    span = load_span(model_dir, start, end, dtype, quant=scheme)
+    return widen_(span) if dtype == torch.float32 else span
 
 
 def _benign(span: BlockSpan, canaries: list[C.Canary], dtypes,

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from diffuse.model.engine import BlockSpan, Head
+from diffuse.model.quant import group_permutation
 
 ALPHA = 1e-4  # false-positive budget per peer, over all of its canaries
 DECODE_TAIL = 4  # a canary's last tokens, sent (and calibrated) as single-token steps after its prefill
@@ -131,7 +132,9 @@ def _permute(span: BlockSpan, seed: int) -> Tensor:
     """Permute the span's hidden and MLP dimensions in place; returns the hidden permutation."""
     g = torch.Generator().manual_seed(seed)
     cfg = span.cfg
-    p, q = torch.randperm(cfg.hidden_size, generator=g), torch.randperm(cfg.intermediate_size, generator=g)
+    # an int4 variant's columns keep their groups (its scales and zeros are per group)
+    perm = group_permutation if span.quant == "int4" else torch.randperm
+    p, q = perm(cfg.hidden_size, generator=g), perm(cfg.intermediate_size, generator=g)
     for block in span.blocks:  # each family knows its own weights (sandwich norms, experts)
         block.permute_(p, q)
     return p

@@ -146,7 +146,7 @@ class Guard:
                 benign = material.calibration.for_dtype(dtype)
                 monitor = self.monitors[(hop.peer_id, hop.start, hop.end, dtype)] = CanaryMonitor(benign)
             index = self.rng.randrange(len(material.canaries))
-            c = material.canaries[index]
+            c = material.canaries_for(dtype)[index]
             h, t = c.hidden[None], c.hidden.shape[0]
             first = max(1, t - DECODE_TAIL)  # as calibrated
             outs, receipts = [await session.step(h[:, :first], torch.arange(first), None, True)], [session.receipt]

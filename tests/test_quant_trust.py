@@ -1,0 +1,71 @@
+"""Judging quantized peers: a variant's canaries are scored against the variant's own fp32
+output, its honest realizations permute whole int4 groups, and at bf16 (the default) the canaries
+tell a peer computing int4 from one computing the int8 it announces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffuse.errors import ModelError
+from diffuse.model.layers import widen_
+from diffuse.model.load import load_span
+from diffuse.model.quant import GROUP, group_permutation, pack, quantize
+from diffuse.trust import canary as C
+from diffuse.trust.bank import CanaryBank
+from tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("models") / "tiny", layers=2)
+
+
+def test_an_int4_weight_reads_back_exactly_and_moves_in_whole_groups():
+    w = torch.randn(64, 4 * GROUP) * 0.01 + 100  # groups far from zero: bf16 could not hold w exactly
+    q = quantize(w, "int4")
+    for dtype in (torch.float32, torch.bfloat16):
+        p = pack(q, dtype, "cpu")
+        assert torch.equal(p.canonical().values, q.values)
+    g = torch.Generator().manual_seed(3)
+    rows, cols = torch.randperm(64, generator=g), group_permutation(4 * GROUP, g)
+    assert sorted(cols.tolist()) == list(range(4 * GROUP)) and not torch.equal(cols, torch.arange(4 * GROUP))
+    moved = pack(q, torch.float32, "cpu").reindexed(rows, cols)
+    assert torch.equal(moved.canonical().dequantize(), q.dequantize()[rows][:, cols])
+    with pytest.raises(ModelError, match="within whole groups"):
+        pack(q, torch.float32, "cpu").reindexed(None, torch.randperm(4 * GROUP, generator=g))
+
+
+def test_a_quantized_span_permuted_or_widened_computes_the_same_function(tiny):
+    span = load_span(tiny, 0, 2, torch.float32, quant="int4")
+    h = torch.randn(2, 6, span.cfg.hidden_size)
+    want = C.forward(span, h)
+    p = C._permute(span, 5)  # an int4 span's permutation keeps every group whole
+    assert torch.allclose(C.forward(span, h[..., p])[..., torch.argsort(p)], want, rtol=1e-4, atol=1e-4)
+    plain = widen_(load_span(tiny, 0, 2, torch.float32, quant="int4"))
+    assert plain.blocks[0].wqkv.packed is None and plain.blocks[0].wqkv.weight.numel() > 0
+    assert torch.allclose(C.forward(plain, h), want, rtol=1e-4, atol=1e-4)
+
+
+def test_canaries_tell_int4_weights_from_the_int8_a_bf16_peer_announces(smollm2, tmp_path):
+    """Scored against the full weights' reference, int4 in groups of 32 drifts no more than int8
+    per row does on SmolLM2, so a one-sided test could not catch a peer holding fewer bits.
+    Against the announced variant's own reference, an honest peer drifts by kernel noise alone."""
+    bank = CanaryBank(smollm2, tmp_path, torch.float16, n=8, length=12)
+    start, end = 1, 8
+    for name in ("bfloat16+int8", "bfloat16+int4"):
+        material = bank.judging(start, end, name)
+    hidden = torch.stack([c.hidden for c in material.canaries]).float()
+    computed = {scheme: C.forward_as_sent(load_span(smollm2, start, end, torch.bfloat16, quant=scheme), hidden,
+                                          False).to(torch.float16).float() for scheme in ("int8", "int4")}
+    for announced in ("int8", "int4"):
+        name = f"bfloat16+{announced}"
+        canaries = material.canaries_for(name)
+        for scheme, outs in computed.items():
+            monitor = C.CanaryMonitor(material.calibration.for_dtype(name))
+            verdicts = [monitor.observe(i, c, outs[i]) for i, c in enumerate(canaries)]
+            assert any(v.tampered for v in verdicts) == (scheme != announced), (name, scheme, verdicts[-1])
+    # the full weights' canaries are untouched; a bank read back from disk judges alike
+    assert material.canaries_for("bfloat16") is material.canaries
+    again = CanaryBank(smollm2, tmp_path, torch.float16, n=8, length=12).material(start, end)
+    assert "bfloat16+int4" in again.benign and torch.equal(again.references["int4"], material.references["int4"])
