@@ -122,6 +122,7 @@ class BatchStats:
 
 
 GATHER = 1.5  # a session queued behind a batch arrives one batch late, plus the jitter of its trip
+GATHER_ENV = "DIFFUSE_GATHER"  # another GATHER, 0 for none (for before/after comparisons)
 SMALL_ROWS = 16  # a step this short (decoding, a speculation tree) keeps batches at max_rows
 
 
@@ -144,6 +145,7 @@ class Batcher(Generic[Item, Out]):
         self.rhythm: dict[Hashable, _Rhythm] = {}  # per session: when it queued last, how often it does
         self.queued = trio.Event()  # set whenever a step queues
         self.last_seconds = 0.0  # the last batch's compute time: the longest a step waits for company
+        self.gather = float(os.environ.get(GATHER_ENV, GATHER))
         self.trace: str | None = None  # a file each batch appends its compute interval to (TRACE_ENV)
 
     async def run(self, key: Hashable, rows: int, item: Item, who: Hashable = None) -> tuple[Out, float]:
@@ -184,7 +186,7 @@ class Batcher(Generic[Item, Out]):
         paying for the weights; a session due that soon would have queued behind this batch and
         kept the span busy back to back anyway, so one batch for both costs less span time for
         about the same latency. A lone session, or one whose company is not due, waits for nobody."""
-        deadline = trio.current_time() + GATHER * self.last_seconds
+        deadline = trio.current_time() + self.gather * self.last_seconds
         while True:
             now = trio.current_time()
             here = {j.who for j in self.queue if j.key == first.key}
