@@ -16,7 +16,7 @@ import trio
 from prometheus_client import (
     CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from diffuse.data.codec import ErrorCode, MsgType, peek
@@ -106,7 +106,7 @@ class _ServedCollector(Collector):
     def __init__(self, model: Callable[[], str], status: Callable[[], Mapping[str, Any]]):
         self.model, self.status = model, status
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s, model = self.status(), self.model()
         for name, doc, key in (("diffuse_tokens_served", "Token positions this peer computed through its blocks",
                                 "tokens_served"),
@@ -121,6 +121,10 @@ class _ServedCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model"])
             family.add_metric([model], float(s.get(key, 0)))
             yield family
+        most = GaugeMetricFamily("diffuse_most_steps_in_flight", "The most sessions this peer has held a step of "
+                                 "at once (taken, not yet answered)", labels=["model"])
+        most.add_metric([model], float(s.get("most_in_flight", 0)))
+        yield most
 
 
 def watch_peer(model: Callable[[], str], status: Callable[[], Mapping[str, Any]],

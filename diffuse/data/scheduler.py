@@ -21,6 +21,7 @@ How many threads a batch computes with is measured, not assumed (`Threads`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from torch import Tensor
 from diffuse.data.cpu_share import OtherLoad
 from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache, SpanStep
 
+log = logging.getLogger(__name__)
 Item = TypeVar("Item")
 Out = TypeVar("Out")
 
@@ -51,6 +53,9 @@ class _Job(Generic[Item, Out]):
 
 
 THREADS_ENV = "DIFFUSE_THREADS"  # "fixed": every batch on the configured thread count
+# A directory where a peer's span appends "start end steps" to PID.trace for every batch it computes
+# (the system-wide monotonic clock, so two peers' traces on one machine show whether they computed at once).
+TRACE_ENV = "DIFFUSE_BATCH_TRACE"
 
 
 class Threads:
@@ -117,6 +122,7 @@ class BatchStats:
 
 
 GATHER = 1.5  # a session queued behind a batch arrives one batch late, plus the jitter of its trip
+GATHER_ENV = "DIFFUSE_GATHER"  # another GATHER, 0 for none (for before/after comparisons)
 SMALL_ROWS = 16  # a step this short (decoding, a speculation tree) keeps batches at max_rows
 
 
@@ -139,6 +145,8 @@ class Batcher(Generic[Item, Out]):
         self.rhythm: dict[Hashable, _Rhythm] = {}  # per session: when it queued last, how often it does
         self.queued = trio.Event()  # set whenever a step queues
         self.last_seconds = 0.0  # the last batch's compute time: the longest a step waits for company
+        self.gather = float(os.environ.get(GATHER_ENV, GATHER))
+        self.trace: str | None = None  # a file each batch appends its compute interval to (TRACE_ENV)
 
     async def run(self, key: Hashable, rows: int, item: Item, who: Hashable = None) -> tuple[Out, float]:
         """`item`'s output, computed in a batch with whatever compatible items are queued when
@@ -178,7 +186,7 @@ class Batcher(Generic[Item, Out]):
         paying for the weights; a session due that soon would have queued behind this batch and
         kept the span busy back to back anyway, so one batch for both costs less span time for
         about the same latency. A lone session, or one whose company is not due, waits for nobody."""
-        deadline = trio.current_time() + GATHER * self.last_seconds
+        deadline = trio.current_time() + self.gather * self.last_seconds
         while True:
             now = trio.current_time()
             here = {j.who for j in self.queue if j.key == first.key}
@@ -225,9 +233,20 @@ class Batcher(Generic[Item, Out]):
         seconds they took."""
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         outs = self._outputs(items)
-        return outs, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.trace:
+            self._traced(m0, time.monotonic(), len(items))
+        return outs, seconds
+
+    def _traced(self, start: float, end: float, steps: int) -> None:
+        try:
+            with open(self.trace, "a") as f:
+                f.write(f"{start:.6f} {end:.6f} {steps}\n")
+        except OSError as e:  # a diagnostic: never a session's failure
+            log.warning("batch trace %s stopped: %s", self.trace, e)
+            self.trace = None
 
     def _outputs(self, items: list[Item]) -> Sequence[Out | BaseException]:
         """The batch's outputs; if it fails, each item alone, so one bad step fails only its session."""

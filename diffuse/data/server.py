@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,12 +68,15 @@ class BlockServer:
         self.model_id, self.span = model_id, span
         self.limits = limits or ServerLimits()
         self.batcher = scheduler.span_batcher()
+        trace = os.environ.get(scheduler.TRACE_ENV)
+        self.batcher.trace = os.path.join(trace, f"{os.getpid()}.trace") if trace else None
         self.tokens_reserved = 0
         self.sessions = 0
         self.by_peer: dict[str, list[int]] = {}  # remote peer -> [sessions, KV entries] it holds
         self.buffered = 0  # bytes of unfinished frames over all streams
         self.steps_served = 0
         self.tokens_served = 0
+        self.in_flight = self.most_in_flight = 0  # sessions with a STEP taken and not yet answered (now, at most)
         self.accepting = True
         self.admission = Admission(self.limits.books, self.limits.queue_wait)
         self.conns: set[_Conn] = set()
@@ -90,6 +94,7 @@ class BlockServer:
         b = self.batcher.stats
         return {"sessions": self.sessions, "free_cache_tokens": self.free_tokens,
                 "steps_served": self.steps_served, "tokens_served": self.tokens_served,
+                "most_in_flight": self.most_in_flight,
                 "batches": b.batches, "batch_steps": b.steps, "batched_steps": b.shared, "largest_batch": b.largest}
 
     async def drain(self, timeout: float) -> int:
@@ -418,6 +423,15 @@ class _Conn:
 
     async def on_step(self, m: Step) -> bool:
         """Run one STEP; True ends the session (its inputs disagree with the client's commitment)."""
+        srv = self.server
+        srv.in_flight += 1
+        srv.most_in_flight = max(srv.most_in_flight, srv.in_flight)
+        try:
+            return await self._step(m)
+        finally:
+            srv.in_flight -= 1
+
+    async def _step(self, m: Step) -> bool:
         opened = self.state.open
         if opened.want_commitments:
             # Chain our own view of the inputs; the output commitment binds it, never the client's claim.

@@ -1,0 +1,113 @@
+"""Several sessions at once through a 2-peer chain of real processes (a sentinel and two `diffuse
+join` peers on 127.0.0.1, blocks 1:15 and 15:30, at the defaults: bf16, fp16 wire, trust on):
+
+- each session gives the answer it gives alone: exact sessions bit for bit (every step's
+  logits), fast ones token for token or differing only after a near-tie in bf16 (shown with its
+  gap: a batched pass rounds in another order than a lone step);
+- the peers computed different sessions' steps at the same time: their batch traces
+  (DIFFUSE_BATCH_TRACE, on the system-wide monotonic clock) hold passes of the first peer and of
+  the second that overlap, and every session's first hop forwarded its outputs to the second.
+
+Whether passes overlap depends on how the two cores schedule the peers, so the module runs in
+the `alone` group, nothing beside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from support import batch_trace
+from support.procs import Procs, swarm_key
+from support.swarm import LOCAL, Swarm
+from diffuse.client.generate import session_length
+from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
+from diffuse.control.node import NodeConfig, open_node
+from diffuse.data.scheduler import TRACE_ENV
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model.tokenizer import Tokenizer
+from diffuse.trust import reputation
+
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1200)]
+TOKENS = 16
+JOBS = [("Name three famous rivers and the countries they flow through.", False), ("Write a haiku about rain.", False),
+        ("Explain in two sentences what a compiler does.", True), ("Why is the sky blue?", True)]  # (question, exact)
+PEERS = {"Q0": "1:15", "Q1": "15:30"}
+
+
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeswarm")
+    traces = tmp / "traces"
+    traces.mkdir()
+    with Procs(home) as procs:
+        procs.env[TRACE_ENV] = str(traces)
+        s = Swarm(procs, tmp, PEERS, timeout=300)
+        yield s, {name: batch_trace.trace_file(traces, s.proc[name].p.pid) for name in PEERS}
+
+
+async def generate(client: SwarmClient, tok: Tokenizer, question: str, exact: bool) -> dict:
+    """One greedy answer: its tokens, every step's logits, and how its first hop's output travelled."""
+    prompt = tok.encode_chat([{"role": "user", "content": question}])
+    pipe = await client.session(session_length(len(prompt), TOKENS), exact=exact)
+    try:
+        out, rows, ids = [], [], torch.tensor([prompt])
+        for _ in range(TOKENS):
+            row = (await pipe.forward(ids, rows=slice(-1, None)))[0, -1]
+            rows.append(row)
+            out.append(int(row.argmax()))
+            ids = torch.tensor([[out[-1]]])
+        return {"tokens": out, "logits": rows, "route": remote_of(pipe).route_taken}
+    finally:
+        await pipe.close()
+
+
+def near_tie(logit: float) -> float:
+    """A gap a batched pass can reverse in bf16: 4 units in the last place at `logit`'s magnitude
+    (a batch's products round in another order than a lone step's, through every block)."""
+    return 4 * 2.0 ** (math.floor(math.log2(max(abs(logit), 1e-3))) - 7)
+
+
+def test_concurrent_sessions_through_a_chain_overlap_and_answer_as_alone(swarm, home):
+    s, traces = swarm
+    model_dir = models_dir(home) / DEFAULT_MODEL
+
+    async def run():
+        async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[s.boot], server=False,
+                                                               swarm_key=swarm_key()),
+                             codecs=reputation.swarm_codecs()) as node:
+            client = SwarmClient(node, model_dir, SwarmOptions(route="chain"))
+            tok = Tokenizer.load(model_dir)
+            with trio.fail_after(60):
+                while not await client.covered():
+                    await trio.sleep(0.25)
+            alone = [await generate(client, tok, q, exact) for q, exact in JOBS]
+            offsets = {name: batch_trace.size(path) for name, path in traces.items()}
+            together: list = [None] * len(JOBS)
+
+            async def one(i: int) -> None:
+                together[i] = await generate(client, tok, *JOBS[i])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(JOBS)):
+                    nursery.start_soon(one, i)
+            return alone, together, {name: batch_trace.read(path, offsets[name]) for name, path in traces.items()}
+
+    alone, together, passes = trio.run(run)
+    for (q, exact), a, b in sorted(zip(JOBS, alone, together), key=lambda job: not job[0][1]):  # exact ones first
+        assert [h["output"] for h in b["route"]] == ["peer", "client"], b["route"]
+        assert b["route"][0]["forwarded_steps"] >= TOKENS
+        if exact:
+            assert a["tokens"] == b["tokens"] and all(torch.equal(x, y) for x, y in zip(a["logits"], b["logits"])), q
+        elif a["tokens"] != b["tokens"]:
+            i = next(j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y)
+            top2 = a["logits"][i].topk(2).values
+            print(f"{q!r}: differs at token {i}, where the top-2 gap alone is {float(top2[0] - top2[1]):.3f}")
+            assert top2[0] - top2[1] <= near_tie(float(top2[0])), (q, i, top2)
+    q0, q1 = passes["Q0"], passes["Q1"]
+    assert sum(n for *_, n in q0) >= len(JOBS) * TOKENS and sum(n for *_, n in q1) >= len(JOBS) * TOKENS
+    assert batch_trace.overlap(q0, q1) > 0, "the two peers never computed at the same time"
