@@ -72,7 +72,7 @@ def test_unknown_extensions_are_ignored():
 
 def test_another_major_version_is_named():
     body = b"DF\x02\x05\x01\x00" + bytes(60)
-    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.0") as e:
+    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.1") as e:
         frames(struct.pack(">I", len(body)) + body)
     assert e.value.status == F.Status.UNSUPPORTED_VERSION
 

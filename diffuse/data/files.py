@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_ID = "/diffuse/files/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1.1: blocks served under their weight commitments (section 9)
 MAX_REQUEST_FRAME = 4096  # a GET is 54 bytes; the rest is room for extensions
 MAX_CHUNK = 1 << 20  # bytes of one DATA frame, at most
 CHUNK = 256 << 10  # what the reference server puts in one DATA frame
@@ -246,7 +246,7 @@ class FileServer:
 
     def __init__(self, *, max_transfers: int = 4, max_per_peer: int = 2, max_range: int = MAX_RANGE,
                  request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S) -> None:
-        self.files: dict[str, tuple[Path, int]] = {}  # hex sha256 -> (path, size when hashed)
+        self.files: dict[str, tuple[Path | Composite, int]] = {}  # hex sha256 -> (file, size when hashed)
         self.max_transfers, self.max_per_peer, self.max_range = max_transfers, max_per_peer, max_range
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
         self.active: Counter[str] = Counter()  # remote peer -> transfers in progress
@@ -257,6 +257,14 @@ class FileServer:
         size, sha = path.stat().st_size, sha256_file(path)
         self.files[sha] = (path, size)
         return sha, size
+
+    def add_composite(self, sha256: str, parts: Sequence[Part]) -> int:
+        """Serve, under `sha256`, the file made of `parts` (bytes, or (path, offset, length) of a
+        file's bytes): a block in canonical form (model/blockfiles.py) whose hash the caller has
+        checked. Served while each file it reads keeps its size now; returns the size."""
+        whole = Composite(list(parts))
+        self.files[sha256] = (whole, whole.size)
+        return whole.size
 
     async def serve(self, stream: ByteStream, remote: str) -> None:
         """Answer one GET on `stream` from peer `remote` (its id bounds its share of transfers), then
@@ -300,7 +308,7 @@ class FileServer:
             return
         entry = self.files.get(get.sha256.hex())
         try:
-            f = open(entry[0], "rb") if entry else None
+            f = (entry[0].open() if isinstance(entry[0], Composite) else open(entry[0], "rb")) if entry else None
         except OSError:
             f = None
         if f is None:
@@ -309,7 +317,7 @@ class FileServer:
         self.active[remote] += 1
         try:
             with f:
-                size = os.fstat(f.fileno()).st_size
+                size = f.size() if isinstance(f, _Reader) else os.fstat(f.fileno()).st_size
                 if size != entry[1]:
                     log.warning("%s changed on disk since it was hashed: no longer served", entry[0])
                     await self._reply(stream, Response(Status.NOT_FOUND, message=f"file {get.sha256.hex()} "
@@ -324,7 +332,7 @@ class FileServer:
             if not self.active[remote]:
                 del self.active[remote]
 
-    async def _copy(self, f: BinaryIO, stream: ByteStream, offset: int, length: int) -> None:
+    async def _copy(self, f: BinaryIO | _Reader, stream: ByteStream, offset: int, length: int) -> None:
         f.seek(offset)
         while length:
             block = await trio.to_thread.run_sync(f.read, min(CHUNK, length))
@@ -343,6 +351,62 @@ class FileServer:
             await self._send(stream, msg)
         except Exception as e:  # noqa: BLE001 - nobody left to tell
             log.debug("could not send %s: %s", Status(msg.status).name, e)
+
+
+Part = Union[bytes, tuple[Path, int, int]]
+
+
+class Composite:
+    """A file made of literal bytes and ranges of files on disk, read in order."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts = parts
+        self.size = sum(len(p) if isinstance(p, bytes) else p[2] for p in parts)
+        self.sizes = {p[0]: Path(p[0]).stat().st_size for p in parts if not isinstance(p, bytes)}
+
+    def open(self) -> "_Reader":
+        return _Reader(self)
+
+
+class _Reader:
+    """A Composite's reader with the calls `FileServer` makes of a file: `size` (its size, or -1
+    once a file under it changed size: not served), `seek`, `read`."""
+
+    def __init__(self, whole: Composite) -> None:
+        self.whole, self.pos, self.name = whole, 0, "a composite file"
+        self.handles = {path: open(path, "rb") for path in whole.sizes}
+
+    def size(self) -> int:
+        same = all(os.fstat(f.fileno()).st_size == self.whole.sizes[p] for p, f in self.handles.items())
+        return self.whole.size if same else -1
+
+    def seek(self, offset: int) -> None:
+        self.pos = offset
+
+    def read(self, n: int) -> bytes:
+        out, at, end = bytearray(), 0, self.pos + n
+        for part in self.whole.parts:
+            length = len(part) if isinstance(part, bytes) else part[2]
+            lo, hi = max(self.pos, at), min(end, at + length)
+            if lo < hi:
+                if isinstance(part, bytes):
+                    out += part[lo - at:hi - at]
+                else:
+                    f = self.handles[part[0]]
+                    f.seek(part[1] + lo - at)
+                    out += f.read(hi - lo)
+            at += length
+            if at >= end:
+                break
+        self.pos += len(out)
+        return bytes(out)
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.handles.values():
+            f.close()
 
 
 Opener = Callable[[], Awaitable[ByteStream]]
@@ -392,9 +456,9 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
             while offset < expected_size:
                 length = min(max_range, expected_size - offset)
                 try:
-                    offset += await _get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
+                    offset += await get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
                                                stall_timeout)
-                except _Smaller as e:  # the peer sends less per request, and said how much
+                except Smaller as e:  # the peer sends less per request, and said how much
                     if not 0 < e.length < length:
                         raise FetchError(f"peer {peer} refused {length} bytes as too large without naming "
                                          "a smaller range") from None
@@ -409,7 +473,7 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
     return dest
 
 
-class _Smaller(Exception):
+class Smaller(Exception):
     """The peer answered TOO_LARGE: it sends at most `length` bytes per request."""
 
     def __init__(self, length: int) -> None:
@@ -417,7 +481,7 @@ class _Smaller(Exception):
         self.length = length
 
 
-async def _get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
+async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
                      out: BinaryIO, digest: Any, stall_timeout: float) -> int:
     """Receive [offset, offset + length) into `out` and `digest`; returns `length`."""
     stream = await open_stream()
@@ -475,7 +539,7 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     if not isinstance(msg, Response):
         raise FetchError(f"peer {peer} sent {type(msg).__name__.upper()} before its RESPONSE")
     if msg.status == Status.TOO_LARGE:
-        raise _Smaller(msg.length)
+        raise Smaller(msg.length)
     if msg.status != Status.OK:
         raise FetchError(f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
     if msg.total != total:

@@ -207,7 +207,8 @@ class Peer:
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
             protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
-            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}) | self.variant)
+            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model, (start, end), bool(self.variant))
+                   if files else {}) | self.variant)
         if self.lending is not None and self.lending.paused:  # contribution auto paused: hold it until resume
             if hooks.drain is not None:
                 await hooks.drain(0)  # the fresh server refuses sessions too

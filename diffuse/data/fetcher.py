@@ -1,0 +1,180 @@
+"""Files from several peers at once over the files protocol (protocols/files.md), checked by hash.
+
+A file (named by its SHA-256 and size, which the caller trusts: a manifest it checked) is cut
+into pieces; a couple of workers per source take the next piece left and stream it straight to
+its place in a temporary file, so memory stays at a few frames per worker whatever the file's
+size. A source that fails (dies, stalls, refuses) loses its workers after a few strikes, and the
+bytes it did deliver stay: its unfinished piece is asked of the others from where it stopped.
+
+When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
+blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
+finds the liar by asking again: it replaces one sender's ranges with bytes from the others and
+hashes again; the sender whose replacement makes the hash right is banned (bans last for the
+Fetcher's life, across files). Only a file whose hash is right gets its final name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from diffuse.data.files import STALL_TIMEOUT_S, Smaller, get_range, sha256_file
+from diffuse.data.stream import ByteStream
+from diffuse.errors import FetchError
+
+log = logging.getLogger(__name__)
+PIECE = 4 << 20  # bytes asked per request
+PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
+STRIKES = 3  # failed requests in a row before a source is dropped for this file
+Open = Callable[[str], Awaitable[ByteStream]]  # a files stream to a peer
+
+
+@dataclass
+class Stats:
+    """What a Fetcher moved: bytes received (bad ones too) and per source, files done."""
+
+    received: int = 0
+    by_peer: dict[str, int] = field(default_factory=dict)
+    files: int = 0
+
+
+class _At:
+    """Writes at an advancing offset of a file (pwrite), counting the bytes."""
+
+    def __init__(self, fd: int, offset: int, stats: Stats, peer: str) -> None:
+        self.fd, self.offset, self.count, self.stats, self.peer = fd, offset, 0, stats, peer
+
+    def write(self, data: bytes) -> None:
+        os.pwrite(self.fd, data, self.offset + self.count)
+        self.count += len(data)
+        self.stats.received += len(data)
+        self.stats.by_peer[self.peer] = self.stats.by_peer.get(self.peer, 0) + len(data)
+
+
+class _NoDigest:
+    def update(self, _data: bytes) -> None:
+        pass
+
+
+class Fetcher:
+    """Fetches files by hash from the sources each call names; `banned`: peer -> why (a peer
+    that sent bytes other than the hash names)."""
+
+    def __init__(self, open_stream: Open, *, piece: int = PIECE, per_source: int = PER_SOURCE,
+                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.open_stream, self.piece, self.per_source = open_stream, piece, per_source
+        self.stall_timeout, self.on_bytes = stall_timeout, on_bytes
+        self.banned: dict[str, str] = {}
+        self.stats = Stats()
+
+    async def fetch(self, sha256: str, size: int, dest: Path, sources: Sequence[str], what: str = "") -> Path:
+        """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
+        names the file (`what`) and why when no honest source could give it."""
+        what = what or f"file {sha256[:16]}…"
+        if size <= 0:
+            raise FetchError(f"{what}: a size of {size} bytes is not a file's")
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        try:
+            os.ftruncate(fd, size)
+            job = _Job(self, fd, sha256, size, what)
+            await job.fill([(o, min(self.piece, size - o)) for o in range(0, size, self.piece)], sources)
+            await job.check(sources, Path(tmp))
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, dest)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+        self.stats.files += 1
+        return dest
+
+    def ban(self, peer: str, why: str) -> None:
+        if peer not in self.banned:
+            log.warning("banned peer %s: %s", peer, why)
+        self.banned[peer] = why
+
+
+class _Job:
+    """One file: its pieces, who sent each byte range (`sent`), the workers."""
+
+    def __init__(self, fetcher: Fetcher, fd: int, sha: str, size: int, what: str) -> None:
+        self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
+        self.sent: dict[int, tuple[int, str]] = {}  # offset -> (length, sender)
+        self.errors: dict[str, str] = {}
+
+    async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
+        """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
+        live = [p for p in dict.fromkeys(sources) if p not in self.f.banned]
+        strikes = dict.fromkeys(live, 0)
+        todo, busy = list(todo), []
+
+        async def worker(peer: str) -> None:
+            while (todo or busy) and strikes[peer] < STRIKES:
+                if not todo:  # others' pieces in flight: one may come back unfinished
+                    await trio.sleep(0.05)
+                    continue
+                offset, length = todo.pop(0)
+                busy.append(offset)
+                out = _At(self.fd, offset, self.f.stats, peer)
+                try:
+                    await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
+                                    length, self.size, out, _NoDigest(), self.f.stall_timeout)
+                    strikes[peer] = 0
+                except (FetchError, Smaller) as e:
+                    strikes[peer] += 1
+                    self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
+                    if length > out.count:  # the rest, from where it stopped, for whoever is free
+                        todo.append((offset + out.count, length - out.count))
+                finally:
+                    busy.remove(offset)
+                    if out.count:
+                        self.sent[offset] = (out.count, peer)
+                        if self.f.on_bytes:
+                            self.f.on_bytes(out.count)
+                if strikes[peer]:
+                    await trio.sleep(0.2 * strikes[peer])
+
+        async with trio.open_nursery() as nursery:
+            for peer in live:
+                for _ in range(self.f.per_source):
+                    nursery.start_soon(worker, peer)
+        if todo:
+            why = "; ".join(f"{p}: {e}" for p, e in self.errors.items()) or "no source offers it"
+            raise FetchError(f"{self.what}: {sum(n for _, n in todo)} of {self.size} bytes could not be fetched "
+                             f"({len(live)} source(s) tried; {why})")
+
+    async def check(self, sources: Sequence[str], tmp: Path) -> None:
+        """Size, then hash; on a wrong hash find the sender that lied, ban it, refetch its ranges."""
+        if os.fstat(self.fd).st_size != self.size or sum(n for n, _ in self.sent.values()) < self.size:
+            raise FetchError(f"{self.what}: the transfer ended short of its {self.size} bytes")
+        tried: set[str] = set()
+        while (got := await trio.to_thread.run_sync(sha256_file, tmp)) != self.sha:
+            everyone = {p for _, p in self.sent.values()}
+            senders = sorted(everyone - tried, key=lambda p: -sum(n for n, q in self.sent.values() if q == p))
+            if not senders:
+                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} "
+                                 f"(banned: {', '.join(sorted(tried))})")
+            suspect = senders[0]
+            tried.add(suspect)
+            if len(everyone) == 1:  # it alone sent the bytes: it is the liar
+                self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
+            ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
+            for o, _ in ranges:
+                del self.sent[o]
+            try:
+                await self.fill(ranges, [p for p in sources if p != suspect])
+            except FetchError as e:
+                raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
+                                 f"and no other source could send them ({e})") from None
+            if await trio.to_thread.run_sync(sha256_file, tmp) == self.sha:
+                self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
+                return

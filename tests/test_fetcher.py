@@ -1,0 +1,151 @@
+"""The multi-source fetcher (data/fetcher.py) against FileServers over in-memory streams, and
+blocks as files (model/blockfiles.py).
+
+Pieces come from every source; a source serving other bytes under the hash is found and banned
+and its ranges come from the others; a source that breaks off mid-piece costs only the rest of
+that piece; one that sends more than asked, or a short file, is refused; with no honest source
+the fetch fails naming the file and leaves nothing. A block's canonical bytes served from a
+store's safetensors hash to its manifest commitment and come back as a per-block file that
+reads as the same tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from diffuse.data import files as F
+from diffuse.data.fetcher import Fetcher
+from diffuse.errors import FetchError
+from test_sessions import MemStream
+
+SIZE = 3 * 65536 + 123
+PIECE = 65536
+
+
+@pytest.fixture
+def blob() -> bytes:
+    return os.urandom(SIZE)
+
+
+def servers(tmp_path, blob: bytes, names: list[str]) -> dict[str, F.FileServer]:
+    out = {}
+    for name in names:
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(blob)
+        out[name] = F.FileServer(max_per_peer=4)
+        out[name].add(path)
+    return out
+
+
+def run_fetch(tmp_path, serving: dict, sha: str, sources: list[str], size: int = SIZE, **kw):
+    """Fetch with `serving` (peer -> FileServer, or an async handler of a raw stream); returns
+    (path or the FetchError, fetcher)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                handler = serving[peer]
+                nursery.start_soon(*((handler.serve, MemStream(b), "me") if isinstance(handler, F.FileServer)
+                                     else (handler, MemStream(b))))
+                return MemStream(a)
+            fetcher = Fetcher(open_stream, piece=PIECE, stall_timeout=5, **kw)
+            try:
+                return await fetcher.fetch(sha, size, tmp_path / "got" / "file", sources, "block 7"), fetcher
+            except FetchError as e:
+                return e, fetcher
+
+    return trio.run(main)
+
+
+def test_pieces_come_from_every_source(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    path, fetcher = run_fetch(tmp_path, servers(tmp_path, blob, ["a", "b", "c"]), sha, ["a", "b", "c"])
+    assert path.read_bytes() == blob
+    assert fetcher.stats.received == SIZE and len(fetcher.stats.by_peer) >= 2
+    assert [p.name for p in path.parent.iterdir()] == ["file"]  # no temporary file left
+
+
+def test_a_liar_among_sources_is_banned_and_its_ranges_fetched_elsewhere(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["honest", "liar"])
+    bad = bytearray(blob)
+    for i in range(0, SIZE, PIECE):  # every piece it might serve is wrong in one byte
+        bad[i] ^= 1
+    (tmp_path / "liar.bin").write_bytes(bytes(bad))  # altered on disk after it was hashed: same size
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["liar", "honest"])
+    assert path.read_bytes() == blob and list(fetcher.banned) == ["liar"]
+
+
+def test_with_no_honest_source_the_fetch_fails_naming_the_file_and_keeps_nothing(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["liar"])
+    (tmp_path / "liar.bin").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    err, fetcher = run_fetch(tmp_path, serving, sha, ["liar"])
+    assert isinstance(err, FetchError) and "block 7" in str(err) and "liar" in str(err)
+    assert list(fetcher.banned) == ["liar"] and list((tmp_path / "got").iterdir()) == []
+
+
+def test_a_source_breaking_off_costs_only_the_rest_of_its_piece(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+    half = PIECE // 2
+
+    async def dies(stream):  # answers the first GET with half its bytes, then its stream ends
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                           + F.encode(F.Data(blob[get.offset:get.offset + half])))
+        await stream.close()
+
+    serving["dies"] = dies
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["dies", "good"], per_source=1)
+    assert path.read_bytes() == blob and not fetcher.banned
+    assert fetcher.stats.by_peer["dies"] >= half
+    assert fetcher.stats.received == SIZE  # the half it sent was kept: nothing fetched twice
+
+
+@pytest.mark.parametrize("case", ["oversized", "short"])
+def test_oversized_answers_and_short_files_are_refused(tmp_path, blob, case):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+
+    async def oversized(stream):
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                           + F.encode(F.Data(blob[get.offset:get.offset + get.length] + b"!")))
+        await stream.close()
+
+    if case == "oversized":
+        serving["bad"] = oversized
+    else:  # its file is shorter than the hash's: it says so (NOT_FOUND), and must not be believed anyway
+        serving |= servers(tmp_path, blob, ["bad"])
+        (tmp_path / "bad.bin").write_bytes(blob[:-10])
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["bad", "good"])
+    assert path.read_bytes() == blob and "good" in fetcher.stats.by_peer
+    alone, _ = run_fetch(tmp_path, serving, sha, ["bad"])
+    assert isinstance(alone, FetchError) and "block 7" in str(alone)
+    assert ("more than" if case == "oversized" else "NOT_FOUND") in str(alone)
+
+
+def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
+    from diffuse.model import blockfiles
+    from diffuse.model.weights import ModelFiles, load_manifest
+
+    files, manifest = ModelFiles(smollm2), load_manifest(smollm2)
+    server = F.FileServer()
+    (tmp_path / "config.json").write_bytes((smollm2 / "config.json").read_bytes())
+    for block in (4, None):
+        sha = manifest.block_hashes[4] if block == 4 else manifest.head_hash
+        size = server.add_composite(sha, blockfiles.segments(files, block))
+        canonical, _ = run_fetch(tmp_path, {"src": server}, sha, ["src"], size=size)
+        dest = tmp_path / ("head.safetensors" if block is None else "block-00004.safetensors")
+        blockfiles.to_safetensors(canonical, dest, block)
+        back = ModelFiles(tmp_path).read_block(4) if block == 4 else ModelFiles(tmp_path).read_head()
+        want = files.read_block(4) if block == 4 else files.read_head()
+        assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+        canonical.unlink()
