@@ -132,6 +132,7 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
                     say: Say) -> tuple[Path, Manifest, str]:
     """The manifest to trust (section of the module docstring), in the store; its directory and hash."""
     groups: dict[tuple[str, int], list[str]] = {}
+    trusted = trusted.strip().lower() if trusted else None
     for r in records:
         sha, size = r.extra.get(MANIFEST_SHA), r.extra.get(MANIFEST_BYTES)
         if isinstance(sha, str) and _HEX64.fullmatch(sha) and type(size) is int and 0 < size <= MAX_MANIFEST:
@@ -174,7 +175,7 @@ def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int
             trusted: str | None) -> str:
     """The manifest hash to use: the operator's (its SHA-256 or model hash), else the only one."""
     if trusted:
-        hit = [s for s, (m, _) in found.items() if trusted.lower() in (s, m.model_hash)]
+        hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
         if not hit:
             raise DiffuseError(f"no peer serves a manifest with hash {trusted}; announced: {_listing(found, groups)}")
         return hit[0]
