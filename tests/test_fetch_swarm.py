@@ -5,21 +5,25 @@ block 3 is altered on disk once it serves (it computes with the blocks it loaded
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
 stores a block that hashes right; two peers with empty stores take complementary spans and end
 with only their span on disk; `src` is SIGKILLed and the swarm's greedy answer equals the local
-one; a peer whose source is SIGKILLed mid-transfer finishes from another without fetching twice
-what it had; with no honest source left for block 3, a join fails naming the block.
+one, as is a client's that fetched into an empty store what it holds (`ask --from-swarm`: with
+no trust plane its head and first block; with it, then the rest); a peer whose source is
+SIGKILLed mid-transfer finishes from another without fetching twice what it had; with no honest
+source left for block 3, a join fails naming the block.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import subprocess
 import time
 
 import pytest
 
-from support.procs import Procs
+from support.procs import DIFFUSE, Procs
 from support.swarm import LOCAL, QUICK_RECORDS, Swarm
-from test_swarm import ask, reference_answer
+from test_swarm import QUESTION, TOKENS, ask, reference_answer
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import blockfiles
 from diffuse.model.weights import ModelFiles, block_hash, load_manifest
@@ -72,7 +76,11 @@ def join(swarm: Swarm, name: str, blocks: str, tmp) -> None:
 
 
 def on_disk(swarm: Swarm, name: str) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in (models_dir(swarm.homes[name]) / DEFAULT_MODEL).glob("*.safetensors")}
+    return on_disk_of(swarm.homes[name])
+
+
+def on_disk_of(home) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (models_dir(home) / DEFAULT_MODEL).glob("*.safetensors")}
 
 
 def fetched(swarm: Swarm, name: str) -> tuple[float, dict[str, float]]:
@@ -113,6 +121,29 @@ def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, 
             assert manifest.block_sizes[i] - 4096 < disk[f"block-{i:05d}.safetensors"] < manifest.block_sizes[i] + 4096
     swarm.kill("src")
     assert ask(swarm.procs, swarm.boot)["token_ids"] == reference_answer(home)
+
+
+def client_ask(swarm: Swarm, home, *extra: str) -> tuple[dict, str]:
+    """`ask --from-swarm` in `home`: its answer and stderr."""
+    out = subprocess.run([*DIFFUSE, "--client-only", "ask", "--bootstrap", swarm.boot, "--json", "--max-tokens",
+                          str(TOKENS), "--wait", "30", "--no-speculate", "--from-swarm", *extra, QUESTION],
+                         capture_output=True, text=True, timeout=300, env=swarm.procs.env | {"DIFFUSE_HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local(swarm, home, tmp_path):
+    """Without a trust plane a client holds the head and its local blocks; with one (the default)
+    it judges peers by recomputing their blocks, so it then fetches the rest, and only the rest."""
+    empty, reference = tmp_path / "client-home", reference_answer(home)
+    answer, _ = client_ask(swarm, empty, "--trust", "off")
+    assert answer["token_ids"] == reference
+    assert set(on_disk_of(empty)) == {"head.safetensors", "block-00000.safetensors"}  # --local-blocks 1,0
+    answer, err = client_ask(swarm, empty)
+    assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
+    manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
+    total = float(re.search(r"\(([\d.]+) MiB fetched", err).group(1))
+    assert total * 2**20 <= sum(manifest.block_sizes[1:]) + 2**20, err  # blocks 1-29 only
 
 
 def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import pytest
 import torch
@@ -149,3 +150,60 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
         want = files.read_block(4) if block == 4 else files.read_head()
         assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
         canonical.unlink()
+
+
+def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
+    from diffuse.model import blockfiles, store
+    from diffuse.model.weights import MANIFEST, ModelFiles
+
+    part = tmp_path / "models" / smollm2.name
+    part.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", MANIFEST):
+        (part / name).write_bytes((smollm2 / name).read_bytes())
+    files = ModelFiles(smollm2)
+    for block in (4, 5, None):  # as a fetch leaves them: canonical bytes rewritten per block
+        canonical = tmp_path / "canonical"
+        with open(canonical, "wb") as out:
+            for piece in blockfiles.segments(files, block):
+                if isinstance(piece, bytes):
+                    out.write(piece)
+                else:
+                    with open(piece[0], "rb") as f:
+                        f.seek(piece[1])
+                        out.write(f.read(piece[2]))
+        dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
+        blockfiles.to_safetensors(canonical, dest, block)
+    (m,) = store.list_models(tmp_path)
+    assert m.held == "4-5, head" and "partial: holds blocks 4-5, head of 30" in store.table([m])
+    said: list[str] = []
+    assert blockfiles.verify(part, said.append) == 0
+    assert re.search(r"2 block\(s\), the head and \d+ file\(s\) checked, 0 bad$", said[-1]), said
+    path = blockfiles.block_file(part, 5)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    said.clear()
+    assert blockfiles.verify(part, said.append) == 1
+    assert said[0].startswith("bad: block 5 (block-00005.safetensors): hashes to") and said[-1].endswith("1 bad")
+
+
+def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen_silently():
+    from dataclasses import replace
+
+    from diffuse.client.from_swarm import _choose
+    from diffuse.errors import DiffuseError
+    from diffuse.model.weights import Manifest
+
+    one = Manifest("m", "llama", 1, "float32", ["a" * 64], "b" * 64)
+    other = replace(one, head_hash="c" * 64)
+    found = {"1" * 64: (one, None), "2" * 64: (other, None)}
+    groups = {("1" * 64, 10): ["PEER_A", "PEER_B"], ("2" * 64, 10): ["PEER_C"]}
+    with pytest.raises(DiffuseError, match="different manifests") as e:
+        _choose(found, groups, None)
+    assert all(x in str(e.value) for x in ["1" * 64, "2" * 64, "PEER_A, PEER_B", "PEER_C", "--model-hash",
+                                           other.model_hash])
+    assert _choose(found, groups, other.model_hash) == "2" * 64  # the operator's, by model hash
+    assert _choose(found, groups, "1" * 64) == "1" * 64  # or by manifest hash
+    with pytest.raises(DiffuseError, match="no peer serves a manifest with hash"):
+        _choose(found, groups, "f" * 64)
+    assert _choose({"1" * 64: (one, None)}, {("1" * 64, 10): ["PEER_A"]}, None) == "1" * 64

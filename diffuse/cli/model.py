@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("name", nargs="?")
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
+    ver = msub.add_parser("verify", help="re-hash the blocks, head and files of a model against its manifest")
+    ver.add_argument("name", nargs="?")
+    ver.set_defaults(func=cmd_info, verify=True)
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
                          "(self-distilled from the model on requests and text Python ships; ~8 min on 2 cores)")
     dh.add_argument("name", nargs="?")
@@ -76,7 +79,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from diffuse.model import store  # imports torch: only when a command runs
+    from diffuse.model import blockfiles, store  # imports torch: only when a command runs
     m = store.info(store.resolve(data_home(args.home), args.name))
+    if getattr(args, "verify", False):  # `model verify`: exit 1 if a file is bad
+        return blockfiles.verify(m.path, _progress)
     print(json.dumps(m.as_dict(), indent=1) if args.json else store.describe(m))
     return 0

@@ -42,8 +42,7 @@ def register_join(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default): the least-served "
                    "span that fits --num-blocks / --max-memory")
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
-    p.add_argument("--from-swarm", action="store_true", help="first fetch from the swarm's peers, checked by hash, "
-                   "what the store lacks of the model and its span (docs/fetch.md)")
+    p.add_argument("--from-swarm", action="store_true", help="first fetch what the store lacks from peers, by hash")
     p.add_argument("--model-hash", metavar="SHA256", help="with --from-swarm: the manifest (or model) hash to trust")
     p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
     p.add_argument("--throughput", type=positive, help="tokens/s to announce (default: measured once loaded)")
@@ -137,10 +136,6 @@ def make_peer(args: argparse.Namespace):  # -> peer.join.Peer
     access = swarm_access(args)
     node = from_args(NodeConfig, args, listen=_listen(args), bootstrap=boot, announce_addrs=args.announce,
                      swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot))
-    if args.from_swarm:
-        from diffuse.peer.from_swarm import Wanted, from_swarm
-        args.model, span = trio_run(from_swarm, data_home(args.home), node, from_args(Wanted, args), _say)
-        args.blocks, args.num_blocks, args.max_memory = f"{span[0]}:{span[1]}", None, None
     models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
     config = from_args(JoinConfig, args, home=data_home(args.home), node=node, models=models,
                        serve=from_args(ServeConfig, args))

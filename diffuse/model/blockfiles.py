@@ -28,7 +28,7 @@ from typing import BinaryIO, Union
 
 from diffuse.errors import ModelError
 from diffuse.model.weights import BLOCK_PREFIX, HEAD_TENSORS, MANIFEST, Manifest, ModelFiles, SafetensorsFile, \
-    load_manifest
+    block_hash, load_manifest
 
 Segment = Union[bytes, tuple[Path, int, int]]  # literal bytes, or (file, offset, length) of its bytes
 HEAD_FILE = "head.safetensors"
@@ -167,3 +167,27 @@ def to_safetensors(canonical: Path, dest: Path, block: int | None) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def verify(model_dir: Path, say) -> int:
+    """`diffuse model verify`: re-hash every block and the head the store holds, and every file
+    the manifest lists; say each bad one by name. 0 if all match, else 1."""
+    model_dir = Path(model_dir)
+    m, bad, files = load_manifest(model_dir), [], ModelFiles(model_dir)
+    blocks, head = held(model_dir)
+    for i in sorted(blocks):
+        got = block_hash(files.read_block(i))
+        if got != m.block_hashes[i]:
+            bad.append(f"block {i} ({', '.join(sorted({files.where[n].name for n in files.block_names(i)}))}): "
+                       f"hashes to {got}, the manifest says {m.block_hashes[i]}")
+    if head and (got := block_hash(files.read_head())) != m.head_hash:
+        bad.append(f"the head: hashes to {got}, the manifest says {m.head_hash}")
+    for name, (length, sha) in m.files.items():
+        path = model_dir / name
+        if not path.is_file() or path.stat().st_size != length or hashlib.sha256(path.read_bytes()).hexdigest() != sha:
+            bad.append(f"{name}: missing, or not the {length} bytes with SHA-256 {sha} the manifest lists")
+    for line in bad:
+        say(f"bad: {line}")
+    say(f"{model_dir.name}: {len(blocks)} block(s){', the head' if head else ''} and {len(m.files)} file(s) checked, "
+        f"{len(bad)} bad")
+    return 1 if bad else 0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import trio
 
+from diffuse.client import from_swarm
 from diffuse.control import receipts
 from diffuse.control.announce import Serving
 from diffuse.control.coverage import coverage
@@ -62,12 +63,19 @@ class JoinConfig:
     max_memory: str | None = None
     serve: ServeConfig = field(default_factory=ServeConfig)
     metrics: str | None = None
+    from_swarm: bool = False  # first fetch what the store lacks from the peers (client/from_swarm.py)
+    model_hash: str | None = None  # with from_swarm: the manifest (or model) hash to trust
 
 
 class Peer:
     """One `join`: `show` gets what goes to stdout (addresses, what it serves), `say` notices."""
 
     def __init__(self, key_pair: KeyPair, config: JoinConfig, show: Say, say: Say) -> None:
+        if config.from_swarm:  # then as if the store had held the model: named, with its span
+            config = dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(
+                config.home, config.node, from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks,
+                                                            max_memory=config.max_memory,
+                                                            model_hash=config.model_hash), say))
         self.key_pair, self.config, self.show, self.say = key_pair, config, show, say
         self.auto = (config.model or "").lower() == "auto"
         if not self.auto and (config.models or config.replan):

@@ -13,13 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from diffuse.client.from_swarm import BLOCK_FILES, MANIFEST_BYTES, MANIFEST_SHA
 from diffuse.data.files import FileServer
 from diffuse.model import blockfiles
 from diffuse.model.weights import MANIFEST, ModelFiles
 
 log = logging.getLogger(__name__)
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (client/survey.py reads them)
-BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
 
 
 def offer(server: FileServer, model_dir: Path, span: tuple[int, int] | None) -> dict[str, Any]:

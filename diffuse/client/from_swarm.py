@@ -1,6 +1,7 @@
-"""`join --from-swarm`: put into the store what a peer needs from the peers that serve it, and
-nothing more: the manifest, the files it lists (config, tokenizer), the blocks of the span it will
-serve (and the head, for a client), each checked by hash (docs/fetch.md).
+"""`--from-swarm`: put into the store what a node needs from the peers that serve the model, and
+nothing more: the manifest, the files it lists (config, tokenizer), the blocks of the span a peer
+will serve (`join`), or a client's head and local blocks (`ask`, `api`), each checked by hash
+(docs/fetch.md).
 
 Trust starts at the manifest: its SHA-256 is the one the operator gives (`--model-hash`, which
 may also be the model hash `diffuse model info` prints), else the one every announcing peer's
@@ -15,9 +16,10 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -33,8 +35,8 @@ from diffuse.errors import DiffuseError, FetchError, ModelError
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import blockfiles
 from diffuse.model.config import ModelConfig
+from diffuse.model.store import block_ranges as blockfiles_ranges
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
-from diffuse.peer.offer import BLOCK_FILES, MANIFEST_BYTES, MANIFEST_SHA
 from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ MAX_MANIFEST = 1 << 20
 MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
+BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Wanted:
 
     model: str | None = None
     blocks: str = "auto"
+    local: tuple[int, int] | None = None  # a client: its first and last blocks (then no span)
     num_blocks: int | None = None
     max_memory: str | None = None
     head: bool = False
@@ -71,15 +76,42 @@ async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say
         model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
         sources = [r.peer_id for r in records if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
         await _files(fetcher, model_dir, manifest, sources)
-        span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory, ModelConfig.load(model_dir),
-                                        manifest.dtype)
-        span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
-                                            expected_hashes=manifest.block_hashes).replicas, length)
-        await _blocks(fetcher, model_dir, manifest, records, range(*span), want.head, progress)
+        if want.local is not None:
+            front, back = want.local
+            span, blocks = (0, 0), [*range(min(front, manifest.num_layers)),
+                                    *range(max(front, manifest.num_layers - back), manifest.num_layers)]
+        else:
+            span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory,
+                                            ModelConfig.load(model_dir), manifest.dtype)
+            span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
+                                                expected_hashes=manifest.block_hashes).replicas, length)
+            blocks = list(range(*span))
+        await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
         by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
-        say(f"{model_dir.name}: blocks {span[0]}:{span[1]}{' and the head' if want.head else ''} in the store "
-            f"({fetcher.stats.received / 2**20:.1f} MiB fetched{' from ' + by if by else ''}{_banned(fetcher)})")
+        held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
+        say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
+            f"{' from ' + by if by else ''}{_banned(fetcher)})")
         return model_dir.name, span
+
+
+def for_join(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> dict:
+    """`join --from-swarm`, before the peer starts: what it then runs as (a store name, its span)."""
+    name, span = trio.run(from_swarm, home, node_config, want, say)
+    return {"model": name, "blocks": f"{span[0]}:{span[1]}", "num_blocks": None, "max_memory": None}
+
+
+def for_client(home: Path, options: Mapping[str, Any], node_config: NodeConfig, judging: bool, say: Say) -> str:
+    """`ask / api --from-swarm`: the head, tokenizer and local blocks (--local-blocks) of the
+    model (--model); `judging` (a trust plane on): every block, since the client judges peers by
+    recomputing their spans (trust/canary.py). Returns the model's store name."""
+    front_back = tuple(int(x) for x in str(options.get("local_blocks") or "1,0").split(","))
+    if judging:
+        say("the trust plane judges peers by computing their blocks here: fetching every block the store lacks "
+            "(with --trust off, only the head and the local blocks)")
+        front_back = (1 << 30, 0)
+    want = Wanted(model=options.get("model"), local=(front_back[0], front_back[1]), head=True,
+                  model_hash=options.get("model_hash"), wait=max(float(options.get("wait") or 0), 30.0))
+    return trio.run(from_swarm, home, node_config, want, say)[0]
 
 
 def _banned(fetcher: Fetcher) -> str:
@@ -217,7 +249,7 @@ async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources:
 
 
 async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records: list[PeerRecord],
-                  blocks: range, head: bool, progress: "Progress") -> None:
+                  blocks: list[int], head: bool, progress: "Progress") -> None:
     """Blocks of `blocks` (and the head) the store lacks, each from the peers announcing its hash."""
     have, have_head = blockfiles.held(model_dir)
     todo: list[int | None] = [i for i in blocks if i not in have] + ([None] if head and not have_head else [])
