@@ -3,12 +3,13 @@
 A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy too, whose stored
 block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
-stores a block that hashes right; two peers with empty stores take complementary spans and end
-with only their span on disk; `src` is SIGKILLed and the swarm's greedy answer equals the local
-one, as is a client's that fetched into an empty store what it holds (`ask --from-swarm`: with
-no trust plane its head and first block; with it, then the rest); a peer whose source is
-SIGKILLed mid-transfer finishes from another without fetching twice what it had; with no honest
-source left for block 3, a join fails naming the block.
+stores a block that hashes right; `--model auto` with `--blocks auto` fetches the span it serves;
+two peers with empty stores take complementary spans and end with only their span on disk; `src`
+is SIGKILLed and the swarm's greedy answer equals the local one, as is a client's that fetched
+into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
+block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer finishes from
+another without fetching twice what it had; with no honest source left for block 3, a join fails
+naming the block.
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ def corrupt(model_dir, block: int) -> None:
                     f.write(bytes([b[0] ^ 0xFF]))
 
 
-def join(swarm: Swarm, name: str, blocks: str, tmp) -> None:
+def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str) -> None:
     """Start `join --from-swarm --blocks BLOCKS` on an empty store of its own."""
     home = swarm.homes[name] = tmp / f"{name}-home"
     env = swarm.procs.env
     swarm.procs.env = env | {"DIFFUSE_HOME": str(home)}
     try:
         swarm.proc[name] = swarm.procs.start("join", "--identity", str(swarm.tmp / f"{name}.key"), "--bootstrap",
-                                             swarm.boot, "--listen", LOCAL, "--from-swarm", "--blocks", blocks, *JOIN)
+                                             swarm.boot, "--listen", LOCAL, "--from-swarm", "--blocks", blocks, *JOIN,
+                                             *extra)
     finally:
         swarm.procs.env = env
 
@@ -106,6 +108,14 @@ def test_a_source_of_wrong_bytes_is_banned_and_the_block_comes_from_another(swar
     model_dir = models_dir(swarm.homes["c"]) / DEFAULT_MODEL
     assert list(on_disk(swarm, "c")) == ["block-00003.safetensors"]
     assert block_hash(ModelFiles(model_dir).read_block(3)) == load_manifest(model_dir).block_hashes[3]
+
+
+def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_path):
+    join(swarm, "g", "auto", tmp_path, "--model", "auto", "--num-blocks", "2")
+    serving = swarm.proc["g"].read_until("serving", timeout=180)[-1]
+    start, end = map(int, re.search(r"serving \S+ blocks (\d+):(\d+)", serving).groups())
+    assert end - start == 2 and set(on_disk(swarm, "g")) == {f"block-{i:05d}.safetensors" for i in range(start, end)}
+    swarm.kill("g")
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):

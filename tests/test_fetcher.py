@@ -110,6 +110,27 @@ def test_a_source_breaking_off_costs_only_the_rest_of_its_piece(tmp_path, blob):
     assert fetcher.stats.received == SIZE  # the half it sent was kept: nothing fetched twice
 
 
+def test_a_busy_source_is_asked_again_not_dropped(tmp_path, blob, monkeypatch):
+    from diffuse.data import fetcher
+
+    monkeypatch.setattr(fetcher, "BUSY_WAIT_S", 0.01)
+    sha = hashlib.sha256(blob).hexdigest()
+    server = servers(tmp_path, blob, ["busy"])["busy"]
+    answers = []
+
+    async def sometimes_busy(stream):  # BUSY to its first five requests, more than a source's strikes
+        if len(answers) < 5:
+            answers.append("busy")
+            await stream.read(4096)
+            await stream.write(F.encode(F.Response(F.Status.BUSY, message="4 transfers in progress")))
+            await stream.close()
+        else:
+            await server.serve(stream, "me")
+
+    path, fetcher_ = run_fetch(tmp_path, {"busy": sometimes_busy}, sha, ["busy"])
+    assert path.read_bytes() == blob and len(answers) == 5 and not fetcher_.banned
+
+
 @pytest.mark.parametrize("case", ["oversized", "short"])
 def test_oversized_answers_and_short_files_are_refused(tmp_path, blob, case):
     sha = hashlib.sha256(blob).hexdigest()

@@ -120,7 +120,7 @@ def _banned(fetcher: Fetcher) -> str:
 
 async def _records(node: Node, want: Wanted) -> list[PeerRecord]:
     """Live records announcing a manifest: of the model asked, or (auto) of the least-served one."""
-    deadline = trio.current_time() + want.wait
+    deadline, settled = trio.current_time() + want.wait, False
     while True:
         if want.model and want.model.lower() != "auto":
             found = await node.records(want.model)
@@ -129,9 +129,10 @@ async def _records(node: Node, want: Wanted) -> list[PeerRecord]:
         found = [r for r in found if r.online and isinstance(r.extra.get(MANIFEST_SHA), str)]
         if want.model is None:
             found = [r for r in found if r.model == DEFAULT_MODEL]
-        if found or trio.current_time() >= deadline:
+        if (found and settled) or trio.current_time() >= deadline:
             break
-        await trio.sleep(0.5)
+        settled = bool(found)  # once some answer, a moment more for the others' records
+        await trio.sleep(2.0 if settled else 0.5)
     if not found:
         raise DiffuseError(f"no peer announces {want.model or DEFAULT_MODEL} with a manifest within "
                            f"{want.wait:g} s: is the swarm reachable (--bootstrap), and does it serve that model?")

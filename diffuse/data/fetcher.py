@@ -4,7 +4,8 @@ A file (named by its SHA-256 and size, which the caller trusts: a manifest it ch
 into pieces; a couple of workers per source take the next piece left and stream it straight to
 its place in a temporary file, so memory stays at a few frames per worker whatever the file's
 size. A source that fails (dies, stalls, refuses) loses its workers after a few strikes, and the
-bytes it did deliver stay: its unfinished piece is asked of the others from where it stopped.
+bytes it did deliver stay: its unfinished piece is asked of the others from where it stopped. A
+BUSY source is no failure: it is asked again a second later (up to a minute).
 
 When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
 blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from diffuse.data.files import STALL_TIMEOUT_S, Smaller, get_range, sha256_file
+from diffuse.data.files import STALL_TIMEOUT_S, Busy, Smaller, get_range, sha256_file
 from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 PIECE = 4 << 20  # bytes asked per request
 PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
 STRIKES = 3  # failed requests in a row before a source is dropped for this file
+BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
 Open = Callable[[str], Awaitable[ByteStream]]  # a files stream to a peer
 
 
@@ -114,7 +116,7 @@ class _Job:
     async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
         """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
         live = [p for p in dict.fromkeys(sources) if p not in self.f.banned]
-        strikes = dict.fromkeys(live, 0)
+        strikes, waits = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
         todo, busy = list(todo), []
 
         async def worker(peer: str) -> None:
@@ -129,6 +131,12 @@ class _Job:
                     await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
                                     length, self.size, out, _NoDigest(), self.f.stall_timeout)
                     strikes[peer] = 0
+                except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
+                    waits[peer] += 1
+                    strikes[peer] += int(waits[peer] >= BUSY_WAITS)  # busy for good: a failure after all
+                    self.errors[peer] = str(e)
+                    todo.append((offset + out.count, length - out.count))
+                    await trio.sleep(BUSY_WAIT_S)
                 except (FetchError, Smaller) as e:
                     strikes[peer] += 1
                     self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"

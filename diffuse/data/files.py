@@ -473,6 +473,10 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
     return dest
 
 
+class Busy(FetchError):
+    """The peer answered BUSY: it serves the file, but not now."""
+
+
 class Smaller(Exception):
     """The peer answered TOO_LARGE: it sends at most `length` bytes per request."""
 
@@ -541,7 +545,8 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     if msg.status == Status.TOO_LARGE:
         raise Smaller(msg.length)
     if msg.status != Status.OK:
-        raise FetchError(f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
+        raise (Busy if msg.status == Status.BUSY else FetchError)(
+            f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
     if msg.total != total:
         raise FetchError(f"peer {peer} serves a file of {msg.total} bytes under that hash; it announced {total}")
     if (msg.offset, msg.length) != (offset, length):
@@ -550,5 +555,6 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     return msg
 
 
-__all__ = ["PROTOCOL_ID", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response", "Status",
-           "decode_body", "encode", "fetch", "fetch_with", "resolve", "sha256_file", "status_name"]
+__all__ = ["PROTOCOL_ID", "Busy", "Composite", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response",
+           "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range", "resolve", "sha256_file",
+           "status_name"]
