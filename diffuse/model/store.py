@@ -180,10 +180,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def pull(home: Path, name: str | None, progress: Progress | None = None) -> Path:
+def pull(home: Path, name: str | None, progress: Progress | None = None, blocks: str | None = None) -> Path:
     """Install the embedded default (no name), a model published as packages (packages.PACKAGED),
-    or an HF repo / local HF directory (ORG/NAME or path)."""
+    or an HF repo / local HF directory (ORG/NAME or path); `blocks` (A:B, a Hub repo only): the
+    shards that hold those blocks (model/hub_blocks.py)."""
     say = progress or (lambda _msg: None)
+    if blocks is not None:
+        if not name or "/" not in name or Path(name).expanduser().is_dir():
+            raise ModelError("--blocks pulls part of an ORG/NAME model of the Hugging Face Hub, not of a "
+                             f"{'packaged or embedded model' if not name or '/' not in name else 'local directory'}")
+        from diffuse.model.hub_blocks import pull_blocks
+
+        return pull_blocks(name, models_dir(home), blocks, progress)
     if name in (None, DEFAULT_MODEL):
         from diffuse.model.gguf_import import embedded_gguf_path
 

@@ -26,6 +26,8 @@ def offer(server: FileServer, model_dir: Path, span: tuple[int, int] | None) -> 
     offered), its files and blocks; the record fields that announce them."""
     model_dir = Path(model_dir)
     manifest = blockfiles.complete(model_dir)
+    if "" in manifest.block_hashes:  # part of a hub model (model/hub_blocks.py): no manifest of the model's
+        return {}
     sha, size = server.add(model_dir / MANIFEST)
     extra: dict[str, Any] = {MANIFEST_SHA: sha, MANIFEST_BYTES: size}
     if span is None or manifest.format < blockfiles.FORMAT or manifest.quant != "none":
