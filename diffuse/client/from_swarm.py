@@ -11,9 +11,11 @@ asked to choose, never silently. The manifest names every other byte by hash and
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -63,6 +65,7 @@ class Wanted:
     head: bool = False
     model_hash: str | None = None
     wait: float = 60.0
+    json_progress: bool = False
 
 
 async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> tuple[str, tuple[int, int]]:
@@ -71,7 +74,7 @@ async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say
                      upnp=False, reach_check=False)
     async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
         records = await _records(node, want)
-        progress = Progress(say)
+        progress = Progress(say, want.json_progress)
         fetcher = Fetcher(_opener(node, records), on_bytes=progress.add)
         model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
         sources = [r.peer_id for r in records if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
@@ -87,6 +90,7 @@ async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say
                                                 expected_hashes=manifest.block_hashes).replicas, length)
             blocks = list(range(*span))
         await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
+        progress.finish()
         by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
         held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
         say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
@@ -110,7 +114,8 @@ def for_client(home: Path, options: Mapping[str, Any], node_config: NodeConfig, 
             "(with --trust off, only the head and the local blocks)")
         front_back = (1 << 30, 0)
     want = Wanted(model=options.get("model"), local=(front_back[0], front_back[1]), head=True,
-                  model_hash=options.get("model_hash"), wait=max(float(options.get("wait") or 0), 30.0))
+                  model_hash=options.get("model_hash"), wait=max(float(options.get("wait") or 0), 30.0),
+                  json_progress=bool(options.get("json")))
     return trio.run(from_swarm, home, node_config, want, say)[0]
 
 
@@ -273,10 +278,12 @@ async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records
 
 
 class Progress:
-    """Bytes fetched, rate and time left, on `say` at most once a second."""
+    """Bytes fetched, rate and time left: a bar redrawn on stderr where it is a terminal, else a
+    line on `say` at most once a second, or (`as_json`) a JSON object per line on stderr."""
 
-    def __init__(self, say: Say) -> None:
-        self.say, self.total, self.base, self.goal, self.start, self.last = say, 0, 0, 0, time.monotonic(), 0.0
+    def __init__(self, say: Say, as_json: bool = False) -> None:
+        self.say, self.as_json, self.bar = say, as_json, not as_json and sys.stderr.isatty()
+        self.total, self.base, self.goal, self.start, self.last = 0, 0, 0, time.monotonic(), 0.0
 
     def expect(self, goal: int) -> None:
         self.base, self.goal, self.start = self.total, self.total + goal, time.monotonic()
@@ -284,9 +291,27 @@ class Progress:
     def add(self, n: int) -> None:
         self.total += n
         now = time.monotonic()
-        if now - self.last >= 1.0 and self.goal:
-            self.last = now
-            rate = (self.total - self.base) / max(now - self.start, 1e-6)
-            left = max(self.goal - self.total, 0) / max(rate, 1.0)
-            self.say(f"fetched {self.total / 2**20:.1f} of {self.goal / 2**20:.1f} MiB, "
-                     f"{rate / 2**20:.1f} MiB/s, {left:.0f} s left")
+        if now - self.last < (0.2 if self.bar else 1.0) or not self.goal:
+            return
+        self.last = now
+        rate = (self.total - self.base) / max(now - self.start, 1e-6)
+        left = max(self.goal - self.total, 0) / max(rate, 1.0)
+        if self.as_json:
+            print(json.dumps({"fetched_bytes": self.total, "of_bytes": self.goal, "bytes_per_s": round(rate),
+                              "eta_s": round(left, 1)}), file=sys.stderr, flush=True)
+            return
+        text = f"{self.total / 2**20:.1f} of {self.goal / 2**20:.1f} MiB, {rate / 2**20:.1f} MiB/s, {left:.0f} s left"
+        if self.bar:
+            done = min(self.total / self.goal, 1.0)
+            end = "\n" if self.total >= self.goal else ""
+            print(f"\r[{'#' * int(30 * done):<30}] {text}", end=end, file=sys.stderr, flush=True)
+        else:
+            self.say(f"fetched {text}")
+
+    def finish(self) -> None:
+        """The bar's last state, and its line ended."""
+        if self.bar and self.goal and self.last:
+            self.last = 0.0
+            self.add(0)
+            if self.total < self.goal:
+                print(file=sys.stderr)
