@@ -174,6 +174,7 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
 
 
 def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
+    from diffuse.client import fallback
     from diffuse.model import blockfiles, store
     from diffuse.model.weights import MANIFEST, ModelFiles
 
@@ -196,6 +197,7 @@ def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path
         blockfiles.to_safetensors(canonical, dest, block)
     (m,) = store.list_models(tmp_path)
     assert m.held == "4-5, head" and "partial: holds blocks 4-5, head of 30" in store.table([m])
+    assert fallback.held_models(tmp_path) == {}  # it cannot answer alone: never a fallback
     said: list[str] = []
     assert blockfiles.verify(part, said.append) == 0
     assert re.search(r"2 block\(s\), the head and \d+ file\(s\) checked, 0 bad$", said[-1]), said
