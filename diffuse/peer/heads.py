@@ -12,8 +12,6 @@ from diffuse.client import draft_fetch
 from diffuse.data.files import PROTOCOL_ID, FileServer
 from diffuse.peer.offer import offer
 
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields: status reads them (client/survey.py)
-
 
 class DraftHeads:
     """The files protocol serving this peer's draft heads (client/draft_fetch.py), and per model id
