@@ -158,9 +158,10 @@ def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local
     answer, err = client_ask(swarm, empty)
     assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
     manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
-    total, by_peer = summary(err)
-    wasted = by_peer.get(swarm.ids["bad"], 0) if f"banned {swarm.ids['bad']}" in err else 0  # refetched elsewhere
-    assert (total - wasted) * 2**20 <= sum(manifest.block_sizes[1:]) + 2**20, err  # blocks 1-29 only
+    total, _ = summary(err)
+    # Blocks 1-29, not the head again (larger than what finding `bad` out can cost: a block or two).
+    rest = sum(manifest.block_sizes[1:])
+    assert rest - 2**20 < total * 2**20 < rest + manifest.head_size, err
 
 
 def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_path):

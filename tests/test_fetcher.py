@@ -12,6 +12,7 @@ reads as the same tensors.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 
@@ -131,6 +132,43 @@ def test_a_busy_source_is_asked_again_not_dropped(tmp_path, blob, monkeypatch):
     assert path.read_bytes() == blob and len(answers) == 5 and not fetcher_.banned
 
 
+def test_a_later_fetch_resumes_from_what_an_earlier_one_left(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+    sent = []
+
+    async def two_pieces_then_gone(stream):  # serves its first two requests, then refuses all
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        if len(sent) < 2:
+            sent.append(get.offset)
+            await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                               + F.encode(F.Data(blob[get.offset:get.offset + get.length])))
+        else:
+            await stream.write(F.encode(F.Response(F.Status.NOT_FOUND, message="gone")))
+        await stream.close()
+
+    serving["flaky"] = two_pieces_then_gone
+    err, first = run_fetch(tmp_path, serving, sha, ["flaky"], per_source=1)
+    assert isinstance(err, FetchError) and first.stats.received == 2 * PIECE
+    left = {p.name for p in (tmp_path / "got").iterdir()}
+    assert left == {f".file.{sha[:16]}.part", f".file.{sha[:16]}.part.json"}  # kept, for the next run
+    path, second = run_fetch(tmp_path, serving, sha, ["good"])
+    assert path.read_bytes() == blob and second.stats.received == SIZE - 2 * PIECE
+    assert [p.name for p in path.parent.iterdir()] == ["file"]
+
+
+def test_wrong_bytes_left_by_an_earlier_run_are_fetched_again_and_nobody_is_banned(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    got = tmp_path / "got"
+    got.mkdir()
+    part = got / f".file.{sha[:16]}.part"
+    part.write_bytes(b"\0" * SIZE)  # noted as received, but not the file's bytes (a crash before they hit the disk)
+    (got / f"{part.name}.json").write_text(json.dumps({"sha256": sha, "size": SIZE, "received": [[0, PIECE]]}))
+    path, fetcher = run_fetch(tmp_path, servers(tmp_path, blob, ["good"]), sha, ["good"])
+    assert path.read_bytes() == blob and not fetcher.banned
+    assert fetcher.stats.received == SIZE  # the rest, then the earlier piece again
+
+
 @pytest.mark.parametrize("case", ["oversized", "short"])
 def test_oversized_answers_and_short_files_are_refused(tmp_path, blob, case):
     sha = hashlib.sha256(blob).hexdigest()
@@ -176,12 +214,13 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
 def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
     from diffuse.client import fallback
     from diffuse.model import blockfiles, store
-    from diffuse.model.weights import MANIFEST, ModelFiles
+    from diffuse.model.weights import ModelFiles
 
     part = tmp_path / "models" / smollm2.name
     part.mkdir(parents=True)
-    for name in ("config.json", "tokenizer.json", MANIFEST):
-        (part / name).write_bytes((smollm2 / name).read_bytes())
+    for f in smollm2.iterdir():  # all but the weights (the manifest may list them: format 2)
+        if f.is_file() and f.suffix != ".safetensors":
+            (part / f.name).write_bytes(f.read_bytes())
     files = ModelFiles(smollm2)
     for block in (4, 5, None):  # as a fetch leaves them: canonical bytes rewritten per block
         canonical = tmp_path / "canonical"

@@ -12,13 +12,20 @@ blamed), then the SHA-256. A wrong hash with one sender bans it. With several, t
 finds the liar by asking again: it replaces one sender's ranges with bytes from the others and
 hashes again; the sender whose replacement makes the hash right is banned (bans last for the
 Fetcher's life, across files). Only a file whose hash is right gets its final name.
+
+A fetch that ends without every byte (its sources gone, the process killed) leaves its partial
+file and a note of the ranges received (`.NAME.HASH.part` and `.part.json`, the file locked while
+in use); the next fetch of the same file resumes from them. Those bytes' sender is unknown then:
+if the hash is wrong they are fetched again first, and nobody is banned for them.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
-import tempfile
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,25 +84,33 @@ class Fetcher:
 
     async def fetch(self, sha256: str, size: int, dest: Path, sources: Sequence[str], what: str = "") -> Path:
         """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
-        names the file (`what`) and why when no honest source could give it."""
+        names the file (`what`) and why when no honest source could give it. What an earlier
+        fetch of the same file left (`.part` and its `.json`) is resumed from."""
         what = what or f"file {sha256[:16]}…"
         if size <= 0:
             raise FetchError(f"{what}: a size of {size} bytes is not a file's")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        tmp, fd = _claim(dest.with_name(f".{dest.name}.{sha256[:16]}.part"))
+        notes = tmp.with_name(tmp.name + ".json")
+        sent = _resumable(tmp, notes, sha256, size)
+        if not sent:
+            os.ftruncate(fd, 0)
+        keep = True  # a failure to get the rest leaves what came, for the next try; a wrong hash, nothing
         try:
             os.ftruncate(fd, size)
-            job = _Job(self, fd, sha256, size, what)
-            await job.fill([(o, min(self.piece, size - o)) for o in range(0, size, self.piece)], sources)
-            await job.check(sources, Path(tmp))
-            os.close(fd)
-            fd = -1
+            job = _Job(self, fd, sha256, size, what, sent, notes)
+            await job.fill([(o, min(self.piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, self.piece)],
+                           sources)
+            keep = False
+            await job.check(sources, tmp)
             os.replace(tmp, dest)
         finally:
-            if fd >= 0:
-                os.close(fd)
-            Path(tmp).unlink(missing_ok=True)
+            os.close(fd)
+            if not keep:
+                tmp.unlink(missing_ok=True)
+                notes.unlink(missing_ok=True)
+        notes.unlink(missing_ok=True)
         self.stats.files += 1
         return dest
 
@@ -105,13 +120,58 @@ class Fetcher:
         self.banned[peer] = why
 
 
-class _Job:
-    """One file: its pieces, who sent each byte range (`sent`), the workers."""
+EARLIER = ""  # the sender of bytes an earlier run left: refetched if the hash is wrong, nobody banned
 
-    def __init__(self, fetcher: Fetcher, fd: int, sha: str, size: int, what: str) -> None:
+
+def _claim(part: Path) -> tuple[Path, int]:
+    """The partial file to fetch into, opened and locked: `part` (perhaps left by an earlier run),
+    or a fresh name where another process is fetching into it now."""
+    while True:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return part, fd
+        except BlockingIOError:
+            os.close(fd)
+            part = part.with_name(f"{part.name[:-5]}.{os.getpid()}-{time.monotonic_ns()}.part")
+
+
+def _resumable(tmp: Path, notes: Path, sha: str, size: int) -> dict[int, tuple[int, str]]:
+    """The ranges an earlier fetch of this file received, by its notes; none if they do not fit."""
+    try:
+        d = json.loads(notes.read_text())
+        if d["sha256"] != sha or d["size"] != size or tmp.stat().st_size != size:
+            return {}
+        return {int(o): (int(n), EARLIER) for o, n in d["received"] if 0 <= int(o) and 0 < int(n) <= size - int(o)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _gaps(sent: dict[int, tuple[int, str]], size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of [0, size) no entry of `sent` covers."""
+    out, at = [], 0
+    for o, (n, _) in sorted(sent.items()):
+        if o > at:
+            out.append((at, o))
+        at = max(at, o + n)
+    return out + ([(at, size)] if at < size else [])
+
+
+class _Job:
+    """One file: its pieces, who sent each byte range (`sent`, noted in `notes` as it grows, so a
+    later run can resume), the workers."""
+
+    def __init__(self, fetcher: Fetcher, fd: int, sha: str, size: int, what: str,
+                 sent: dict[int, tuple[int, str]], notes: Path) -> None:
         self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
-        self.sent: dict[int, tuple[int, str]] = {}  # offset -> (length, sender)
+        self.sent, self.notes = sent, notes  # offset -> (length, sender)
         self.errors: dict[str, str] = {}
+
+    def note(self) -> None:
+        tmp = self.notes.with_name(self.notes.name + ".tmp")
+        tmp.write_text(json.dumps({"sha256": self.sha, "size": self.size,
+                                   "received": [[o, n] for o, (n, _) in sorted(self.sent.items())]}))
+        tmp.replace(self.notes)
 
     async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
         """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
@@ -146,6 +206,7 @@ class _Job:
                     busy.remove(offset)
                     if out.count:
                         self.sent[offset] = (out.count, peer)
+                        self.note()
                         if self.f.on_bytes:
                             self.f.on_bytes(out.count)
                 if strikes[peer]:
@@ -167,13 +228,14 @@ class _Job:
         tried: set[str] = set()
         while (got := await trio.to_thread.run_sync(sha256_file, tmp)) != self.sha:
             everyone = {p for _, p in self.sent.values()}
-            senders = sorted(everyone - tried, key=lambda p: -sum(n for n, q in self.sent.values() if q == p))
+            senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
+                                                                                  if q == p)))  # the unproven first
             if not senders:
                 raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} "
                                  f"(banned: {', '.join(sorted(tried))})")
             suspect = senders[0]
             tried.add(suspect)
-            if len(everyone) == 1:  # it alone sent the bytes: it is the liar
+            if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
                 self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
             ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
             for o, _ in ranges:
@@ -184,5 +246,6 @@ class _Job:
                 raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
                                  f"and no other source could send them ({e})") from None
             if await trio.to_thread.run_sync(sha256_file, tmp) == self.sha:
-                self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
+                if suspect != EARLIER:
+                    self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
                 return
