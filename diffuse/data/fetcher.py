@@ -1,11 +1,13 @@
 """Files from several peers at once over the files protocol (protocols/files.md), checked by hash.
 
 A file (named by its SHA-256 and size, which the caller trusts: a manifest it checked) is cut
-into pieces; a couple of workers per source take the next piece left and stream it straight to
-its place in a temporary file, so memory stays at a few frames per worker whatever the file's
-size. A source that fails (dies, stalls, refuses) loses its workers after a few strikes, and the
-bytes it did deliver stay: its unfinished piece is asked of the others from where it stopped. A
-BUSY source is no failure: it is asked again a second later (up to a minute).
+into pieces, as long as they can be while every worker gets one (a request opens a stream, which
+costs); a couple of workers per source take the next piece left and stream it straight to its
+place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
+and the hash is computed over the prefix received while the rest arrives. A source that fails
+(dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
+its unfinished piece is asked of the others from where it stopped. A BUSY source is no failure:
+it is asked again a second later (up to a minute).
 
 When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
 blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
@@ -22,6 +24,7 @@ if the hash is wrong they are fetched again first, and nobody is banned for them
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +40,8 @@ from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
 
 log = logging.getLogger(__name__)
-PIECE = 4 << 20  # bytes asked per request
+PIECE = 4 << 20  # bytes asked per request, at least
+MAX_PIECE = 64 << 20  # and at most (files.MAX_RANGE is what a server must serve)
 PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
 STRIKES = 3  # failed requests in a row before a source is dropped for this file
 BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
@@ -100,8 +104,8 @@ class Fetcher:
         try:
             os.ftruncate(fd, size)
             job = _Job(self, fd, sha256, size, what, sent, notes)
-            await job.fill([(o, min(self.piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, self.piece)],
-                           sources)
+            piece = _piece(self.piece, size, len(sources) * self.per_source)
+            await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
             keep = False
             await job.check(sources, tmp)
             os.replace(tmp, dest)
@@ -121,6 +125,12 @@ class Fetcher:
 
 
 EARLIER = ""  # the sender of bytes an earlier run left: refetched if the hash is wrong, nobody banned
+
+
+def _piece(least: int, size: int, lanes: int) -> int:
+    """Bytes per request: enough requests to keep every lane busy, each as long as may be (a stream
+    per request costs its set-up), between `least` and MAX_PIECE."""
+    return max(least, min(MAX_PIECE, -(-size // max(lanes, 1))))
 
 
 def _claim(part: Path) -> tuple[Path, int]:
@@ -166,6 +176,7 @@ class _Job:
         self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
         self.sent, self.notes = sent, notes  # offset -> (length, sender)
         self.errors: dict[str, str] = {}
+        self.digest, self.hashed, self.hashing = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
 
     def note(self) -> None:
         tmp = self.notes.with_name(self.notes.name + ".tmp")
@@ -211,6 +222,8 @@ class _Job:
                             self.f.on_bytes(out.count)
                 if strikes[peer]:
                     await trio.sleep(0.2 * strikes[peer])
+                else:
+                    await self.hash_ahead()
 
         async with trio.open_nursery() as nursery:
             for peer in live:
@@ -221,12 +234,29 @@ class _Job:
             raise FetchError(f"{self.what}: {sum(n for _, n in todo)} of {self.size} bytes could not be fetched "
                              f"({len(live)} source(s) tried; {why})")
 
+    async def hash_ahead(self) -> None:
+        """Hash the bytes received in one run from the start on, while the rest still arrives (the
+        check at the end then reads only what is left)."""
+        async with self.hashing:
+            end = self.hashed
+            for o, (n, _) in sorted(self.sent.items()):
+                if o > end:
+                    break
+                end = max(end, o + n)
+            while self.hashed < end:
+                n = min(end - self.hashed, 1 << 20)
+                data = await trio.to_thread.run_sync(os.pread, self.fd, n, self.hashed)
+                await trio.to_thread.run_sync(self.digest.update, data)
+                self.hashed += len(data)
+
     async def check(self, sources: Sequence[str], tmp: Path) -> None:
         """Size, then hash; on a wrong hash find the sender that lied, ban it, refetch its ranges."""
         if os.fstat(self.fd).st_size != self.size or sum(n for n, _ in self.sent.values()) < self.size:
             raise FetchError(f"{self.what}: the transfer ended short of its {self.size} bytes")
+        await self.hash_ahead()
+        got = self.digest.hexdigest()
         tried: set[str] = set()
-        while (got := await trio.to_thread.run_sync(sha256_file, tmp)) != self.sha:
+        while got != self.sha:
             everyone = {p for _, p in self.sent.values()}
             senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
                                                                                   if q == p)))  # the unproven first
@@ -245,7 +275,7 @@ class _Job:
             except FetchError as e:
                 raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
                                  f"and no other source could send them ({e})") from None
-            if await trio.to_thread.run_sync(sha256_file, tmp) == self.sha:
+            if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:
                 if suspect != EARLIER:
                     self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
                 return

@@ -39,6 +39,7 @@ VERSION_MINOR = 1  # 1.1: blocks served under their weight commitments (section 
 MAX_REQUEST_FRAME = 4096  # a GET is 54 bytes; the rest is room for extensions
 MAX_CHUNK = 1 << 20  # bytes of one DATA frame, at most
 CHUNK = 256 << 10  # what the reference server puts in one DATA frame
+READ_AHEAD = 4 * CHUNK  # what it reads from disk at once (each read is a hop to a thread)
 MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for no more at once
 MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
 REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
@@ -334,11 +335,12 @@ class FileServer:
 
     async def _copy(self, f: BinaryIO | _Reader, stream: ByteStream, offset: int, length: int) -> None:
         f.seek(offset)
-        while length:
-            block = await trio.to_thread.run_sync(f.read, min(CHUNK, length))
+        while length:  # a read per READ_AHEAD off the event loop, sent in frames of CHUNK
+            block = await trio.to_thread.run_sync(f.read, min(READ_AHEAD, length))
             if not block:  # truncated while we sent it: break off; the receiver sees a short range
                 raise OSError(f"{f.name} shrank while it was being sent")
-            await self._send(stream, Data(block))
+            for at in range(0, len(block), CHUNK):
+                await self._send(stream, Data(block[at:at + CHUNK]))
             length -= len(block)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
