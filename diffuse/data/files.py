@@ -129,11 +129,11 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Data):
         if not 0 < len(msg.data) <= MAX_CHUNK:
             raise ValueError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {len(msg.data)}")
-        kind, payload = MsgType.DATA, bytes(msg.data)
+        kind, payload = MsgType.DATA, msg.data
     else:
         raise TypeError(f"not a files-protocol message: {type(msg).__name__}")
-    body = _HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, kind, 0) + payload
-    return _U32.pack(len(body)) + body
+    header = _HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, kind, 0)
+    return b"".join((_U32.pack(len(header) + len(payload)), header, payload))  # one copy of the payload
 
 
 def decode_body(body: bytes | memoryview) -> Message:
@@ -198,18 +198,22 @@ class Decoder:
             raise FrameError(f"stream unusable after an earlier error: {self.failed}", self.failed.status)
         self._buf += data
         out: list[Message] = []
+        at, view = 0, memoryview(self._buf)  # frames decoded in place; the buffer cut once, after
         try:
-            while len(self._buf) >= 4:
-                (n,) = _U32.unpack_from(self._buf)
+            while len(view) - at >= 4:
+                (n,) = _U32.unpack_from(view, at)
                 if n > self.max_frame:
                     raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
-                if len(self._buf) < 4 + n:
+                if len(view) - at < 4 + n:
                     break
-                out.append(decode_body(bytes(self._buf[4:4 + n])))
-                del self._buf[:4 + n]
+                out.append(decode_body(view[at + 4:at + 4 + n]))
+                at += 4 + n
         except FrameError as e:
+            view.release()
             self.failed, self._buf = e, bytearray()
             raise
+        view.release()
+        del self._buf[:at]
         return out
 
 
