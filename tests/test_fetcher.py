@@ -269,3 +269,15 @@ def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen
     with pytest.raises(DiffuseError, match="no peer serves a manifest with hash"):
         _choose(found, groups, "f" * 64)
     assert _choose({"1" * 64: (one, None)}, {("1" * 64, 10): ["PEER_A"]}, None) == "1" * 64
+
+
+def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.errors import DiffuseError
+    from diffuse.peer.hooks import ServeConfig
+    from diffuse.peer.join import JoinConfig, Peer
+
+    config = JoinConfig(home=tmp_path, from_swarm=True, serve=ServeConfig(quant="int4"))
+    with pytest.raises(DiffuseError, match="--from-swarm fetches a span of unquantized blocks"):
+        Peer(create_new_key_pair(), config, print, print)

@@ -71,6 +71,9 @@ class Peer:
     """One `join`: `show` gets what goes to stdout (addresses, what it serves), `say` notices."""
 
     def __init__(self, key_pair: KeyPair, config: JoinConfig, show: Say, say: Say) -> None:
+        if config.from_swarm and config.serve.quant != "none":
+            raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
+                               "from every block of its source: serve the span unquantized, or pull the whole model")
         if config.from_swarm:  # then as if the store had held the model: named, with its span
             config = dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(
                 config.home, config.node, from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks,
