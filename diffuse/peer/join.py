@@ -71,14 +71,7 @@ class Peer:
     """One `join`: `show` gets what goes to stdout (addresses, what it serves), `say` notices."""
 
     def __init__(self, key_pair: KeyPair, config: JoinConfig, show: Say, say: Say) -> None:
-        if config.from_swarm and config.serve.quant != "none":
-            raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
-                               "from every block of its source: serve the span unquantized, or pull the whole model")
-        if config.from_swarm:  # then as if the store had held the model: named, with its span
-            config = dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(
-                config.home, config.node, from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks,
-                                                            max_memory=config.max_memory,
-                                                            model_hash=config.model_hash), say))
+        config = fetched_first(config, say) if config.from_swarm else config
         self.key_pair, self.config, self.show, self.say = key_pair, config, show, say
         self.auto = (config.model or "").lower() == "auto"
         if not self.auto and (config.models or config.replan):
@@ -239,6 +232,17 @@ class Peer:
             await self.node.withdraw()
         if self.hooks.drain is not None:
             await self.hooks.drain(self.config.serve.drain_timeout)
+
+
+def fetched_first(config: JoinConfig, say: Say) -> JoinConfig:
+    """`--from-swarm`: fetch what the store lacks (client/from_swarm.py); then the join as if the
+    store had held the model all along: named, with its span."""
+    if config.serve.quant != "none":
+        raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
+                           "from every block of its source: serve the span unquantized, or pull the whole model")
+    want = from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks, max_memory=config.max_memory,
+                             model_hash=config.model_hash)
+    return dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(config.home, config.node, want, say))
 
 
 def plan_offers(config: JoinConfig) -> tuple[list[Offer], dict[str, Path], int]:
