@@ -45,7 +45,7 @@ def test_messages_round_trip_through_split_reads():
 def test_get_layout_is_as_specified():
     sha = bytes.fromhex("ab" * 32)
     wire = F.encode(F.Get(sha, 1, 2))
-    assert wire == struct.pack(">I", 54) + b"DF\x01\x00\x01\x00" + sha + (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
+    assert wire == struct.pack(">I", 54) + b"DF\x01\x01\x01\x00" + sha + (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
 
 
 @pytest.mark.parametrize("body, why", [
@@ -72,7 +72,7 @@ def test_unknown_extensions_are_ignored():
 
 def test_another_major_version_is_named():
     body = b"DF\x02\x05\x01\x00" + bytes(60)
-    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.0") as e:
+    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.1") as e:
         frames(struct.pack(">I", len(body)) + body)
     assert e.value.status == F.Status.UNSUPPORTED_VERSION
 

@@ -28,6 +28,8 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-blocks", default="1,0", metavar="N,M", help="run the first N and last M blocks here "
                    "(default 1,0: embeddings never leave)")
     p.add_argument("--wire-dtype", default="fp16", choices=["fp16", "bf16", "fp32"], help="activations on the wire")
+    p.add_argument("--from-swarm", action="store_true", help="first fetch the head, tokenizer, local blocks by hash")
+    p.add_argument("--model-hash", metavar="SHA256", help="with --from-swarm: the manifest (or model) hash to trust")
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS", help="time for the swarm to cover all blocks")
     p.add_argument("--step-timeout", type=float, default=30.0, help="the most seconds a step waits for a peer "
                    "before it is replaced (sized by rows and the peer's throughput, at least 3 s, at most this)")

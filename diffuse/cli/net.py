@@ -42,6 +42,8 @@ def register_join(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", default="auto", help="A:B serves blocks A..B-1; auto (default): the least-served "
                    "span that fits --num-blocks / --max-memory")
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
+    p.add_argument("--from-swarm", action="store_true", help="first fetch what the store lacks from peers, by hash")
+    p.add_argument("--model-hash", metavar="SHA256", help="with --from-swarm: the manifest (or model) hash to trust")
     p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
     p.add_argument("--throughput", type=positive, help="tokens/s to announce (default: measured once loaded)")
     p.add_argument("--cache-tokens", type=int, default=65536, help="KV-cache tokens lent to all sessions together")

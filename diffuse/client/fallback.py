@@ -44,10 +44,10 @@ def fallback_order(spec: str | Sequence[str], asked: str, held: dict[str, int]) 
 
 
 def held_models(home: Path) -> dict[str, int]:
-    """Models in the store: their ids and weight bytes."""
+    """Whole models in the store (a partial one cannot answer alone): their ids and weight bytes."""
     from diffuse.model import store  # torch: not for parse_fallback, which the parser calls
 
-    return {m.manifest.model_id: m.size_bytes for m in store.list_models(home)}
+    return {m.manifest.model_id: m.size_bytes for m in store.list_models(home) if m.held is None}
 
 
 def store_name(home: Path, model_id: str) -> str:

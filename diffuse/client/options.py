@@ -5,6 +5,7 @@ over as a mapping of option names to values; what they mean together is decided 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from diffuse.client.vault import for_answers
 from diffuse.control.modes import SwarmAccess
 from diffuse.errors import DiffuseError
 from diffuse.model.load import parse_dtype
+
+log = logging.getLogger(__name__)
 
 
 def parse_local_blocks(text: str) -> tuple[int, int]:
@@ -33,6 +36,12 @@ def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | N
                    warm_up: bool = False) -> ServiceConfig:
     """Whole models in this process where `access` is None (--local), else through that swarm."""
     swarm, exact = None, options.get("exact", False)
+    if access is not None and options.get("from_swarm"):  # what a client holds, from the peers first
+        from diffuse.client.from_swarm import for_client
+
+        judging = (options["trust"] or access.trust) != "off"
+        models = (for_client(home, options, SwarmConfig(tuple(boot), access, mdns=mdns).node_config(), judging,
+                             log.warning),)
     if access is not None:
         trust = options["trust"] or access.trust  # --trust, or the swarm mode's own form of the trust plane
         if options["step_timeout"] <= 0 or options["route_wait"] < 0:

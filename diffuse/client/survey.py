@@ -29,7 +29,7 @@ from diffuse.model.weights import MANIFEST, Manifest, load_manifest
 from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # what peer/heads.py announces
+MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # what peer/offer.py announces
 MAX_MANIFEST = 1 << 20  # bytes: ~10k blocks' hashes
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 

@@ -127,8 +127,11 @@ def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]
     raise DiffuseError(f"the daemon of {home} went away mid-answer (see `diffuse daemon logs`)")
 
 
-def ask(home: Path, request: dict[str, Any], on_text: Callable[[str], None] | None, say: Say) -> dict | None:
-    """`diffuse ask` through the daemon: the answer as `ask --json` prints it, streamed to `on_text`."""
+def ask(home: Path, request: dict[str, Any] | None, on_text: Callable[[str], None] | None, say: Say) -> dict | None:
+    """`diffuse ask` through the daemon: the answer as `ask --json` prints it, streamed to `on_text`
+    (None: not through the daemon)."""
+    if request is None:
+        return None
     def reply(r: dict[str, Any]) -> None:
         if "text" in r and on_text is not None:
             on_text(r["text"])
@@ -144,9 +147,12 @@ def given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: options[k] for k, default in OPTIONS.items() if options.get(k, default) != default}
 
 
-def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any] | None:
     """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
-    machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history."""
+    machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history.
+    None with --from-swarm: what the store lacks is fetched in this process (client/from_swarm.py)."""
+    if options.get("from_swarm"):
+        return None
     return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
             "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False,
             **given(options)}

@@ -35,10 +35,11 @@ log = logging.getLogger(__name__)
 PROTOCOL_ID = "/diffuse/files/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 0
+VERSION_MINOR = 1  # 1.1: blocks served under their weight commitments (section 9)
 MAX_REQUEST_FRAME = 4096  # a GET is 54 bytes; the rest is room for extensions
 MAX_CHUNK = 1 << 20  # bytes of one DATA frame, at most
 CHUNK = 256 << 10  # what the reference server puts in one DATA frame
+READ_AHEAD = 4 * CHUNK  # what it reads from disk at once (each read is a hop to a thread)
 MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for no more at once
 MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
 REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
@@ -128,11 +129,11 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Data):
         if not 0 < len(msg.data) <= MAX_CHUNK:
             raise ValueError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {len(msg.data)}")
-        kind, payload = MsgType.DATA, bytes(msg.data)
+        kind, payload = MsgType.DATA, msg.data
     else:
         raise TypeError(f"not a files-protocol message: {type(msg).__name__}")
-    body = _HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, kind, 0) + payload
-    return _U32.pack(len(body)) + body
+    header = _HEADER.pack(MAGIC, VERSION_MAJOR, VERSION_MINOR, kind, 0)
+    return b"".join((_U32.pack(len(header) + len(payload)), header, payload))  # one copy of the payload
 
 
 def decode_body(body: bytes | memoryview) -> Message:
@@ -197,18 +198,22 @@ class Decoder:
             raise FrameError(f"stream unusable after an earlier error: {self.failed}", self.failed.status)
         self._buf += data
         out: list[Message] = []
+        at, view = 0, memoryview(self._buf)  # frames decoded in place; the buffer cut once, after
         try:
-            while len(self._buf) >= 4:
-                (n,) = _U32.unpack_from(self._buf)
+            while len(view) - at >= 4:
+                (n,) = _U32.unpack_from(view, at)
                 if n > self.max_frame:
                     raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
-                if len(self._buf) < 4 + n:
+                if len(view) - at < 4 + n:
                     break
-                out.append(decode_body(bytes(self._buf[4:4 + n])))
-                del self._buf[:4 + n]
+                out.append(decode_body(view[at + 4:at + 4 + n]))
+                at += 4 + n
         except FrameError as e:
+            view.release()
             self.failed, self._buf = e, bytearray()
             raise
+        view.release()
+        del self._buf[:at]
         return out
 
 
@@ -246,7 +251,7 @@ class FileServer:
 
     def __init__(self, *, max_transfers: int = 4, max_per_peer: int = 2, max_range: int = MAX_RANGE,
                  request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S) -> None:
-        self.files: dict[str, tuple[Path, int]] = {}  # hex sha256 -> (path, size when hashed)
+        self.files: dict[str, tuple[Path | Composite, int]] = {}  # hex sha256 -> (file, size when hashed)
         self.max_transfers, self.max_per_peer, self.max_range = max_transfers, max_per_peer, max_range
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
         self.active: Counter[str] = Counter()  # remote peer -> transfers in progress
@@ -257,6 +262,14 @@ class FileServer:
         size, sha = path.stat().st_size, sha256_file(path)
         self.files[sha] = (path, size)
         return sha, size
+
+    def add_composite(self, sha256: str, parts: Sequence[Part]) -> int:
+        """Serve, under `sha256`, the file made of `parts` (bytes, or (path, offset, length) of a
+        file's bytes): a block in canonical form (model/blockfiles.py) whose hash the caller has
+        checked. Served while each file it reads keeps its size now; returns the size."""
+        whole = Composite(list(parts))
+        self.files[sha256] = (whole, whole.size)
+        return whole.size
 
     async def serve(self, stream: ByteStream, remote: str) -> None:
         """Answer one GET on `stream` from peer `remote` (its id bounds its share of transfers), then
@@ -300,7 +313,7 @@ class FileServer:
             return
         entry = self.files.get(get.sha256.hex())
         try:
-            f = open(entry[0], "rb") if entry else None
+            f = (entry[0].open() if isinstance(entry[0], Composite) else open(entry[0], "rb")) if entry else None
         except OSError:
             f = None
         if f is None:
@@ -309,7 +322,7 @@ class FileServer:
         self.active[remote] += 1
         try:
             with f:
-                size = os.fstat(f.fileno()).st_size
+                size = f.size() if isinstance(f, _Reader) else os.fstat(f.fileno()).st_size
                 if size != entry[1]:
                     log.warning("%s changed on disk since it was hashed: no longer served", entry[0])
                     await self._reply(stream, Response(Status.NOT_FOUND, message=f"file {get.sha256.hex()} "
@@ -324,13 +337,14 @@ class FileServer:
             if not self.active[remote]:
                 del self.active[remote]
 
-    async def _copy(self, f: BinaryIO, stream: ByteStream, offset: int, length: int) -> None:
+    async def _copy(self, f: BinaryIO | _Reader, stream: ByteStream, offset: int, length: int) -> None:
         f.seek(offset)
-        while length:
-            block = await trio.to_thread.run_sync(f.read, min(CHUNK, length))
+        while length:  # a read per READ_AHEAD off the event loop, sent in frames of CHUNK
+            block = await trio.to_thread.run_sync(f.read, min(READ_AHEAD, length))
             if not block:  # truncated while we sent it: break off; the receiver sees a short range
                 raise OSError(f"{f.name} shrank while it was being sent")
-            await self._send(stream, Data(block))
+            for at in range(0, len(block), CHUNK):
+                await self._send(stream, Data(block[at:at + CHUNK]))
             length -= len(block)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
@@ -343,6 +357,62 @@ class FileServer:
             await self._send(stream, msg)
         except Exception as e:  # noqa: BLE001 - nobody left to tell
             log.debug("could not send %s: %s", Status(msg.status).name, e)
+
+
+Part = Union[bytes, tuple[Path, int, int]]
+
+
+class Composite:
+    """A file made of literal bytes and ranges of files on disk, read in order."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.parts = parts
+        self.size = sum(len(p) if isinstance(p, bytes) else p[2] for p in parts)
+        self.sizes = {p[0]: Path(p[0]).stat().st_size for p in parts if not isinstance(p, bytes)}
+
+    def open(self) -> "_Reader":
+        return _Reader(self)
+
+
+class _Reader:
+    """A Composite's reader with the calls `FileServer` makes of a file: `size` (its size, or -1
+    once a file under it changed size: not served), `seek`, `read`."""
+
+    def __init__(self, whole: Composite) -> None:
+        self.whole, self.pos, self.name = whole, 0, "a composite file"
+        self.handles = {path: open(path, "rb") for path in whole.sizes}
+
+    def size(self) -> int:
+        same = all(os.fstat(f.fileno()).st_size == self.whole.sizes[p] for p, f in self.handles.items())
+        return self.whole.size if same else -1
+
+    def seek(self, offset: int) -> None:
+        self.pos = offset
+
+    def read(self, n: int) -> bytes:
+        out, at, end = bytearray(), 0, self.pos + n
+        for part in self.whole.parts:
+            length = len(part) if isinstance(part, bytes) else part[2]
+            lo, hi = max(self.pos, at), min(end, at + length)
+            if lo < hi:
+                if isinstance(part, bytes):
+                    out += part[lo - at:hi - at]
+                else:
+                    f = self.handles[part[0]]
+                    f.seek(part[1] + lo - at)
+                    out += f.read(hi - lo)
+            at += length
+            if at >= end:
+                break
+        self.pos += len(out)
+        return bytes(out)
+
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self.handles.values():
+            f.close()
 
 
 Opener = Callable[[], Awaitable[ByteStream]]
@@ -392,9 +462,9 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
             while offset < expected_size:
                 length = min(max_range, expected_size - offset)
                 try:
-                    offset += await _get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
+                    offset += await get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
                                                stall_timeout)
-                except _Smaller as e:  # the peer sends less per request, and said how much
+                except Smaller as e:  # the peer sends less per request, and said how much
                     if not 0 < e.length < length:
                         raise FetchError(f"peer {peer} refused {length} bytes as too large without naming "
                                          "a smaller range") from None
@@ -409,7 +479,11 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
     return dest
 
 
-class _Smaller(Exception):
+class Busy(FetchError):
+    """The peer answered BUSY: it serves the file, but not now."""
+
+
+class Smaller(Exception):
     """The peer answered TOO_LARGE: it sends at most `length` bytes per request."""
 
     def __init__(self, length: int) -> None:
@@ -417,7 +491,7 @@ class _Smaller(Exception):
         self.length = length
 
 
-async def _get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
+async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
                      out: BinaryIO, digest: Any, stall_timeout: float) -> int:
     """Receive [offset, offset + length) into `out` and `digest`; returns `length`."""
     stream = await open_stream()
@@ -475,9 +549,10 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     if not isinstance(msg, Response):
         raise FetchError(f"peer {peer} sent {type(msg).__name__.upper()} before its RESPONSE")
     if msg.status == Status.TOO_LARGE:
-        raise _Smaller(msg.length)
+        raise Smaller(msg.length)
     if msg.status != Status.OK:
-        raise FetchError(f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
+        raise (Busy if msg.status == Status.BUSY else FetchError)(
+            f"peer {peer} refused the file: {status_name(msg.status)}: {msg.message}")
     if msg.total != total:
         raise FetchError(f"peer {peer} serves a file of {msg.total} bytes under that hash; it announced {total}")
     if (msg.offset, msg.length) != (offset, length):
@@ -486,5 +561,6 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     return msg
 
 
-__all__ = ["PROTOCOL_ID", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response", "Status",
-           "decode_body", "encode", "fetch", "fetch_with", "resolve", "sha256_file", "status_name"]
+__all__ = ["PROTOCOL_ID", "Busy", "Composite", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response",
+           "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range", "resolve", "sha256_file",
+           "status_name"]

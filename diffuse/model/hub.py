@@ -39,7 +39,7 @@ IGNORE_PATTERNS = ["*/*", "consolidated*.safetensors"]
 Progress = Callable[[str], None]
 
 
-def _wanted(name: str) -> bool:
+def wanted(name: str) -> bool:
     return any(fnmatch(name, p) for p in ALLOW_PATTERNS) and not any(fnmatch(name, p) for p in IGNORE_PATTERNS)
 
 
@@ -50,7 +50,8 @@ def _offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def download(repo_id: str, revision: str | None, allow: list[str] | None = None) -> Path:
+    """The repo's files that `allow` (default ALLOW_PATTERNS) matches, in the HF cache."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -65,7 +66,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
             snapshot_download(
                 repo_id,
                 revision=revision,
-                allow_patterns=ALLOW_PATTERNS,
+                allow_patterns=allow or ALLOW_PATTERNS,
                 ignore_patterns=IGNORE_PATTERNS,
                 cache_dir=os.environ.get("HF_HUB_CACHE") or None,
                 local_files_only=_offline(),
@@ -106,7 +107,7 @@ def _validate(src: Path, label: str) -> ModelConfig:
     return cfg
 
 
-def _place(src: Path, dst: Path, link: bool) -> None:
+def place(src: Path, dst: Path, link: bool) -> None:
     if link:
         try:
             os.link(src.resolve(), dst)
@@ -130,7 +131,7 @@ def pull_hf(repo_id: str, models_dir: Path, revision: str | None = None, progres
         raise ModelError(f"{repo_id}: no such directory")
     else:
         say(f"fetching {repo_id}" + (f"@{revision}" if revision else ""))
-        src, name, link = _download(repo_id, revision), repo_id.rstrip("/").split("/")[-1], True
+        src, name, link = download(repo_id, revision), repo_id.rstrip("/").split("/")[-1], True
     cfg = _validate(src, repo_id)
     dest = Path(models_dir) / name
     if dest.exists() and dest.resolve() == src:
@@ -138,11 +139,11 @@ def pull_hf(repo_id: str, models_dir: Path, revision: str | None = None, progres
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    files = sorted(p for p in src.iterdir() if p.is_file() and _wanted(p.name))
+    files = sorted(p for p in src.iterdir() if p.is_file() and wanted(p.name))
     try:
         for p in files:
             say(f"{'linking' if link else 'copying'} {p.name}")
-            _place(p, tmp / p.name, link)
+            place(p, tmp / p.name, link)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelError(f"cannot write {tmp}: {e}") from None

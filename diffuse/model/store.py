@@ -63,6 +63,16 @@ class ModelInfo:
         return f"sliding window {cfg.sliding_window} in {sliding} of {cfg.num_layers} layers"
 
     @property
+    def held(self) -> str | None:
+        """The blocks (and head) a partial store holds, as "0-14, head"; None for a whole model."""
+        from diffuse.model.blockfiles import held
+
+        blocks, head = held(self.path)
+        if len(blocks) == self.config.num_layers and (head or self.manifest.quant != "none"):
+            return None
+        return ", ".join([block_ranges(sorted(blocks))] * bool(blocks) + ["head"] * head)
+
+    @property
     def licence(self) -> str | None:
         notice = self.path / "NOTICE"
         first = notice.read_text().splitlines()[0] if notice.is_file() else ""
@@ -89,7 +99,7 @@ class ModelInfo:
                 "experts": f"{cfg.num_experts_per_tok} of {cfg.num_experts}" if cfg.num_experts else None,
                 "block_bytes": block_bytes,
                 "kv_bytes_per_token_per_block": {d: self.kv_numbers_per_token * n for d, n in per.items()},
-                "licence": self.licence,
+                "licence": self.licence, "partial": self.held,
                 "dtype": self.manifest.dtype, "size_bytes": self.size_bytes,
                 "model_hash": self.manifest.model_hash, "head_hash": self.manifest.head_hash,
                 "block_hashes": self.manifest.block_hashes}
@@ -117,6 +127,8 @@ def table(models: Sequence[ModelInfo]) -> str:
         b = m.as_dict()["block_bytes"]
         lines.append(f"{m.name:28} {m.config.arch:12} {m.config.num_layers:6} {_mib(m.size_bytes):>8}  "
                      f"{_mib(b['fp32']) + ' / ' + _mib(b['bf16']):>19}  {m.config.rope_description}")
+        if m.held is not None:  # a partial store (fetched from peers: model/blockfiles.py)
+            lines.append(f"  partial: holds blocks {m.held or 'none'} of {m.config.num_layers}")
         for v in m.as_dict()["variants"] or []:
             q = info(m.path.parent / f"{m.name}@{v}")
             per = _mib(max(q.manifest.block_bytes))
@@ -131,8 +143,9 @@ def describe(m: ModelInfo) -> str:
 
     d = m.as_dict()
     lines = [f"{key:12} {d[key]}" for key in ("name", "path", "arch", "layers", "hidden_size", "rope", "attention",
-                                              "experts", "licence", "dtype", "quant", "group_size", "source",
-                                              "source_id", "head", "variants", "size_bytes", "model_hash", "head_hash")
+                                              "experts", "licence", "partial", "dtype", "quant", "group_size",
+                                              "source", "source_id", "head", "variants", "size_bytes", "model_hash",
+                                              "head_hash")
              if d.get(key) is not None]
     blocks, kv = d["block_bytes"], d["kv_bytes_per_token_per_block"]
     lines += [f"{'tools':12} {describe_tools(m.path)}",
@@ -167,10 +180,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def pull(home: Path, name: str | None, progress: Progress | None = None) -> Path:
+def pull(home: Path, name: str | None, progress: Progress | None = None, blocks: str | None = None) -> Path:
     """Install the embedded default (no name), a model published as packages (packages.PACKAGED),
-    or an HF repo / local HF directory (ORG/NAME or path)."""
+    or an HF repo / local HF directory (ORG/NAME or path); `blocks` (A:B, a Hub repo only): the
+    shards that hold those blocks (model/hub_blocks.py)."""
     say = progress or (lambda _msg: None)
+    if blocks is not None:
+        if not name or "/" not in name or Path(name).expanduser().is_dir():
+            raise ModelError("--blocks pulls part of an ORG/NAME model of the Hugging Face Hub, not of a "
+                             f"{'packaged or embedded model' if not name or '/' not in name else 'local directory'}")
+        from diffuse.model.hub_blocks import pull_blocks
+
+        return pull_blocks(name, models_dir(home), blocks, progress)
     if name in (None, DEFAULT_MODEL):
         from diffuse.model.gguf_import import embedded_gguf_path
 

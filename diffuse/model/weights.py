@@ -170,6 +170,11 @@ class Manifest:
     source_id: str = ""
     tensors: dict[str, str] = field(default_factory=dict)
     block_bytes: list[int] = field(default_factory=list)
+    # Format 2 (model/blockfiles.py): each block's and the head's canonical size, and {name: [size,
+    # sha256]} of the model's other files, so that the manifest's own SHA-256 names all it needs.
+    block_sizes: list[int] = field(default_factory=list)
+    head_size: int = 0
+    files: dict[str, list] = field(default_factory=dict)
 
     @property
     def model_hash(self) -> str:

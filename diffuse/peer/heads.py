@@ -10,9 +10,7 @@ import trio
 
 from diffuse.client import draft_fetch
 from diffuse.data.files import PROTOCOL_ID, FileServer
-from diffuse.model.weights import MANIFEST
-
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields: status reads them (client/survey.py)
+from diffuse.peer.offer import offer
 
 
 class DraftHeads:
@@ -27,11 +25,11 @@ class DraftHeads:
         self.handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = {PROTOCOL_ID: self.server.serve}
         self.heads = draft_fetch.offer(self.server, home, models)
 
-    def manifest(self, model_id: str) -> dict[str, Any]:
-        """Serve the model's manifest by hash; the record fields that announce it, so that a
-        node without the weights can read the swarm (`diffuse status` from an empty store)."""
-        sha, size = self.server.add(Path(self.models[model_id]) / MANIFEST)
-        return {MANIFEST_SHA: sha, MANIFEST_BYTES: size}
+    def manifest(self, model_id: str, span: tuple[int, int] | None = None, variant: bool = False) -> dict[str, Any]:
+        """Serve the model's manifest by hash, and the blocks of `span` (peer/offer.py); the record
+        fields that announce them, so that a node without the weights can read the swarm
+        (`diffuse status` from an empty store) and start from it (`join --from-swarm`)."""
+        return offer(self.server, Path(self.models[model_id]), None if variant else span)
 
     async def watch(self, node: Any, every: float = 15.0) -> None:
         """Every `every` seconds, offer a head that appeared for the model being served, and

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import trio
 
+from diffuse.client import from_swarm
 from diffuse.control import receipts
 from diffuse.control.announce import Serving
 from diffuse.control.coverage import coverage
@@ -62,12 +63,15 @@ class JoinConfig:
     max_memory: str | None = None
     serve: ServeConfig = field(default_factory=ServeConfig)
     metrics: str | None = None
+    from_swarm: bool = False  # first fetch what the store lacks from the peers (client/from_swarm.py)
+    model_hash: str | None = None  # with from_swarm: the manifest (or model) hash to trust
 
 
 class Peer:
     """One `join`: `show` gets what goes to stdout (addresses, what it serves), `say` notices."""
 
     def __init__(self, key_pair: KeyPair, config: JoinConfig, show: Say, say: Say) -> None:
+        config = fetched_first(config, say) if config.from_swarm else config
         self.key_pair, self.config, self.show, self.say = key_pair, config, show, say
         self.auto = (config.model or "").lower() == "auto"
         if not self.auto and (config.models or config.replan):
@@ -207,7 +211,8 @@ class Peer:
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
             protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
-            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model) if files else {}) | self.variant)
+            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model, (start, end), bool(self.variant))
+                   if files else {}) | self.variant)
         if self.lending is not None and self.lending.paused:  # contribution auto paused: hold it until resume
             if hooks.drain is not None:
                 await hooks.drain(0)  # the fresh server refuses sessions too
@@ -227,6 +232,17 @@ class Peer:
             await self.node.withdraw()
         if self.hooks.drain is not None:
             await self.hooks.drain(self.config.serve.drain_timeout)
+
+
+def fetched_first(config: JoinConfig, say: Say) -> JoinConfig:
+    """`--from-swarm`: fetch what the store lacks (client/from_swarm.py); then the join as if the
+    store had held the model all along: named, with its span."""
+    if config.serve.quant != "none":
+        raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
+                           "from every block of its source: serve the span unquantized, or pull the whole model")
+    want = from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks, max_memory=config.max_memory,
+                             model_hash=config.model_hash)
+    return dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(config.home, config.node, want, say))
 
 
 def plan_offers(config: JoinConfig) -> tuple[list[Offer], dict[str, Path], int]:

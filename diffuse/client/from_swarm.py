@@ -1,0 +1,317 @@
+"""`--from-swarm`: put into the store what a node needs from the peers that serve the model, and
+nothing more: the manifest, the files it lists (config, tokenizer), the blocks of the span a peer
+will serve (`join`), or a client's head and local blocks (`ask`, `api`), each checked by hash
+(docs/fetch.md).
+
+Trust starts at the manifest: its SHA-256 is the one the operator gives (`--model-hash`, which
+may also be the model hash `diffuse model info` prints), else the one every announcing peer's
+record agrees on; announcers that disagree are listed with their hashes and the operator is
+asked to choose, never silently. The manifest names every other byte by hash and size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from diffuse.control.coverage import coverage
+from diffuse.control.dial import connect, connected, open_stream
+from diffuse.control.identity import ephemeral
+from diffuse.control.node import Node, NodeConfig, open_node
+from diffuse.control.placement import choose_span, requested_blocks
+from diffuse.control.records import PeerRecord
+from diffuse.data.fetcher import Fetcher
+from diffuse.data.files import PROTOCOL_ID
+from diffuse.errors import DiffuseError, FetchError, ModelError
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model import blockfiles
+from diffuse.model.config import ModelConfig
+from diffuse.model.store import block_ranges as blockfiles_ranges
+from diffuse.model.weights import MANIFEST, Manifest, load_manifest
+from diffuse.trust import reputation
+
+log = logging.getLogger(__name__)
+Say = Callable[[str], None]
+MAX_MANIFEST = 1 << 20
+MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
+BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What to fetch: the model (swarm id; None the default, "auto" the least served), the span
+    (`blocks` as join takes it), whether the head too (a client), the operator's hash, and how
+    long the swarm gets to announce the model."""
+
+    model: str | None = None
+    blocks: str = "auto"
+    local: tuple[int, int] | None = None  # a client: its first and last blocks (then no span)
+    num_blocks: int | None = None
+    max_memory: str | None = None
+    head: bool = False
+    model_hash: str | None = None
+    wait: float = 60.0
+    json_progress: bool = False
+
+
+async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> tuple[str, tuple[int, int]]:
+    """Fetch what `want` needs into the store; returns the model's store name and its span."""
+    config = replace(node_config, listen=["/ip4/0.0.0.0/tcp/0"], server=False, announce_addrs=(), relay=False,
+                     upnp=False, reach_check=False)
+    async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
+        records = await _records(node, want)
+        progress = Progress(say, want.json_progress)
+        fetcher = Fetcher(_opener(node, records), on_bytes=progress.add)
+        model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
+        sources = [r.peer_id for r in records if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
+        await _files(fetcher, model_dir, manifest, sources)
+        if want.local is not None:
+            front, back = want.local
+            span, blocks = (0, 0), [*range(min(front, manifest.num_layers)),
+                                    *range(max(front, manifest.num_layers - back), manifest.num_layers)]
+        else:
+            span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory,
+                                            ModelConfig.load(model_dir), manifest.dtype)
+            span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
+                                                expected_hashes=manifest.block_hashes).replicas, length)
+            blocks = list(range(*span))
+        await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
+        progress.finish()
+        by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
+        held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
+        say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
+            f"{' from ' + by if by else ''}{_banned(fetcher)})")
+        return model_dir.name, span
+
+
+def for_join(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> dict:
+    """`join --from-swarm`, before the peer starts: what it then runs as (a store name, its span)."""
+    name, span = trio.run(from_swarm, home, node_config, want, say)
+    return {"model": name, "blocks": f"{span[0]}:{span[1]}", "num_blocks": None, "max_memory": None}
+
+
+def for_client(home: Path, options: Mapping[str, Any], node_config: NodeConfig, judging: bool, say: Say) -> str:
+    """`ask / api --from-swarm`: the head, tokenizer and local blocks (--local-blocks) of the
+    model (--model); `judging` (a trust plane on): every block, since the client judges peers by
+    recomputing their spans (trust/canary.py). Returns the model's store name."""
+    front_back = tuple(int(x) for x in str(options.get("local_blocks") or "1,0").split(","))
+    if judging:
+        say("the trust plane judges peers by computing their blocks here: fetching every block the store lacks "
+            "(with --trust off, only the head and the local blocks)")
+        front_back = (1 << 30, 0)
+    want = Wanted(model=options.get("model"), local=(front_back[0], front_back[1]), head=True,
+                  model_hash=options.get("model_hash"), wait=max(float(options.get("wait") or 0), 30.0),
+                  json_progress=bool(options.get("json")))
+    return trio.run(from_swarm, home, node_config, want, say)[0]
+
+
+def _banned(fetcher: Fetcher) -> str:
+    return "; banned " + ", ".join(f"{p} ({why})" for p, why in fetcher.banned.items()) if fetcher.banned else ""
+
+
+async def _records(node: Node, want: Wanted) -> list[PeerRecord]:
+    """Live records announcing a manifest: of the model asked, or (auto) of the least-served one."""
+    deadline, settled = trio.current_time() + want.wait, False
+    while True:
+        if want.model and want.model.lower() != "auto":
+            found = await node.records(want.model)
+        else:
+            found = [r for pid in node.known_peers() if (r := await node.peer_record(pid)) is not None]
+        found = [r for r in found if r.online and isinstance(r.extra.get(MANIFEST_SHA), str)]
+        if want.model is None:
+            found = [r for r in found if r.model == DEFAULT_MODEL]
+        if (found and settled) or trio.current_time() >= deadline:
+            break
+        settled = bool(found)  # once some answer, a moment more for the others' records
+        await trio.sleep(2.0 if settled else 0.5)
+    if not found:
+        raise DiffuseError(f"no peer announces {want.model or DEFAULT_MODEL} with a manifest within "
+                           f"{want.wait:g} s: is the swarm reachable (--bootstrap), and does it serve that model?")
+    if want.model and want.model.lower() == "auto":  # the model whose least-served block has fewest replicas
+        models = {r.model for r in found}
+        least = min(sorted(models), key=lambda m: min(_replicas([r for r in found if r.model == m])))
+        found = [r for r in found if r.model == least]
+    return found
+
+
+def _replicas(records: list[PeerRecord]) -> list[int]:
+    n = max(r.end for r in records)
+    return [sum(r.start <= i < r.end for r in records) for i in range(n)]
+
+
+def _opener(node: Node, records: list[PeerRecord]):
+    addrs = {r.peer_id: r.addrs for r in records}
+
+    async def open_files(peer: str):
+        try:
+            if not connected(node.host, peer):
+                await connect(node.host, peer, addrs.get(peer, ()))
+            return await open_stream(node.host, peer, PROTOCOL_ID, (), timeout=10.0)
+        except Exception as e:  # noqa: BLE001 - py-libp2p fails dials and streams in many types of its own
+            raise FetchError(f"cannot open a files stream to peer {peer}: {e}") from None
+    return open_files
+
+
+async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], trusted: str | None,
+                    say: Say) -> tuple[Path, Manifest, str]:
+    """The manifest to trust (section of the module docstring), in the store; its directory and hash."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    trusted = trusted.strip().lower() if trusted else None
+    for r in records:
+        sha, size = r.extra.get(MANIFEST_SHA), r.extra.get(MANIFEST_BYTES)
+        if isinstance(sha, str) and _HEX64.fullmatch(sha) and type(size) is int and 0 < size <= MAX_MANIFEST:
+            groups.setdefault((sha, size), []).append(r.peer_id)
+    if not groups:
+        raise DiffuseError("the peers announce no manifest this node can fetch")
+    with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
+        found: dict[str, tuple[Manifest, Path]] = {}
+        groups = {k: p for k, p in groups.items() if k[0] == trusted} or groups  # the operator's, if announced
+        for (sha, size), peers in groups.items():
+            where = Path(tmp) / sha
+            try:
+                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
+                found[sha] = (_checked(where, records[0].model), where)
+            except (FetchError, ModelError) as e:
+                log.warning("manifest %s refused: %s", sha, e)
+        sha = _choose(found, groups, trusted)
+        manifest, where = found[sha]
+        dest = models_dir(home) / manifest.model_id
+        if (dest / MANIFEST).is_file():
+            own = load_manifest(dest)
+            if own.model_hash != manifest.model_hash:
+                raise DiffuseError(f"the store's {dest.name} is another model (model hash {own.model_hash[:16]}…) "
+                                   f"than the swarm's ({manifest.model_hash[:16]}…): remove {dest} or pull it anew")
+        else:
+            _mkdir(dest)
+            shutil.copyfile(where / MANIFEST, dest / f".{MANIFEST}.tmp")
+            (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)
+        say(f"{manifest.model_id}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced by "
+            f"{sum(len(p) for (s, _), p in groups.items() if s == sha)} peer(s)")
+        return dest, manifest, sha
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]],
+            trusted: str | None) -> str:
+    """The manifest hash to use: the operator's (its SHA-256 or model hash), else the only one."""
+    if trusted:
+        hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
+        if not hit:
+            raise DiffuseError(f"no peer serves a manifest with hash {trusted}; announced: {_listing(found, groups)}")
+        return hit[0]
+    if len(groups) == 1 and found:
+        return next(iter(found))
+    raise DiffuseError(f"the peers announce different manifests for this model: {_listing(found, groups)}; "
+                       "give the one to trust with --model-hash")
+
+
+def _listing(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]]) -> str:
+    return "; ".join(f"{sha} (model hash {found[sha][0].model_hash if sha in found else 'unreadable'}) by "
+                     f"{', '.join(peers)}" for (sha, _), peers in groups.items())
+
+
+def _checked(where: Path, model: str) -> Manifest:
+    """A fetched manifest that can say what to fetch: format 2, of `model`, its names safe."""
+    m = load_manifest(where)
+    if m.model_id != model or not _NAME.fullmatch(m.model_id) or len(m.block_hashes) != m.num_layers \
+            or len(m.block_sizes) != m.num_layers or m.quant != "none":
+        raise ModelError(f"not a manifest of {model} listing its blocks' sizes (format 2 of an unquantized model)")
+    for name, entry in m.files.items():
+        if not _NAME.fullmatch(name) or name.endswith(".safetensors") or name in blockfiles.NOT_FILES \
+                or not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int \
+                or not 0 < entry[0] <= MAX_FILE or not _HEX64.fullmatch(str(entry[1])):
+            raise ModelError(f"the manifest lists file {name!r} as {entry!r}")
+    if "config.json" not in m.files or not all(type(n) is int and n > 0 for n in m.block_sizes):
+        raise ModelError("the manifest lists no config.json, or a block size that is not a positive integer")
+    return m
+
+
+async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources: list[str]) -> None:
+    """The listed files the store lacks (or holds with other bytes)."""
+    from diffuse.data.files import sha256_file
+
+    for name, (size, sha) in manifest.files.items():
+        path = model_dir / name
+        if not (path.is_file() and path.stat().st_size == size and sha256_file(path) == sha):
+            await fetcher.fetch(sha, size, path, sources, f"{manifest.model_id}'s {name}")
+
+
+async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records: list[PeerRecord],
+                  blocks: list[int], head: bool, progress: "Progress") -> None:
+    """Blocks of `blocks` (and the head) the store lacks, each from the peers announcing its hash."""
+    have, have_head = blockfiles.held(model_dir)
+    todo: list[int | None] = [i for i in blocks if i not in have] + ([None] if head and not have_head else [])
+    progress.expect(sum(manifest.head_size if i is None else manifest.block_sizes[i] for i in todo))
+    for i in todo:
+        sha = manifest.head_hash if i is None else manifest.block_hashes[i]
+        what = f"{manifest.model_id}'s head" if i is None else f"block {i} of {manifest.model_id}"
+        sources = [r.peer_id for r in records if r.extra.get(BLOCK_FILES) is True and
+                   (r.extra.get(MANIFEST_SHA) is not None if i is None else
+                    r.start <= i < r.end and r.block_hashes[i - r.start] == sha)]
+        if not sources:
+            raise FetchError(f"{what}: no peer serves it as a file (none announces {BLOCK_FILES} with its hash)")
+        size = manifest.head_size if i is None else manifest.block_sizes[i]
+        canonical = await fetcher.fetch(sha, size, model_dir / f".{sha[:16]}.canonical", sources, what)
+        try:
+            dest = model_dir / blockfiles.HEAD_FILE if i is None else blockfiles.block_file(model_dir, i)
+            await trio.to_thread.run_sync(blockfiles.to_safetensors, canonical, dest, i)
+        finally:
+            canonical.unlink(missing_ok=True)
+
+
+class Progress:
+    """Bytes fetched, rate and time left: a bar redrawn on stderr where it is a terminal, else a
+    line on `say` at most once a second, or (`as_json`) a JSON object per line on stderr."""
+
+    def __init__(self, say: Say, as_json: bool = False) -> None:
+        self.say, self.as_json, self.bar = say, as_json, not as_json and sys.stderr.isatty()
+        self.total, self.base, self.goal, self.start, self.last = 0, 0, 0, time.monotonic(), 0.0
+
+    def expect(self, goal: int) -> None:
+        self.base, self.goal, self.start = self.total, self.total + goal, time.monotonic()
+
+    def add(self, n: int) -> None:
+        self.total += n
+        now = time.monotonic()
+        if now - self.last < (0.2 if self.bar else 1.0) or not self.goal:
+            return
+        self.last = now
+        rate = (self.total - self.base) / max(now - self.start, 1e-6)
+        left = max(self.goal - self.total, 0) / max(rate, 1.0)
+        if self.as_json:
+            print(json.dumps({"fetched_bytes": self.total, "of_bytes": self.goal, "bytes_per_s": round(rate),
+                              "eta_s": round(left, 1)}), file=sys.stderr, flush=True)
+            return
+        text = f"{self.total / 2**20:.1f} of {self.goal / 2**20:.1f} MiB, {rate / 2**20:.1f} MiB/s, {left:.0f} s left"
+        if self.bar:
+            done = min(self.total / self.goal, 1.0)
+            end = "\n" if self.total >= self.goal else ""
+            print(f"\r[{'#' * int(30 * done):<30}] {text}", end=end, file=sys.stderr, flush=True)
+        else:
+            self.say(f"fetched {text}")
+
+    def finish(self) -> None:
+        """The bar's last state, and its line ended."""
+        if self.bar and self.goal and self.last:
+            self.last = 0.0
+            self.add(0)
+            if self.total < self.goal:
+                print(file=sys.stderr)

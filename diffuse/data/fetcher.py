@@ -1,0 +1,281 @@
+"""Files from several peers at once over the files protocol (protocols/files.md), checked by hash.
+
+A file (named by its SHA-256 and size, which the caller trusts: a manifest it checked) is cut
+into pieces, as long as they can be while every worker gets one (a request opens a stream, which
+costs); a couple of workers per source take the next piece left and stream it straight to its
+place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
+and the hash is computed over the prefix received while the rest arrives. A source that fails
+(dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
+its unfinished piece is asked of the others from where it stopped. A BUSY source is no failure:
+it is asked again a second later (up to a minute).
+
+When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
+blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
+finds the liar by asking again: it replaces one sender's ranges with bytes from the others and
+hashes again; the sender whose replacement makes the hash right is banned (bans last for the
+Fetcher's life, across files). Only a file whose hash is right gets its final name.
+
+A fetch that ends without every byte (its sources gone, the process killed) leaves its partial
+file and a note of the ranges received (`.NAME.HASH.part` and `.part.json`, the file locked while
+in use); the next fetch of the same file resumes from them. Those bytes' sender is unknown then:
+if the hash is wrong they are fetched again first, and nobody is banned for them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from diffuse.data.files import STALL_TIMEOUT_S, Busy, Smaller, get_range, sha256_file
+from diffuse.data.stream import ByteStream
+from diffuse.errors import FetchError
+
+log = logging.getLogger(__name__)
+PIECE = 4 << 20  # bytes asked per request, at least
+MAX_PIECE = 64 << 20  # and at most (files.MAX_RANGE is what a server must serve)
+PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
+STRIKES = 3  # failed requests in a row before a source is dropped for this file
+BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
+Open = Callable[[str], Awaitable[ByteStream]]  # a files stream to a peer
+
+
+@dataclass
+class Stats:
+    """What a Fetcher moved: bytes received (bad ones too) and per source, files done."""
+
+    received: int = 0
+    by_peer: dict[str, int] = field(default_factory=dict)
+    files: int = 0
+
+
+class _At:
+    """Writes at an advancing offset of a file (pwrite), counting the bytes."""
+
+    def __init__(self, fd: int, offset: int, stats: Stats, peer: str) -> None:
+        self.fd, self.offset, self.count, self.stats, self.peer = fd, offset, 0, stats, peer
+
+    def write(self, data: bytes) -> None:
+        os.pwrite(self.fd, data, self.offset + self.count)
+        self.count += len(data)
+        self.stats.received += len(data)
+        self.stats.by_peer[self.peer] = self.stats.by_peer.get(self.peer, 0) + len(data)
+
+
+class _NoDigest:
+    def update(self, _data: bytes) -> None:
+        pass
+
+
+class Fetcher:
+    """Fetches files by hash from the sources each call names; `banned`: peer -> why (a peer
+    that sent bytes other than the hash names)."""
+
+    def __init__(self, open_stream: Open, *, piece: int = PIECE, per_source: int = PER_SOURCE,
+                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None) -> None:
+        self.open_stream, self.piece, self.per_source = open_stream, piece, per_source
+        self.stall_timeout, self.on_bytes = stall_timeout, on_bytes
+        self.banned: dict[str, str] = {}
+        self.stats = Stats()
+
+    async def fetch(self, sha256: str, size: int, dest: Path, sources: Sequence[str], what: str = "") -> Path:
+        """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
+        names the file (`what`) and why when no honest source could give it. What an earlier
+        fetch of the same file left (`.part` and its `.json`) is resumed from."""
+        what = what or f"file {sha256[:16]}…"
+        if size <= 0:
+            raise FetchError(f"{what}: a size of {size} bytes is not a file's")
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp, fd = _claim(dest.with_name(f".{dest.name}.{sha256[:16]}.part"))
+        notes = tmp.with_name(tmp.name + ".json")
+        sent = _resumable(tmp, notes, sha256, size)
+        if not sent:
+            os.ftruncate(fd, 0)
+        keep = True  # a failure to get the rest leaves what came, for the next try; a wrong hash, nothing
+        try:
+            os.ftruncate(fd, size)
+            job = _Job(self, fd, sha256, size, what, sent, notes)
+            piece = _piece(self.piece, size, len(sources) * self.per_source)
+            await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
+            keep = False
+            await job.check(sources, tmp)
+            os.replace(tmp, dest)
+        finally:
+            os.close(fd)
+            if not keep:
+                tmp.unlink(missing_ok=True)
+                notes.unlink(missing_ok=True)
+        notes.unlink(missing_ok=True)
+        self.stats.files += 1
+        return dest
+
+    def ban(self, peer: str, why: str) -> None:
+        if peer not in self.banned:
+            log.warning("banned peer %s: %s", peer, why)
+        self.banned[peer] = why
+
+
+EARLIER = ""  # the sender of bytes an earlier run left: refetched if the hash is wrong, nobody banned
+
+
+def _piece(least: int, size: int, lanes: int) -> int:
+    """Bytes per request: enough requests to keep every lane busy, each as long as may be (a stream
+    per request costs its set-up), between `least` and MAX_PIECE."""
+    return max(least, min(MAX_PIECE, -(-size // max(lanes, 1))))
+
+
+def _claim(part: Path) -> tuple[Path, int]:
+    """The partial file to fetch into, opened and locked: `part` (perhaps left by an earlier run),
+    or a fresh name where another process is fetching into it now."""
+    while True:
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return part, fd
+        except BlockingIOError:
+            os.close(fd)
+            part = part.with_name(f"{part.name[:-5]}.{os.getpid()}-{time.monotonic_ns()}.part")
+
+
+def _resumable(tmp: Path, notes: Path, sha: str, size: int) -> dict[int, tuple[int, str]]:
+    """The ranges an earlier fetch of this file received, by its notes; none if they do not fit."""
+    try:
+        d = json.loads(notes.read_text())
+        if d["sha256"] != sha or d["size"] != size or tmp.stat().st_size != size:
+            return {}
+        return {int(o): (int(n), EARLIER) for o, n in d["received"] if 0 <= int(o) and 0 < int(n) <= size - int(o)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _gaps(sent: dict[int, tuple[int, str]], size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of [0, size) no entry of `sent` covers."""
+    out, at = [], 0
+    for o, (n, _) in sorted(sent.items()):
+        if o > at:
+            out.append((at, o))
+        at = max(at, o + n)
+    return out + ([(at, size)] if at < size else [])
+
+
+class _Job:
+    """One file: its pieces, who sent each byte range (`sent`, noted in `notes` as it grows, so a
+    later run can resume), the workers."""
+
+    def __init__(self, fetcher: Fetcher, fd: int, sha: str, size: int, what: str,
+                 sent: dict[int, tuple[int, str]], notes: Path) -> None:
+        self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
+        self.sent, self.notes = sent, notes  # offset -> (length, sender)
+        self.errors: dict[str, str] = {}
+        self.digest, self.hashed, self.hashing = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
+
+    def note(self) -> None:
+        tmp = self.notes.with_name(self.notes.name + ".tmp")
+        tmp.write_text(json.dumps({"sha256": self.sha, "size": self.size,
+                                   "received": [[o, n] for o, (n, _) in sorted(self.sent.items())]}))
+        tmp.replace(self.notes)
+
+    async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
+        """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
+        live = [p for p in dict.fromkeys(sources) if p not in self.f.banned]
+        strikes, waits = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
+        todo, busy = list(todo), []
+
+        async def worker(peer: str) -> None:
+            while (todo or busy) and strikes[peer] < STRIKES:
+                if not todo:  # others' pieces in flight: one may come back unfinished
+                    await trio.sleep(0.05)
+                    continue
+                offset, length = todo.pop(0)
+                busy.append(offset)
+                out = _At(self.fd, offset, self.f.stats, peer)
+                try:
+                    await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
+                                    length, self.size, out, _NoDigest(), self.f.stall_timeout)
+                    strikes[peer] = 0
+                except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
+                    waits[peer] += 1
+                    strikes[peer] += int(waits[peer] >= BUSY_WAITS)  # busy for good: a failure after all
+                    self.errors[peer] = str(e)
+                    todo.append((offset + out.count, length - out.count))
+                    await trio.sleep(BUSY_WAIT_S)
+                except (FetchError, Smaller) as e:
+                    strikes[peer] += 1
+                    self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
+                    if length > out.count:  # the rest, from where it stopped, for whoever is free
+                        todo.append((offset + out.count, length - out.count))
+                finally:
+                    busy.remove(offset)
+                    if out.count:
+                        self.sent[offset] = (out.count, peer)
+                        self.note()
+                        if self.f.on_bytes:
+                            self.f.on_bytes(out.count)
+                if strikes[peer]:
+                    await trio.sleep(0.2 * strikes[peer])
+                else:
+                    await self.hash_ahead()
+
+        async with trio.open_nursery() as nursery:
+            for peer in live:
+                for _ in range(self.f.per_source):
+                    nursery.start_soon(worker, peer)
+        if todo:
+            why = "; ".join(f"{p}: {e}" for p, e in self.errors.items()) or "no source offers it"
+            raise FetchError(f"{self.what}: {sum(n for _, n in todo)} of {self.size} bytes could not be fetched "
+                             f"({len(live)} source(s) tried; {why})")
+
+    async def hash_ahead(self) -> None:
+        """Hash the bytes received in one run from the start on, while the rest still arrives (the
+        check at the end then reads only what is left)."""
+        async with self.hashing:
+            end = self.hashed
+            for o, (n, _) in sorted(self.sent.items()):
+                if o > end:
+                    break
+                end = max(end, o + n)
+            while self.hashed < end:
+                n = min(end - self.hashed, 1 << 20)
+                data = await trio.to_thread.run_sync(os.pread, self.fd, n, self.hashed)
+                await trio.to_thread.run_sync(self.digest.update, data)
+                self.hashed += len(data)
+
+    async def check(self, sources: Sequence[str], tmp: Path) -> None:
+        """Size, then hash; on a wrong hash find the sender that lied, ban it, refetch its ranges."""
+        if os.fstat(self.fd).st_size != self.size or sum(n for n, _ in self.sent.values()) < self.size:
+            raise FetchError(f"{self.what}: the transfer ended short of its {self.size} bytes")
+        await self.hash_ahead()
+        got = self.digest.hexdigest()
+        tried: set[str] = set()
+        while got != self.sha:
+            everyone = {p for _, p in self.sent.values()}
+            senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
+                                                                                  if q == p)))  # the unproven first
+            if not senders:
+                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} "
+                                 f"(banned: {', '.join(sorted(tried))})")
+            suspect = senders[0]
+            tried.add(suspect)
+            if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
+                self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
+            ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
+            for o, _ in ranges:
+                del self.sent[o]
+            try:
+                await self.fill(ranges, [p for p in sources if p != suspect])
+            except FetchError as e:
+                raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
+                                 f"and no other source could send them ({e})") from None
+            if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:
+                if suspect != EARLIER:
+                    self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
+                return

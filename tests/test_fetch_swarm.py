@@ -1,0 +1,186 @@
+"""New peers start from the swarm (`join --from-swarm`): real processes, one swarm for the module.
+
+A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy too, whose stored
+block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
+its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
+stores a block that hashes right; `--model auto` with `--blocks auto` fetches the span it serves;
+two peers with empty stores take complementary spans and end with only their span on disk; `src`
+is SIGKILLed and the swarm's greedy answer equals the local one, as is a client's that fetched
+into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
+block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer finishes from
+another without fetching twice what it had; with no honest source left for block 3, a join fails
+naming the block.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from support.procs import DIFFUSE, Procs
+from support.swarm import LOCAL, QUICK_RECORDS, Swarm
+from test_swarm import QUESTION, TOKENS, ask, reference_answer
+from diffuse.home import DEFAULT_MODEL, models_dir
+from diffuse.model import blockfiles
+from diffuse.model.weights import ModelFiles, block_hash, load_manifest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+JOIN = ["--throughput", "20", *QUICK_RECORDS]
+
+
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fetch")
+    bad_home = tmp / "bad-home"
+    shutil.copytree(models_dir(home) / DEFAULT_MODEL, models_dir(bad_home) / DEFAULT_MODEL)
+    with Procs(home) as procs:
+        s = Swarm(procs, tmp, {"src": "0:30"}, {"src": JOIN})
+        s.spans["bad"], s.extra["bad"] = "0:30", JOIN
+        s.procs.env, env = s.procs.env | {"DIFFUSE_HOME": str(bad_home)}, s.procs.env
+        s.start("bad")
+        s.procs.env = env
+        s.wait("bad")
+        corrupt(models_dir(bad_home) / DEFAULT_MODEL, 3)
+        s.homes = {}
+        yield s
+
+
+def corrupt(model_dir, block: int) -> None:
+    """Flip a byte in every MiB of the block's stored tensors, in place (the size stays)."""
+    files = ModelFiles(model_dir)
+    with open(model_dir / "model.safetensors", "r+b") as f:
+        for part in blockfiles.segments(files, block):
+            if not isinstance(part, bytes):
+                _, offset, length = part
+                for at in range(offset, offset + length, 1 << 20):
+                    f.seek(at)
+                    b = f.read(1)
+                    f.seek(at)
+                    f.write(bytes([b[0] ^ 0xFF]))
+
+
+def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str) -> None:
+    """Start `join --from-swarm --blocks BLOCKS` on an empty store of its own."""
+    home = swarm.homes[name] = tmp / f"{name}-home"
+    env = swarm.procs.env
+    swarm.procs.env = env | {"DIFFUSE_HOME": str(home)}
+    try:
+        swarm.proc[name] = swarm.procs.start("join", "--identity", str(swarm.tmp / f"{name}.key"), "--bootstrap",
+                                             swarm.boot, "--listen", LOCAL, "--from-swarm", "--blocks", blocks, *JOIN,
+                                             *extra)
+    finally:
+        swarm.procs.env = env
+
+
+def on_disk(swarm: Swarm, name: str) -> dict[str, int]:
+    return on_disk_of(swarm.homes[name])
+
+
+def on_disk_of(home) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (models_dir(home) / DEFAULT_MODEL).glob("*.safetensors")}
+
+
+def fetched(swarm: Swarm, name: str) -> tuple[float, dict[str, float]]:
+    return summary("\n".join(swarm.proc[name].stderr))
+
+
+def summary(err: str) -> tuple[float, dict[str, float]]:
+    """MiB fetched in all, and per source, as the summary line says."""
+    line = next(x for x in err.splitlines() if "in the store" in x)
+    total = float(re.search(r"\(([\d.]+) MiB fetched", line).group(1))
+    return total, {p: float(n) for p, n in re.findall(r"(\w+): ([\d.]+) MiB", line.split(" from ", 1)[-1])}
+
+
+def until_said(swarm: Swarm, name: str, text: str, timeout: float = 120) -> None:
+    """Wait until the peer's stderr has a line starting with `text`."""
+    deadline = time.monotonic() + timeout
+    while not any(x.startswith(text) for x in swarm.proc[name].stderr):
+        assert time.monotonic() < deadline and swarm.proc[name].p.poll() is None, swarm.proc[name].stderr
+        time.sleep(0.05)
+
+
+def test_a_source_of_wrong_bytes_is_banned_and_the_block_comes_from_another(swarm, home, tmp_path):
+    join(swarm, "c", "3:4", tmp_path)
+    swarm.wait("c")
+    err = "\n".join(swarm.proc["c"].stderr)
+    assert f"banned {swarm.ids['bad']}" in err, err
+    model_dir = models_dir(swarm.homes["c"]) / DEFAULT_MODEL
+    assert list(on_disk(swarm, "c")) == ["block-00003.safetensors"]
+    assert block_hash(ModelFiles(model_dir).read_block(3)) == load_manifest(model_dir).block_hashes[3]
+
+
+def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_path):
+    join(swarm, "g", "auto", tmp_path, "--model", "auto", "--num-blocks", "2")
+    serving = swarm.proc["g"].read_until("serving", timeout=180)[-1]
+    start, end = map(int, re.search(r"serving \S+ blocks (\d+):(\d+)", serving).groups())
+    assert end - start == 2 and set(on_disk(swarm, "g")) == {f"block-{i:05d}.safetensors" for i in range(start, end)}
+    swarm.kill("g")
+
+
+def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
+    for name, span in {"a": "0:15", "b": "15:30"}.items():
+        join(swarm, name, span, tmp_path)
+    for name in ("a", "b"):
+        swarm.wait(name)
+    manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
+    for name, (lo, hi) in {"a": (0, 15), "b": (15, 30)}.items():
+        disk = on_disk(swarm, name)
+        assert sorted(disk) == [f"block-{i:05d}.safetensors" for i in range(lo, hi)]
+        for i in range(lo, hi):  # the canonical bytes less each tensor's 3 header fields, plus safetensors' header
+            assert manifest.block_sizes[i] - 4096 < disk[f"block-{i:05d}.safetensors"] < manifest.block_sizes[i] + 4096
+    swarm.kill("src")
+    assert ask(swarm.procs, swarm.boot)["token_ids"] == reference_answer(home)
+
+
+def client_ask(swarm: Swarm, home, *extra: str) -> tuple[dict, str]:
+    """`ask --from-swarm` in `home`: its answer and stderr."""
+    out = subprocess.run([*DIFFUSE, "--client-only", "ask", "--bootstrap", swarm.boot, "--json", "--max-tokens",
+                          str(TOKENS), "--wait", "30", "--no-speculate", "--from-swarm", *extra, QUESTION],
+                         capture_output=True, text=True, timeout=300, env=swarm.procs.env | {"DIFFUSE_HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), out.stderr
+
+
+def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local(swarm, home, tmp_path):
+    """Without a trust plane a client holds the head and its local blocks; with one (the default)
+    it judges peers by recomputing their blocks, so it then fetches the rest, and only the rest."""
+    empty, reference = tmp_path / "client-home", reference_answer(home)
+    answer, err = client_ask(swarm, empty, "--trust", "off")
+    assert answer["token_ids"] == reference
+    progress = [json.loads(x) for x in err.splitlines() if x.startswith('{"fetched_bytes"')]  # --json: as JSON
+    assert progress and all(p.keys() == {"fetched_bytes", "of_bytes", "bytes_per_s", "eta_s"} for p in progress), err
+    assert set(on_disk_of(empty)) == {"head.safetensors", "block-00000.safetensors"}  # --local-blocks 1,0
+    answer, err = client_ask(swarm, empty)
+    assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
+    manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
+    total, _ = summary(err)
+    # Blocks 1-29, not the head again (larger than what finding `bad` out can cost: a block or two).
+    rest = sum(manifest.block_sizes[1:])
+    assert rest - 2**20 < total * 2**20 < rest + manifest.head_size, err
+
+
+def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_path):
+    join(swarm, "e", "15:30", tmp_path)  # from b and bad (src is gone)
+    until_said(swarm, "e", "fetched ")
+    swarm.kill("b")
+    swarm.wait("e")
+    manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
+    want = sum(manifest.block_sizes[15:30]) + sum(n for n, _ in manifest.files.values()) + 4096
+    total, by_peer = fetched(swarm, "e")
+    assert total * 2**20 <= want + 2**20, (total, want)  # nothing fetched twice
+    assert by_peer.get(swarm.ids["b"], 0) > 0 and by_peer.get(swarm.ids["bad"], 0) > 0, by_peer
+
+
+def test_with_no_honest_source_the_join_fails_naming_the_block(swarm, tmp_path):
+    for name in ("a", "c"):
+        swarm.kill(name)
+    join(swarm, "d", "3:4", tmp_path)
+    assert swarm.proc["d"].wait(timeout=300) != 0
+    err = "\n".join(swarm.proc["d"].stderr)
+    assert "block 3 of" in err and swarm.ids["bad"] in err, err
+    assert not on_disk(swarm, "d")

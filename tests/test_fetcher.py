@@ -1,0 +1,283 @@
+"""The multi-source fetcher (data/fetcher.py) against FileServers over in-memory streams, and
+blocks as files (model/blockfiles.py).
+
+Pieces come from every source; a source serving other bytes under the hash is found and banned
+and its ranges come from the others; a source that breaks off mid-piece costs only the rest of
+that piece; one that sends more than asked, or a short file, is refused; with no honest source
+the fetch fails naming the file and leaves nothing. A block's canonical bytes served from a
+store's safetensors hash to its manifest commitment and come back as a per-block file that
+reads as the same tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from diffuse.data import files as F
+from diffuse.data.fetcher import Fetcher
+from diffuse.errors import FetchError
+from test_sessions import MemStream
+
+SIZE = 3 * 65536 + 123
+PIECE = 65536
+
+
+@pytest.fixture
+def blob() -> bytes:
+    return os.urandom(SIZE)
+
+
+def servers(tmp_path, blob: bytes, names: list[str]) -> dict[str, F.FileServer]:
+    out = {}
+    for name in names:
+        path = tmp_path / f"{name}.bin"
+        path.write_bytes(blob)
+        out[name] = F.FileServer(max_per_peer=4)
+        out[name].add(path)
+    return out
+
+
+def run_fetch(tmp_path, serving: dict, sha: str, sources: list[str], size: int = SIZE, **kw):
+    """Fetch with `serving` (peer -> FileServer, or an async handler of a raw stream); returns
+    (path or the FetchError, fetcher)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                handler = serving[peer]
+                nursery.start_soon(*((handler.serve, MemStream(b), "me") if isinstance(handler, F.FileServer)
+                                     else (handler, MemStream(b))))
+                return MemStream(a)
+            fetcher = Fetcher(open_stream, piece=PIECE, stall_timeout=5, **kw)
+            try:
+                return await fetcher.fetch(sha, size, tmp_path / "got" / "file", sources, "block 7"), fetcher
+            except FetchError as e:
+                return e, fetcher
+
+    return trio.run(main)
+
+
+def test_pieces_come_from_every_source(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    path, fetcher = run_fetch(tmp_path, servers(tmp_path, blob, ["a", "b", "c"]), sha, ["a", "b", "c"])
+    assert path.read_bytes() == blob
+    assert fetcher.stats.received == SIZE and len(fetcher.stats.by_peer) >= 2
+    assert [p.name for p in path.parent.iterdir()] == ["file"]  # no temporary file left
+
+
+def test_a_liar_among_sources_is_banned_and_its_ranges_fetched_elsewhere(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["honest", "liar"])
+    bad = bytearray(blob)
+    for i in range(0, SIZE, PIECE):  # every piece it might serve is wrong in one byte
+        bad[i] ^= 1
+    (tmp_path / "liar.bin").write_bytes(bytes(bad))  # altered on disk after it was hashed: same size
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["liar", "honest"])
+    assert path.read_bytes() == blob and list(fetcher.banned) == ["liar"]
+
+
+def test_with_no_honest_source_the_fetch_fails_naming_the_file_and_keeps_nothing(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["liar"])
+    (tmp_path / "liar.bin").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    err, fetcher = run_fetch(tmp_path, serving, sha, ["liar"])
+    assert isinstance(err, FetchError) and "block 7" in str(err) and "liar" in str(err)
+    assert list(fetcher.banned) == ["liar"] and list((tmp_path / "got").iterdir()) == []
+
+
+def test_a_source_breaking_off_costs_only_the_rest_of_its_piece(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+    half = PIECE // 2
+
+    async def dies(stream):  # answers the first GET with half its bytes, then its stream ends
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                           + F.encode(F.Data(blob[get.offset:get.offset + half])))
+        await stream.close()
+
+    serving["dies"] = dies
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["dies", "good"], per_source=1)
+    assert path.read_bytes() == blob and not fetcher.banned
+    assert fetcher.stats.by_peer["dies"] >= half
+    assert fetcher.stats.received == SIZE  # the half it sent was kept: nothing fetched twice
+
+
+def test_a_busy_source_is_asked_again_not_dropped(tmp_path, blob, monkeypatch):
+    from diffuse.data import fetcher
+
+    monkeypatch.setattr(fetcher, "BUSY_WAIT_S", 0.01)
+    sha = hashlib.sha256(blob).hexdigest()
+    server = servers(tmp_path, blob, ["busy"])["busy"]
+    answers = []
+
+    async def sometimes_busy(stream):  # BUSY to its first five requests, more than a source's strikes
+        if len(answers) < 5:
+            answers.append("busy")
+            await stream.read(4096)
+            await stream.write(F.encode(F.Response(F.Status.BUSY, message="4 transfers in progress")))
+            await stream.close()
+        else:
+            await server.serve(stream, "me")
+
+    path, fetcher_ = run_fetch(tmp_path, {"busy": sometimes_busy}, sha, ["busy"])
+    assert path.read_bytes() == blob and len(answers) == 5 and not fetcher_.banned
+
+
+def test_a_later_fetch_resumes_from_what_an_earlier_one_left(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+    sent = []
+
+    async def dies_midway(stream):  # sends half of what it is first asked, then ends; then refuses all
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        if not sent:
+            sent.append(get.length // 2)
+            await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                               + F.encode(F.Data(blob[get.offset:get.offset + sent[0]])))
+        else:
+            await stream.write(F.encode(F.Response(F.Status.NOT_FOUND, message="gone")))
+        await stream.close()
+
+    serving["flaky"] = dies_midway
+    err, first = run_fetch(tmp_path, serving, sha, ["flaky"], per_source=1)
+    assert isinstance(err, FetchError) and first.stats.received == sent[0] > 0
+    left = {p.name for p in (tmp_path / "got").iterdir()}
+    assert left == {f".file.{sha[:16]}.part", f".file.{sha[:16]}.part.json"}  # kept, for the next run
+    path, second = run_fetch(tmp_path, serving, sha, ["good"])
+    assert path.read_bytes() == blob and second.stats.received == SIZE - sent[0]
+    assert [p.name for p in path.parent.iterdir()] == ["file"]
+
+
+def test_wrong_bytes_left_by_an_earlier_run_are_fetched_again_and_nobody_is_banned(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    got = tmp_path / "got"
+    got.mkdir()
+    part = got / f".file.{sha[:16]}.part"
+    part.write_bytes(b"\0" * SIZE)  # noted as received, but not the file's bytes (a crash before they hit the disk)
+    (got / f"{part.name}.json").write_text(json.dumps({"sha256": sha, "size": SIZE, "received": [[0, PIECE]]}))
+    path, fetcher = run_fetch(tmp_path, servers(tmp_path, blob, ["good"]), sha, ["good"])
+    assert path.read_bytes() == blob and not fetcher.banned
+    assert fetcher.stats.received == SIZE  # the rest, then the earlier piece again
+
+
+@pytest.mark.parametrize("case", ["oversized", "short"])
+def test_oversized_answers_and_short_files_are_refused(tmp_path, blob, case):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+
+    async def oversized(stream):
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length))
+                           + F.encode(F.Data(blob[get.offset:get.offset + get.length] + b"!")))
+        await stream.close()
+
+    if case == "oversized":
+        serving["bad"] = oversized
+    else:  # its file is shorter than the hash's: it says so (NOT_FOUND), and must not be believed anyway
+        serving |= servers(tmp_path, blob, ["bad"])
+        (tmp_path / "bad.bin").write_bytes(blob[:-10])
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["bad", "good"])
+    assert path.read_bytes() == blob and "good" in fetcher.stats.by_peer
+    alone, _ = run_fetch(tmp_path, serving, sha, ["bad"])
+    assert isinstance(alone, FetchError) and "block 7" in str(alone)
+    assert ("more than" if case == "oversized" else "NOT_FOUND") in str(alone)
+
+
+def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
+    from diffuse.model import blockfiles
+    from diffuse.model.weights import ModelFiles, load_manifest
+
+    files, manifest = ModelFiles(smollm2), load_manifest(smollm2)
+    server = F.FileServer()
+    (tmp_path / "config.json").write_bytes((smollm2 / "config.json").read_bytes())
+    for block in (4, None):
+        sha = manifest.block_hashes[4] if block == 4 else manifest.head_hash
+        size = server.add_composite(sha, blockfiles.segments(files, block))
+        canonical, _ = run_fetch(tmp_path, {"src": server}, sha, ["src"], size=size)
+        dest = tmp_path / ("head.safetensors" if block is None else "block-00004.safetensors")
+        blockfiles.to_safetensors(canonical, dest, block)
+        back = ModelFiles(tmp_path).read_block(4) if block == 4 else ModelFiles(tmp_path).read_head()
+        want = files.read_block(4) if block == 4 else files.read_head()
+        assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+        canonical.unlink()
+
+
+def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
+    from diffuse.client import fallback
+    from diffuse.model import blockfiles, store
+    from diffuse.model.weights import ModelFiles
+
+    part = tmp_path / "models" / smollm2.name
+    part.mkdir(parents=True)
+    for f in smollm2.iterdir():  # all but the weights (the manifest may list them: format 2)
+        if f.is_file() and f.suffix != ".safetensors":
+            (part / f.name).write_bytes(f.read_bytes())
+    files = ModelFiles(smollm2)
+    for block in (4, 5, None):  # as a fetch leaves them: canonical bytes rewritten per block
+        canonical = tmp_path / "canonical"
+        with open(canonical, "wb") as out:
+            for piece in blockfiles.segments(files, block):
+                if isinstance(piece, bytes):
+                    out.write(piece)
+                else:
+                    with open(piece[0], "rb") as f:
+                        f.seek(piece[1])
+                        out.write(f.read(piece[2]))
+        dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
+        blockfiles.to_safetensors(canonical, dest, block)
+    (m,) = store.list_models(tmp_path)
+    assert m.held == "4-5, head" and "partial: holds blocks 4-5, head of 30" in store.table([m])
+    assert fallback.held_models(tmp_path) == {}  # it cannot answer alone: never a fallback
+    said: list[str] = []
+    assert blockfiles.verify(part, said.append) == 0
+    assert re.search(r"2 block\(s\), the head and \d+ file\(s\) checked, 0 bad$", said[-1]), said
+    path = blockfiles.block_file(part, 5)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    said.clear()
+    assert blockfiles.verify(part, said.append) == 1
+    assert said[0].startswith("bad: block 5 (block-00005.safetensors): hashes to") and said[-1].endswith("1 bad")
+
+
+def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen_silently():
+    from dataclasses import replace
+
+    from diffuse.client.from_swarm import _choose
+    from diffuse.errors import DiffuseError
+    from diffuse.model.weights import Manifest
+
+    one = Manifest("m", "llama", 1, "float32", ["a" * 64], "b" * 64)
+    other = replace(one, head_hash="c" * 64)
+    found = {"1" * 64: (one, None), "2" * 64: (other, None)}
+    groups = {("1" * 64, 10): ["PEER_A", "PEER_B"], ("2" * 64, 10): ["PEER_C"]}
+    with pytest.raises(DiffuseError, match="different manifests") as e:
+        _choose(found, groups, None)
+    assert all(x in str(e.value) for x in ["1" * 64, "2" * 64, "PEER_A, PEER_B", "PEER_C", "--model-hash",
+                                           other.model_hash])
+    assert _choose(found, groups, other.model_hash) == "2" * 64  # the operator's, by model hash
+    assert _choose(found, groups, "1" * 64) == "1" * 64  # or by manifest hash
+    with pytest.raises(DiffuseError, match="no peer serves a manifest with hash"):
+        _choose(found, groups, "f" * 64)
+    assert _choose({"1" * 64: (one, None)}, {("1" * 64, 10): ["PEER_A"]}, None) == "1" * 64
+
+
+def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from diffuse.errors import DiffuseError
+    from diffuse.peer.hooks import ServeConfig
+    from diffuse.peer.join import JoinConfig, Peer
+
+    config = JoinConfig(home=tmp_path, from_swarm=True, serve=ServeConfig(quant="int4"))
+    with pytest.raises(DiffuseError, match="--from-swarm fetches a span of unquantized blocks"):
+        Peer(create_new_key_pair(), config, print, print)
