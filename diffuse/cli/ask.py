@@ -6,7 +6,7 @@ import argparse
 import json
 
 from diffuse.cli.common import add_bootstrap_options, add_compute_options, bootstrap_addrs, from_args, trio_run
-from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, use_mdns
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.errors import DiffuseError
 from diffuse.home import data_home
@@ -99,10 +99,11 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
                            "on the LAN)")
     boot = [] if args.local else bootstrap_addrs(args, required=False)  # said before torch is imported
     from diffuse.client.options import service_config as config
+    from diffuse.control.bootstrap import mdns_wanted
 
     return config(vars(args), data_home(args.home), models, boot, None if args.local else swarm_access(args),
-                  not args.local and use_mdns(args, boot), fallback_from_store=fallback_from_store,
-                  speculate=speculate, warm_up=warm_up)
+                  not args.local and mdns_wanted(getattr(args, "mdns", None), boot),
+                  fallback_from_store=fallback_from_store, speculate=speculate, warm_up=warm_up)
 
 
 def cmd_ask(args) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from diffuse.cli.common import (add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs,
                                 from_args, positive, trio_run)
-from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option, use_mdns
+from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option
 from diffuse.cli.swarm import add_swarm_options, swarm_access
 from diffuse.data.levels import AUTO, LEVELS, AutoLimits, parse_limits
 from diffuse.home import data_home
@@ -129,6 +129,7 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
 
 def make_peer(args: argparse.Namespace):  # -> peer.join.Peer
     boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
+    from diffuse.control.bootstrap import mdns_wanted
     from diffuse.control.identity import node_key
     from diffuse.control.node_config import NodeConfig
     from diffuse.peer.hooks import ServeConfig
@@ -136,7 +137,7 @@ def make_peer(args: argparse.Namespace):  # -> peer.join.Peer
 
     access = swarm_access(args)
     node = from_args(NodeConfig, args, listen=_listen(args), bootstrap=boot, announce_addrs=args.announce,
-                     swarm_key=access.key, allow=access.allow, mdns=use_mdns(args, boot))
+                     swarm_key=access.key, allow=access.allow, mdns=mdns_wanted(args.mdns, boot))
     models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
     config = from_args(JoinConfig, args, home=data_home(args.home), node=node, models=models,
                        serve=from_args(ServeConfig, args))
@@ -165,10 +166,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     if found is None:
         boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
         from diffuse.client.survey import status
+        from diffuse.control.bootstrap import mdns_wanted
         from diffuse.client.swarm_backend import SwarmConfig
 
-        swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=use_mdns(args, boot), hole_punch=args.hole_punch,
-                            wait=args.wait)
+        swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=mdns_wanted(args.mdns, boot),
+                            hole_punch=args.hole_punch, wait=args.wait)
         found = trio_run(status, data_home(args.home), args.model, swarm, args.reach, args.accept_quant)
     print(json.dumps(found["json"], indent=1) if args.json else found["text"])
     return 0

@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from diffuse.errors import DiffuseError
-
 
 def add_discovery_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mdns", action=argparse.BooleanOptionalAction, default=None, help="find nodes of the swarm on "
                    "the LAN by mDNS (default: on without --bootstrap); in a private swarm only key holders connect")
-
-
-def use_mdns(args: argparse.Namespace, bootstrap: list[str]) -> bool:
-    """--mdns as given, else on exactly when there is no bootstrap peer; refuses a node with
-    neither (it could never find anyone)."""
-    mdns = args.mdns if getattr(args, "mdns", None) is not None else not bootstrap
-    if not bootstrap and not mdns:
-        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr), "
-                           "or drop --no-mdns to find the swarm on the LAN")
-    return mdns
 
 
 def add_relay_options(p: argparse.ArgumentParser, default: bool) -> None:

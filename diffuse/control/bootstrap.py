@@ -1,6 +1,6 @@
 """The addresses a command is given, checked before anything else happens: the bootstrap peers
 (--bootstrap values and the lines of --bootstrap-file, # comments; full multiaddrs with /p2p/)
-and the listen addresses (--listen, else the command's default)."""
+and the listen addresses (--listen, else the command's default); and whether to look on the LAN."""
 
 from __future__ import annotations
 
@@ -32,3 +32,13 @@ def listen_list(given: Sequence[str], default: str) -> list[str]:
     for a in addrs:
         parse_multiaddr(a)
     return addrs
+
+
+def mdns_wanted(mdns: bool | None, bootstrap: Sequence[str]) -> bool:
+    """--mdns as given, else on exactly when there is no bootstrap peer; refuses a node with
+    neither (it could never find anyone)."""
+    wanted = mdns if mdns is not None else not bootstrap
+    if not bootstrap and not wanted:
+        raise DiffuseError("no bootstrap peer: give --bootstrap ADDR (a sentinel's full multiaddr), "
+                           "or drop --no-mdns to find the swarm on the LAN")
+    return wanted
