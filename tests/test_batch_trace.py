@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import trio
 
 from support import batch_trace
@@ -73,3 +74,16 @@ def test_with_gathering_off_sessions_out_of_phase_keep_alternating(monkeypatch):
     _two_sessions(Batcher(compute))
     # test_batching's gathering test puts them in step after a few passes; here most passes stay single
     assert sum(sizes) == 16 and sizes.count(1) >= 10, sizes
+
+
+def test_a_gathering_factor_that_is_not_a_finite_number_above_zero_is_refused(monkeypatch):
+    from diffuse.data.scheduler import GATHER, GATHER_ENV, Batcher
+    from diffuse.errors import DiffuseError
+
+    assert Batcher(lambda items: items).gather == GATHER
+    monkeypatch.setenv(GATHER_ENV, "0.5")
+    assert Batcher(lambda items: items).gather == 0.5
+    for bad in ("abc", "-1", "inf", "nan", ""):
+        monkeypatch.setenv(GATHER_ENV, bad)
+        with pytest.raises(DiffuseError, match=GATHER_ENV):
+            Batcher(lambda items: items)

@@ -34,6 +34,7 @@ import trio
 from torch import Tensor
 
 from diffuse.data.cpu_share import OtherLoad
+from diffuse.errors import DiffuseError
 from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache, SpanStep
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,20 @@ GATHER_ENV = "DIFFUSE_GATHER"  # another GATHER, 0 for none (for before/after co
 SMALL_ROWS = 16  # a step this short (decoding, a speculation tree) keeps batches at max_rows
 
 
+def gather_factor() -> float:
+    """GATHER, or GATHER_ENV's value: a finite number >= 0."""
+    text = os.environ.get(GATHER_ENV)
+    if text is None:
+        return GATHER
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise DiffuseError(f"{GATHER_ENV} must be a finite number >= 0 (0: no gathering), not {text!r}")
+    return value
+
+
 class Batcher(Generic[Item, Out]):
     """Batches of compatible items for `compute(items) -> outs` (in order), one at a time."""
 
@@ -145,7 +160,7 @@ class Batcher(Generic[Item, Out]):
         self.rhythm: dict[Hashable, _Rhythm] = {}  # per session: when it queued last, how often it does
         self.queued = trio.Event()  # set whenever a step queues
         self.last_seconds = 0.0  # the last batch's compute time: the longest a step waits for company
-        self.gather = float(os.environ.get(GATHER_ENV, GATHER))
+        self.gather = gather_factor()
         self.trace: str | None = None  # a file each batch appends its compute interval to (TRACE_ENV)
 
     async def run(self, key: Hashable, rows: int, item: Item, who: Hashable = None) -> tuple[Out, float]:
