@@ -1,7 +1,8 @@
 """A batcher's trace (DIFFUSE_BATCH_TRACE) and its gathering knob (DIFFUSE_GATHER), in one process:
 every pass is written with its interval, a trace that cannot be written stops without failing a
 step, two traces' overlap is the time both computed, and with gathering off two sessions out of
-phase keep alternating (each pass single), as the pipeline table of a chain has them."""
+phase keep alternating (each pass single), as the pipeline table of a chain has them; a bad
+DIFFUSE_GATHER is refused; a peer's most_in_flight (and its gauge) is a high-water mark."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from support import batch_trace
 
@@ -87,3 +89,38 @@ def test_a_gathering_factor_that_is_not_a_finite_number_above_zero_is_refused(mo
         monkeypatch.setenv(GATHER_ENV, bad)
         with pytest.raises(DiffuseError, match=GATHER_ENV):
             Batcher(lambda items: items)
+
+
+def test_most_in_flight_is_the_high_water_mark_of_steps_taken_and_not_yet_answered():
+    from types import SimpleNamespace
+
+    from diffuse.data.server import _Conn
+    from diffuse.metrics import _ServedCollector
+
+    srv = SimpleNamespace(in_flight=0, most_in_flight=0)
+    release = trio.Event()
+
+    async def step(m) -> bool:
+        await release.wait()
+        return False
+
+    def conn() -> _Conn:
+        c = object.__new__(_Conn)
+        c.server, c._step = srv, step
+        return c
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(conn().on_step, None)
+            await trio.testing.wait_all_tasks_blocked()
+            assert srv.in_flight == 3
+            release.set()
+        await conn().on_step(None)  # alone, after the three: the mark stays
+
+    trio.run(main)
+    assert srv.in_flight == 0 and srv.most_in_flight == 3
+    gauge = next(f for f in _ServedCollector(lambda: "m", lambda: {"most_in_flight": srv.most_in_flight}).collect()
+                 if f.name == "diffuse_most_steps_in_flight")
+    assert [(s.labels, s.value) for s in gauge.samples] == [({"model": "m"}, 3.0)]
+    assert "high-water mark since the peer started" in gauge.documentation
