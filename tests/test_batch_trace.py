@@ -19,7 +19,7 @@ def _two_sessions(batcher, steps: int = 8) -> None:
     async def session(name: str, offset: float) -> None:
         await trio.sleep(offset)
         for _ in range(steps):
-            await batcher.run("k", 1, name, name)
+            await batcher.run("k", 1, name, name, name.lower())
             await trio.sleep(0.2)  # elsewhere: the next peer, the client's head
 
     async def main():
@@ -30,7 +30,7 @@ def _two_sessions(batcher, steps: int = 8) -> None:
     trio.run(main)
 
 
-def test_every_pass_is_traced_and_a_broken_trace_stops_quietly(tmp_path):
+def test_every_pass_is_traced_with_its_sessions_and_a_broken_trace_stops_quietly(tmp_path):
     from diffuse.data.scheduler import Batcher
 
     def compute(items: list[str]) -> list[str]:
@@ -40,11 +40,24 @@ def test_every_pass_is_traced_and_a_broken_trace_stops_quietly(tmp_path):
     batcher = Batcher(compute)
     batcher.trace = str(batch_trace.trace_file(tmp_path, 1))
     _two_sessions(batcher, 4)
-    passes = batch_trace.read(batch_trace.trace_file(tmp_path, 1))
-    assert sum(n for *_, n in passes) == 8 and len(passes) == batcher.stats.batches
-    assert all(s < e for s, e, _ in passes) and all(a[1] <= b[0] for a, b in zip(passes, passes[1:]))
+    out = batcher._trace_out
+    _two_sessions(batcher, 1)
+    assert batcher._trace_out is out  # kept open between passes
     path = batch_trace.trace_file(tmp_path, 1)
-    assert batch_trace.read(path, batch_trace.size(path)) == []
+    passes = batch_trace.read(path)
+    assert sum(p.steps for p in passes) == 10 and len(passes) == batcher.stats.batches
+    assert all(p.start < p.end for p in passes) and all(a.end <= b.start for a, b in zip(passes, passes[1:]))
+    assert all(len(p.sessions) == p.steps for p in passes)
+    assert batch_trace.steps_of(passes, {"a"}) == batch_trace.steps_of(passes, {"b"}) == 5
+    assert batch_trace.of_sessions(passes, {"z"}) == []
+    end = batch_trace.size(path)
+    assert batch_trace.read(path, end) == []
+    with open(path, "a") as f:  # a line still being written: neither read nor counted as whole
+        f.write("12.5 12.")
+    assert batch_trace.read(path, end) == [] and batch_trace.size(path) == end
+    with open(path, "a") as f:
+        f.write("75 2 c,-\n")
+    assert batch_trace.read(path, end) == [(12.5, 12.75, 2, ("c", "-"))]
 
     batcher.trace = str(tmp_path / "missing" / "1.trace")  # a directory that is not there
 
@@ -55,8 +68,9 @@ def test_every_pass_is_traced_and_a_broken_trace_stops_quietly(tmp_path):
 
 
 def test_overlap_is_the_time_two_traces_computed_at_once():
-    a = [(0.0, 1.0, 1), (2.0, 3.0, 2)]
-    b = [(0.5, 2.5, 1), (3.0, 4.0, 1)]
+    Batch = batch_trace.Batch
+    a = [Batch(0.0, 1.0, 1, ()), Batch(2.0, 3.0, 2, ())]
+    b = [Batch(0.5, 2.5, 1, ()), Batch(3.0, 4.0, 1, ())]
     assert batch_trace.overlap(a, b) == 0.5 + 0.5
     assert batch_trace.overlap(a, []) == 0.0
     assert batch_trace.busy(a) == 2.0 and batch_trace.steps_per_pass(a) == 1.5
@@ -124,3 +138,11 @@ def test_most_in_flight_is_the_high_water_mark_of_steps_taken_and_not_yet_answer
                  if f.name == "diffuse_most_steps_in_flight")
     assert [(s.labels, s.value) for s in gauge.samples] == [({"model": "m"}, 3.0)]
     assert "high-water mark since the peer started" in gauge.documentation
+
+
+def test_each_model_served_in_one_process_traces_to_a_file_of_its_own():
+    from diffuse.data.scheduler import trace_name
+
+    assert trace_name(7, "SmolLM2-135M-Instruct") == "7-SmolLM2-135M-Instruct.trace"
+    assert trace_name(7, "org/model v2") == "7-org_model_v2.trace"
+    assert len({trace_name(7, "a"), trace_name(7, "b"), trace_name(8, "a")}) == 3

@@ -109,5 +109,5 @@ def test_concurrent_sessions_through_a_chain_overlap_and_answer_as_alone(swarm, 
             print(f"{q!r}: differs at token {i}, where the top-2 gap alone is {float(top2[0] - top2[1]):.3f}")
             assert top2[0] - top2[1] <= near_tie(float(top2[0])), (q, i, top2)
     q0, q1 = passes["Q0"], passes["Q1"]
-    assert sum(n for *_, n in q0) >= len(JOBS) * TOKENS and sum(n for *_, n in q1) >= len(JOBS) * TOKENS
+    assert sum(p.steps for p in q0) >= len(JOBS) * TOKENS and sum(p.steps for p in q1) >= len(JOBS) * TOKENS
     assert batch_trace.overlap(q0, q1) > 0, "the two peers never computed at the same time"
