@@ -122,7 +122,8 @@ class _ServedCollector(Collector):
             family.add_metric([model], float(s.get(key, 0)))
             yield family
         most = GaugeMetricFamily("diffuse_most_steps_in_flight", "The most sessions this peer has held a step of "
-                                 "at once (taken, not yet answered)", labels=["model"])
+                                 "at once (taken, not yet answered): a high-water mark since the peer started",
+                                 labels=["model"])
         most.add_metric([model], float(s.get("most_in_flight", 0)))
         yield most
 

@@ -24,16 +24,18 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TextIO, TypeVar
 
 import torch
 import trio
 from torch import Tensor
 
 from diffuse.data.cpu_share import OtherLoad
+from diffuse.errors import DiffuseError
 from diffuse.model.engine import PREFILL_CHUNK, BlockSpan, KVCache, SpanStep
 
 log = logging.getLogger(__name__)
@@ -47,15 +49,22 @@ class _Job(Generic[Item, Out]):
     rows: int
     item: Item
     who: Hashable
+    tag: str = ""  # the session's name in a batch trace
     out: Out | None = None
     error: BaseException | None = None
     done: bool = False
 
 
 THREADS_ENV = "DIFFUSE_THREADS"  # "fixed": every batch on the configured thread count
-# A directory where a peer's span appends "start end steps" to PID.trace for every batch it computes
-# (the system-wide monotonic clock, so two peers' traces on one machine show whether they computed at once).
+# A directory where each span a peer serves appends "start end steps sessions" to its own file
+# (trace_name) for every batch it computes: the system-wide monotonic clock, so two peers' traces on one
+# machine show whether they computed at once; sessions: the batch's steps' tags, comma-separated, or "-".
 TRACE_ENV = "DIFFUSE_BATCH_TRACE"
+
+
+def trace_name(pid: int, model_id: str) -> str:
+    """The trace file of process `pid`'s server of `model_id` (one per model: their batchers differ)."""
+    return f"{pid}-{re.sub(r'[^A-Za-z0-9._-]', '_', model_id)}.trace"
 
 
 class Threads:
@@ -126,6 +135,20 @@ GATHER_ENV = "DIFFUSE_GATHER"  # another GATHER, 0 for none (for before/after co
 SMALL_ROWS = 16  # a step this short (decoding, a speculation tree) keeps batches at max_rows
 
 
+def gather_factor() -> float:
+    """GATHER, or GATHER_ENV's value: a finite number >= 0."""
+    text = os.environ.get(GATHER_ENV)
+    if text is None:
+        return GATHER
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise DiffuseError(f"{GATHER_ENV} must be a finite number >= 0 (0: no gathering), not {text!r}")
+    return value
+
+
 class Batcher(Generic[Item, Out]):
     """Batches of compatible items for `compute(items) -> outs` (in order), one at a time."""
 
@@ -145,14 +168,16 @@ class Batcher(Generic[Item, Out]):
         self.rhythm: dict[Hashable, _Rhythm] = {}  # per session: when it queued last, how often it does
         self.queued = trio.Event()  # set whenever a step queues
         self.last_seconds = 0.0  # the last batch's compute time: the longest a step waits for company
-        self.gather = float(os.environ.get(GATHER_ENV, GATHER))
+        self.gather = gather_factor()
         self.trace: str | None = None  # a file each batch appends its compute interval to (TRACE_ENV)
+        self._trace_out: tuple[str, TextIO] | None = None  # the trace, open (line-buffered)
 
-    async def run(self, key: Hashable, rows: int, item: Item, who: Hashable = None) -> tuple[Out, float]:
+    async def run(self, key: Hashable, rows: int, item: Item, who: Hashable = None,
+                  tag: str = "") -> tuple[Out, float]:
         """`item`'s output, computed in a batch with whatever compatible items are queued when
         its turn comes, and the seconds that batch computed. `who` names the session (None: no
-        rhythm kept, nobody waits for it)."""
-        job: _Job[Item, Out] = _Job(key, rows, item, who)
+        rhythm kept, nobody waits for it); `tag` names it in the trace."""
+        job: _Job[Item, Out] = _Job(key, rows, item, who, tag)
         if who is not None:
             self.rhythm.setdefault(who, _Rhythm(key)).queued(trio.current_time(), key)
         self.queue.append(job)
@@ -215,7 +240,8 @@ class Batcher(Generic[Item, Out]):
             self.queue.remove(job)
         t0 = time.perf_counter()
         threads = self.threads.choose(rows, self.fixed(first.key))
-        outs, computing = await trio.to_thread.run_sync(self._compute, [j.item for j in batch], threads,
+        tags = [j.tag or "-" for j in batch] if self.trace else []
+        outs, computing = await trio.to_thread.run_sync(self._compute, [j.item for j in batch], threads, tags,
                                                         limiter=self.lane)
         seconds = self.last_seconds = time.perf_counter() - t0
         self.threads.record(rows, threads, computing)
@@ -228,25 +254,30 @@ class Batcher(Generic[Item, Out]):
         self.stats.add(len(batch))
         return seconds
 
-    def _compute(self, items: list[Item], threads: int) -> tuple[Sequence[Out | BaseException], float]:
+    def _compute(self, items: list[Item], threads: int,
+                 tags: Sequence[str] = ()) -> tuple[Sequence[Out | BaseException], float]:
         """The batch's outputs on `threads` torch threads (a worker thread's own setting), and the
-        seconds they took."""
+        seconds they took; traced with the steps' `tags`."""
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         t0, m0 = time.perf_counter(), time.monotonic()
         outs = self._outputs(items)
         seconds = time.perf_counter() - t0
         if self.trace:
-            self._traced(m0, time.monotonic(), len(items))
+            self._traced(m0, time.monotonic(), len(items), tags)
         return outs, seconds
 
-    def _traced(self, start: float, end: float, steps: int) -> None:
+    def _traced(self, start: float, end: float, steps: int, tags: Sequence[str]) -> None:
+        """One line, one write, to the trace kept open (reopened if `trace` names another file)."""
         try:
-            with open(self.trace, "a") as f:
-                f.write(f"{start:.6f} {end:.6f} {steps}\n")
+            if self._trace_out is None or self._trace_out[0] != self.trace:
+                if self._trace_out is not None:
+                    self._trace_out[1].close()
+                self._trace_out = (self.trace, open(self.trace, "a", buffering=1))
+            self._trace_out[1].write(f"{start:.6f} {end:.6f} {steps} {','.join(tags) or '-'}\n")
         except OSError as e:  # a diagnostic: never a session's failure
             log.warning("batch trace %s stopped: %s", self.trace, e)
-            self.trace = None
+            self.trace = self._trace_out = None
 
     def _outputs(self, items: list[Item]) -> Sequence[Out | BaseException]:
         """The batch's outputs; if it fails, each item alone, so one bad step fails only its session."""
@@ -303,18 +334,19 @@ def span_batcher(max_rows: int = 64, lane: trio.CapacityLimiter | None = None,
 
 
 async def forward(batcher: Batcher[SpanWork, Tensor], span: BlockSpan, h: Tensor, positions: Tensor,
-                  cache: KVCache, tree_mask: Tensor | None, commit: bool) -> tuple[Tensor, float]:
+                  cache: KVCache, tree_mask: Tensor | None, commit: bool, tag: str = "") -> tuple[Tensor, float]:
     """`span(h, positions, cache, tree_mask, commit)` through the batcher, and its compute
-    seconds: a committed prefill as chunks of PREFILL_CHUNK rows, one batch each."""
+    seconds: a committed prefill as chunks of PREFILL_CHUNK rows, one batch each. `tag` names the
+    session in the batcher's trace."""
     t = h.shape[1]
     key, who = (span.start, span.end, cache.exact), id(cache)  # a session's cache is its own
     if not (commit and tree_mask is None and t > PREFILL_CHUNK):
         step = SpanStep(h, positions, cache, tree_mask, commit)
-        return await batcher.run(key, h.shape[0] * t, SpanWork(span, step), who)
+        return await batcher.run(key, h.shape[0] * t, SpanWork(span, step), who, tag)
     outs, seconds = [], 0.0
     for a in range(0, t, PREFILL_CHUNK):
         step = SpanStep(h[:, a:a + PREFILL_CHUNK], positions[a:a + PREFILL_CHUNK], cache)
-        out, s = await batcher.run(key, step.h.shape[0] * step.h.shape[1], SpanWork(span, step), who)
+        out, s = await batcher.run(key, step.h.shape[0] * step.h.shape[1], SpanWork(span, step), who, tag)
         outs.append(out)
         seconds += s
     return torch.cat(outs, 1), seconds

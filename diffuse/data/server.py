@@ -69,7 +69,7 @@ class BlockServer:
         self.limits = limits or ServerLimits()
         self.batcher = scheduler.span_batcher()
         trace = os.environ.get(scheduler.TRACE_ENV)
-        self.batcher.trace = os.path.join(trace, f"{os.getpid()}.trace") if trace else None
+        self.batcher.trace = os.path.join(trace, scheduler.trace_name(os.getpid(), model_id)) if trace else None
         self.tokens_reserved = 0
         self.sessions = 0
         self.by_peer: dict[str, list[int]] = {}  # remote peer -> [sessions, KV entries] it holds
@@ -484,7 +484,9 @@ class _Conn:
         if hidden.shape[1] == 0:
             return hidden, 0.0
         positions = torch.tensor(m.positions, dtype=torch.long)
-        return await scheduler.forward(self.server.batcher, self.span, hidden, positions, self.cache, m.mask, m.commit)
+        tag = m.session_id.hex() if self.server.batcher.trace else ""  # only a trace names sessions
+        return await scheduler.forward(self.server.batcher, self.span, hidden, positions, self.cache, m.mask, m.commit,
+                                       tag)
 
     async def error(self, code: ErrorCode, message: str) -> bool:
         """Answer with ERROR (once: a closed session says nothing more) and end the session."""
