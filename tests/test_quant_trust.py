@@ -69,3 +69,33 @@ def test_canaries_tell_int4_weights_from_the_int8_a_bf16_peer_announces(smollm2,
     assert material.canaries_for("bfloat16") is material.canaries
     again = CanaryBank(smollm2, tmp_path, torch.float16, n=8, length=12).material(start, end)
     assert "bfloat16+int4" in again.benign and torch.equal(again.references["int4"], material.references["int4"])
+
+
+
+@pytest.fixture
+def own_tiny(tmp_path):
+    """A model of this test's own (its int4 variant may be replaced) and a home for its bank."""
+    return make_tiny(tmp_path / "models" / "tiny", layers=2), tmp_path / "home"
+
+
+def test_calibrating_a_variant_publishes_the_calibration_whole(own_tiny):
+    """Readers (the trust plane's tasks) test `dtype in benign` without the bank's lock: the
+    calibration they meet meanwhile is the previous one, whole, and the new dtype appears in
+    `benign` only once calibrated."""
+    model, home = own_tiny
+    m = CanaryBank(model, home, torch.float16, n=4, length=12).judging(0, 2, "float32+int4")
+    seen = []
+    calibrate = C.Calibration.from_outputs
+
+    def watched(canaries, outputs, *a, **k):  # what a reader would meet mid-calibration
+        seen.append(("bfloat16+int4" in m.benign, sorted(m.calibration.benign)))
+        return calibrate(canaries, outputs, *a, **k)
+
+    C.Calibration.from_outputs = watched
+    try:
+        m.judge("bfloat16+int4")
+    finally:
+        C.Calibration.from_outputs = calibrate
+    assert seen and all(not published and "float32+int4" in names for published, names in seen), seen
+    assert "bfloat16+int4" in m.calibration.benign and "bfloat16+int4" in m.benign
+

@@ -59,14 +59,20 @@ class SpanMaterial:
     references: dict[str, torch.Tensor] = field(default_factory=dict)  # per variant: its fp32 output [n, T, H]
 
     def __post_init__(self) -> None:
+        self._calibrate(self.benign)
+
+    def _calibrate(self, benign: dict[str, list[torch.Tensor]]) -> None:
+        """Calibration and tolerance for `benign`, built aside and then assigned whole: the trust
+        plane's tasks read them while a worker thread calibrates a new dtype."""
         by_scheme: dict[str, dict[str, list[torch.Tensor]]] = {}
-        for name, outs in self.benign.items():
+        for name, outs in benign.items():
             by_scheme.setdefault(split_name(name)[1], {})[name] = outs
-        self.calibration = C.Calibration({})
+        calibration = C.Calibration({})
         for outputs in by_scheme.values():  # each variant's outputs scored against its own references
             canaries = self.canaries_for(next(iter(outputs)))
-            self.calibration.benign |= C.Calibration.from_outputs(canaries, outputs).benign
-        fitted = Tolerance.from_outputs(self.benign)
+            calibration.benign |= C.Calibration.from_outputs(canaries, outputs).benign
+        fitted = Tolerance.from_outputs(benign)
+        self.calibration = calibration
         self.tolerance = Tolerance({k: v * SPOT_MARGIN for k, v in fitted.thresholds.items()}, fitted.alpha)
 
     @property
@@ -110,29 +116,31 @@ class SpanMaterial:
         torch_dtype = getattr(torch, name, None)
         if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
             raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
+        benign = dict(self.benign)  # published once calibrated: readers test `dtype in benign` unlocked
         if scheme == "none":
-            self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+            benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
         else:  # the variant's reference, and its honest outputs in fp32 (the referee's) and in `dtype`
-            self._judge_variant(scheme, torch_dtype)
-        self.__post_init__()
+            self._judge_variant(scheme, torch_dtype, benign)
+        self._calibrate(benign)
+        self.benign = benign
         self.save(self)
 
-    def _judge_variant(self, scheme: str, dtype: torch.dtype) -> None:
+    def _judge_variant(self, scheme: str, dtype: torch.dtype, benign: dict[str, list[torch.Tensor]]) -> None:
         """Two honest realizations, as for the full weights (canary.honest_output: this machine's
         kernels alone, and the dimensions permuted and batched), of the variant in fp32 and in
-        `dtype`, and the variant's reference (its fp32 output, computed at once)."""
+        `dtype`, into `benign`, and the variant's reference (its fp32 output, computed at once)."""
         hidden = torch.stack([c.hidden for c in self.canaries]).float()
         name = compute_name(torch.float32, scheme)
         referee = self.referee_for(name)
-        if scheme not in self.references or name not in self.benign:
+        if scheme not in self.references or name not in benign:
             ref = C.forward(referee, hidden)
             self.references[scheme] = ref
-            self.benign[name] = [ref.to(self.wire_dtype).float(),
-                                 C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
+            benign[name] = [ref.to(self.wire_dtype).float(),
+                            C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
         if dtype != torch.float32:
             peer = self.load_variant(scheme, dtype)
-            self.benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
-                                                         for seed in (None, 1)]
+            benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
+                                                    for seed in (None, 1)]
 
 
 class CanaryBank:
