@@ -99,3 +99,14 @@ def test_calibrating_a_variant_publishes_the_calibration_whole(own_tiny):
     assert seen and all(not published and "float32+int4" in names for published, names in seen), seen
     assert "bfloat16+int4" in m.calibration.benign and "bfloat16+int4" in m.benign
 
+
+def test_a_stored_variant_reference_loads_no_fp32_referee(own_tiny):
+    model, home = own_tiny
+    m = CanaryBank(model, home, torch.float16, n=4, length=12).judging(0, 2, "float32+int4")
+    again = CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)
+    loads = []
+    load_variant = again.load_variant
+    again.load_variant = lambda scheme, dtype: loads.append(dtype) or load_variant(scheme, dtype)
+    again.judge("float16+int4")
+    assert torch.equal(again.references["int4"], m.references["int4"]) and loads == [torch.float16]
+
