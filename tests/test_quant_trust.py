@@ -110,3 +110,26 @@ def test_a_stored_variant_reference_loads_no_fp32_referee(own_tiny):
     again.judge("float16+int4")
     assert torch.equal(again.references["int4"], m.references["int4"]) and loads == [torch.float16]
 
+
+def test_a_variant_replaced_in_the_store_is_calibrated_again(own_tiny):
+    """A stored reference is of one variant's bytes: a re-import (another int4 variant of the
+    same source) drops it and the variant's benign outputs, so no honest peer is judged by it."""
+    import shutil
+
+    from diffuse.model import variants
+    from diffuse.model.weights import ModelFiles, load_manifest
+
+    model, home = own_tiny
+    m = CanaryBank(model, home, torch.float16, n=4, length=12).judging(0, 2, "bfloat16+int4")
+    kept = CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)
+    assert "bfloat16+int4" in kept.benign and torch.equal(kept.references["int4"], m.references["int4"])
+    source = ModelFiles(model)
+    shutil.rmtree(variants.variant_dir(model, "int4"))
+    variants.write_variant(model, "int4", ({n: quantize(t * 1.5, "int4") if n in variants.QUANTIZED else t
+                                            for n, t in source.read_block(i).items()} for i in range(2)))
+    fresh = CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)
+    assert "int4" not in fresh.references and not [k for k in fresh.benign if k.endswith("+int4")]
+    fresh.judge("float32+int4")
+    assert not torch.equal(fresh.references["int4"], m.references["int4"])
+    assert fresh.hashes["int4"] == load_manifest(variants.variant_dir(model, "int4")).model_hash
+

@@ -22,14 +22,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from diffuse.model import variants
 from diffuse.model.engine import BlockSpan
 from diffuse.model.layers import widen_
 from diffuse.model.load import load_head, load_span
 from diffuse.model.quant import compute_name, split_name
 from diffuse.model.tokenizer import Tokenizer
-from diffuse.model.weights import load_manifest
+from diffuse.model.weights import MANIFEST, load_manifest
 from diffuse.trust import canary as C
 from diffuse.trust.spotcheck import Tolerance
 
@@ -57,6 +59,8 @@ class SpanMaterial:
     load_variant: Callable[[str, torch.dtype], BlockSpan] | None = None  # (scheme, dtype) -> its blocks here
     _variants: dict[str, BlockSpan] = field(default_factory=dict)  # fp32 referees of quantized variants
     references: dict[str, torch.Tensor] = field(default_factory=dict)  # per variant: its fp32 output [n, T, H]
+    hashes: dict[str, str] = field(default_factory=dict)  # per variant: the model hash its reference is of
+    variant_hash: Callable[[str], str | None] = lambda scheme: None  # the store's variant's hash now
 
     def __post_init__(self) -> None:
         self._calibrate(self.benign)
@@ -134,7 +138,7 @@ class SpanMaterial:
         if scheme not in self.references or name not in benign:
             referee = self.referee_for(name)  # makes the variant where the store lacks it
             ref = C.forward(referee, hidden)
-            self.references[scheme] = ref
+            self.references[scheme], self.hashes[scheme] = ref, self.variant_hash(scheme) or ""
             benign[name] = [ref.to(self.wire_dtype).float(),
                             C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
         if dtype != torch.float32:
@@ -158,11 +162,11 @@ class CanaryBank:
         self._boundaries: torch.Tensor | None = None
         self._lock = threading.Lock()  # sessions of one client ask for the same span at once
 
-    def _write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
         """Atomically, readable by this user only: whoever reads canaries can game them."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
 
@@ -216,30 +220,52 @@ class CanaryBank:
                            f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
         variant = lambda scheme, dtype: _variant(self.model_dir, start, end, scheme, dtype)  # noqa: E731
-        if path.exists():
-            saved = load_file(path)
-            canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, saved["reference"])
-            references = {name.split("/")[1]: saved[name] for name in saved if name.startswith("variant/")}
-            benign = {name.split("/")[1]: [saved[f"benign/{name.split('/')[1]}/{k}"] for k in range(2)]
-                      for name in saved if name.startswith("benign/") and name.endswith("/0")}
-            benign = {k: v for k, v in benign.items() if split_name(k)[1] in ("none", *references)}
+        saved = self._read_span(path) if path.exists() else None
+        if saved is not None:
+            reference, references, hashes, benign = saved
+            canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, reference)
             m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant,
-                             references=references)
+                             references=references, hashes=hashes, variant_hash=self._variant_hash)
         else:
             span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
             benign = _benign(span, canaries, self.dtypes, self.wire_dtype)
-            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant)
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant,
+                             variant_hash=self._variant_hash)
             m.save(m)
         self.spans[key] = m
         return m
+
+    def _variant_hash(self, scheme: str) -> str | None:
+        """The model hash of the store's `scheme` variant of this model, None where it has none."""
+        own = load_manifest(self.model_dir)
+        source = self.model_dir if own.quant == "none" else variants.source_dir(self.model_dir, own)
+        path = variants.variant_dir(source, scheme)
+        return load_manifest(path).model_hash if (path / MANIFEST).is_file() else None
+
+    def _read_span(self, path: Path) -> tuple | None:
+        """A span file's reference, variant references and their hashes, and benign outputs. A
+        variant whose store copy is not the one its reference was computed of (a re-import) loses
+        its reference and benign outputs, computed again when a peer computing it is met."""
+        saved = load_file(path)
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        names = {k.split("/")[1] for k in saved if k.startswith("benign/")}
+        references = {k.split("/")[1]: v for k, v in saved.items() if k.startswith("variant/")}
+        hashes = {s: meta.get(f"variant/{s}", "") for s in references}
+        for scheme in [s for s in references if hashes[s] != self._variant_hash(s)]:
+            log.info("the %s variant in the store is not the one %s was calibrated for: recalibrating it", scheme, path)
+            del references[scheme], hashes[scheme]
+        benign = {k: [saved[f"benign/{k}/{i}"] for i in range(2)] for k in names
+                  if split_name(k)[1] in ("none", *references)}
+        return saved["reference"], references, hashes, benign
 
     def _saver(self, path: Path) -> Callable[[SpanMaterial], None]:
         def save(m: SpanMaterial) -> None:
             tensors = {"reference": torch.stack([c.reference for c in m.canaries])}
             tensors |= {f"variant/{scheme}": ref for scheme, ref in m.references.items()}
             tensors |= {f"benign/{name}/{k}": out for name, outs in m.benign.items() for k, out in enumerate(outs)}
-            self._write(path, tensors)
+            self._write(path, tensors, {f"variant/{s}": h for s, h in m.hashes.items()})
         return save
 
 
