@@ -133,3 +133,22 @@ def test_a_variant_replaced_in_the_store_is_calibrated_again(own_tiny):
     assert not torch.equal(fresh.references["int4"], m.references["int4"])
     assert fresh.hashes["int4"] == load_manifest(variants.variant_dir(model, "int4")).model_hash
 
+
+def test_a_calibration_file_of_other_shapes_is_recomputed_and_said(own_tiny, caplog):
+    from safetensors.torch import load_file, save_file
+
+    model, home = own_tiny
+    bank = CanaryBank(model, home, torch.float16, n=4, length=12)
+    bank.material(0, 2)
+    path = next(bank.dir.glob("span-0-2-*.safetensors"))
+    saved = load_file(path)
+    for name, tensor in [("benign/float32/1", saved["benign/float32/1"][:, :3].contiguous()),
+                         ("benign/float32/0", saved["benign/float32/0"].to(torch.int32))]:
+        save_file(saved | {name: tensor}, path)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            redone = CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)
+        assert str(path) in caplog.text and redone._referee is not None  # recomputed from the weights
+        assert redone.benign["float32"][1].shape == saved["benign/float32/1"].shape
+    save_file({k: v for k, v in saved.items() if k != "benign/bfloat16/1"}, path)
+    assert CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)._referee is not None

@@ -220,7 +220,7 @@ class CanaryBank:
                            f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
         variant = lambda scheme, dtype: _variant(self.model_dir, start, end, scheme, dtype)  # noqa: E731
-        saved = self._read_span(path) if path.exists() else None
+        saved = self._read_span(path, (self.n, self.length, boundaries.shape[-1])) if path.exists() else None
         if saved is not None:
             reference, references, hashes, benign = saved
             canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, reference)
@@ -243,14 +243,25 @@ class CanaryBank:
         path = variants.variant_dir(source, scheme)
         return load_manifest(path).model_hash if (path / MANIFEST).is_file() else None
 
-    def _read_span(self, path: Path) -> tuple | None:
-        """A span file's reference, variant references and their hashes, and benign outputs. A
+    def _read_span(self, path: Path, shape: tuple[int, int, int]) -> tuple | None:
+        """A span file's reference, variant references and their hashes, and benign outputs, each
+        tensor checked to be float [n, T, H]; None (said) where one is not, so it is recomputed. A
         variant whose store copy is not the one its reference was computed of (a re-import) loses
         its reference and benign outputs, computed again when a peer computing it is met."""
-        saved = load_file(path)
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
+        try:
+            saved = load_file(path)
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # noqa: BLE001 - a damaged file: recompute it
+            log.warning("canary calibration %s unreadable (%s): recomputing it", path, e)
+            return None
+        bad = [k for k, v in saved.items() if tuple(v.shape) != shape or not v.dtype.is_floating_point]
         names = {k.split("/")[1] for k in saved if k.startswith("benign/")}
+        bad += [f"benign/{k}/{i}" for k in names for i in range(2) if f"benign/{k}/{i}" not in saved]
+        if bad or "reference" not in saved:
+            log.warning("canary calibration %s does not hold float [n, T, H] = %s tensors (%s): recomputing it",
+                        path, list(shape), ", ".join(bad[:4]) or "no reference")
+            return None
         references = {k.split("/")[1]: v for k, v in saved.items() if k.startswith("variant/")}
         hashes = {s: meta.get(f"variant/{s}", "") for s in references}
         for scheme in [s for s in references if hashes[s] != self._variant_hash(s)]:
