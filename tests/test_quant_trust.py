@@ -34,6 +34,8 @@ def test_an_int4_weight_reads_back_exactly_and_moves_in_whole_groups():
     assert torch.equal(moved.canonical().dequantize(), q.dequantize()[rows][:, cols])
     with pytest.raises(ModelError, match="within whole groups"):
         pack(q, torch.float32, "cpu").reindexed(None, torch.randperm(4 * GROUP, generator=g))
+    with pytest.raises(ModelError, match="whole groups"):
+        group_permutation(4 * GROUP + 3, g)  # not a shorter permutation, silently
 
 
 def test_a_quantized_span_permuted_or_widened_computes_the_same_function(tiny):
