@@ -85,12 +85,23 @@ def test_a_variant_this_client_cannot_make_rejects_that_record_alone():
     async def records(model):
         return [_record("QmInt4", "int4"), _record("QmPlain", "none")]
 
-    client = NS(model_id=MODEL, _records=(-1e9, []), node=NS(records=records, may_serve=lambda p: True),
-                accepted=("none", "int4"), variant_hashes=variant_hashes, rejected={}, cfg=NS(num_layers=2),
-                bans=NS(seen=lambda good: []), runs={}, rtt={})
-    good = trio.run(SwarmClient.records, client)
+    client = dict(model_id=MODEL, _records=(-1e9, []), node=NS(records=records, may_serve=lambda p: True),
+                  accepted=("none", "int4"), variant_hashes=variant_hashes, rejected={}, cfg=NS(num_layers=2),
+                  runs={}, rtt={})
+    swarm = NS(**client, bans=NS(seen=lambda good: []))
+    good = trio.run(SwarmClient.records, swarm)
+    client["rejected"] = swarm.rejected
     assert [r.peer_id for r in good] == ["QmPlain"]
-    assert "int4" in client.rejected["QmInt4"] and "no int4 variant" in client.rejected["QmInt4"]
+    assert "int4" in swarm.rejected["QmInt4"] and "no int4 variant" in swarm.rejected["QmInt4"]
+    from diffuse.client.swarm_backend import SwarmBackend
+
+    async def mine(_client):
+        return await records(MODEL)
+
+    client |= {"manifest": NS(block_hashes=["h0", "h1"]), "remote_range": (0, 2), "opts": NS(dtype=torch.float32),
+               "bans": NS(active=lambda: set())}  # the API's coverage rejects that record alone as well
+    api = trio.run(SwarmBackend._coverage, NS(_records=mine, started=time.time(), trust={}), NS(**client))
+    assert api["servable"] and "no int4 variant" in api["excluded"]["QmInt4"]
 
 
 def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
@@ -106,3 +117,4 @@ def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
 def test_a_forwarded_frame_may_take_longer_the_larger_it_is():
     assert link_write_s(0) == 2.0
     assert link_write_s(10_000_000) == pytest.approx(12.0)
+
