@@ -118,3 +118,14 @@ def test_a_forwarded_frame_may_take_longer_the_larger_it_is():
     assert link_write_s(0) == 2.0
     assert link_write_s(10_000_000) == pytest.approx(12.0)
 
+
+def test_status_of_a_variant_surveys_its_source(tmp_path):
+    """`status --model NAME@int4`: the records are the source's, each variant's hashes checked as such."""
+    from diffuse.client.survey import stored
+    from diffuse.model import variants
+    from diffuse.model.weights import load_manifest
+    from tiny import make_tiny
+
+    model = make_tiny(tmp_path / "models" / "tiny", layers=2)
+    variants.make_variant(model, "int4")
+    assert stored(tmp_path, ["tiny@int4"]) == {load_manifest(model).model_hash: model}

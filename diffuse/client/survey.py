@@ -46,9 +46,18 @@ class Survey:
 def stored(home: Path, names: list[str]) -> dict[str, Path]:
     """The named models' directories by model hash; by default every model in the store (the
     swarm's other models have no manifest to judge them by); none from an empty store: the
-    survey fetches the swarm's manifests."""
+    survey fetches the swarm's manifests. A variant named (NAME@int4) stands for its source,
+    whose records carry every variant's."""
     dirs = [store.resolve(home, name) for name in names] if names else [m.path for m in store.list_models(home)]
-    return {load_manifest(d).model_hash: d for d in dirs}
+    found = {}
+    for d in dirs:
+        manifest = load_manifest(d)
+        if manifest.quant != "none":
+            d = variants.source_dir(d, manifest)
+            manifest = load_manifest(d)
+        found[manifest.model_hash] = d
+    return found
+
 
 
 class Variants:
