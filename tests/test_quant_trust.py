@@ -154,3 +154,18 @@ def test_a_calibration_file_of_other_shapes_is_recomputed_and_said(own_tiny, cap
         assert redone.benign["float32"][1].shape == saved["benign/float32/1"].shape
     save_file({k: v for k, v in saved.items() if k != "benign/bfloat16/1"}, path)
     assert CanaryBank(model, home, torch.float16, n=4, length=12).material(0, 2)._referee is not None
+
+
+def test_stored_canaries_of_other_shapes_are_sampled_again_with_their_span_files(own_tiny, caplog):
+    from safetensors.torch import load_file, save_file
+
+    model, home = own_tiny
+    bank = CanaryBank(model, home, torch.float16, n=4, length=12)
+    bank.material(0, 2)
+    saved = load_file(bank.path)
+    save_file(saved | {"boundaries": saved["boundaries"][:, :, :5].contiguous()}, bank.path)
+    with caplog.at_level("WARNING"):
+        again = CanaryBank(model, home, torch.float16, n=4, length=12)
+        tokens, boundaries = again._base()
+    assert str(bank.path) in caplog.text and not list(again.dir.glob("span-*"))
+    assert tuple(boundaries.shape) == tuple(saved["boundaries"].shape) and not torch.equal(tokens, saved["tokens"])

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diffuse.model import variants
+from diffuse.model.config import ModelConfig
 from diffuse.model.engine import BlockSpan
 from diffuse.model.layers import widen_
 from diffuse.model.load import load_head, load_span
@@ -173,13 +174,33 @@ class CanaryBank:
     def _base(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Canary tokens [n, T] and their fp32 hidden states at every block boundary [L+1, n, T, H]."""
         if self._tokens is None:
-            if self.path.exists():
-                saved = load_file(self.path)
-                self._tokens, self._boundaries = saved["tokens"], saved["boundaries"]
+            saved = self._read_base() if self.path.exists() else None
+            if saved is not None:
+                self._tokens, self._boundaries = saved
             else:
                 self._tokens, self._boundaries = self._sample()
                 self._write(self.path, {"tokens": self._tokens, "boundaries": self._boundaries})
         return self._tokens, self._boundaries
+
+    def _read_base(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored canaries, checked: integer tokens [n, T], float boundaries [L+1, n, T, H].
+        None (said) where they are not, after removing the span files computed from them."""
+        hidden = ModelConfig.load(self.model_dir).hidden_size
+        try:
+            saved = load_file(self.path)
+            tokens, boundaries = saved["tokens"], saved["boundaries"]
+        except Exception as e:  # noqa: BLE001 - a damaged file: sample again
+            tokens = boundaries = None
+            log.warning("canaries %s unreadable (%s)", self.path, e)
+        if tokens is not None and tuple(tokens.shape) == (self.n, self.length) and not tokens.dtype.is_floating_point \
+                and tuple(boundaries.shape) == (self.num_layers + 1, self.n, self.length, hidden) \
+                and boundaries.dtype.is_floating_point:
+            return tokens, boundaries
+        log.warning("canaries %s are not [n, T] tokens with [L+1, n, T, H] = %s states: sampling them again",
+                    self.path, [self.num_layers + 1, self.n, self.length, hidden])
+        for old in self.dir.glob("span-*.safetensors"):  # calibrated for the canaries dropped
+            old.unlink(missing_ok=True)
+        return None
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         log.info("sampling %d secret canaries of %d tokens (once per model)", self.n, self.length)
