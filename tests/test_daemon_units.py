@@ -204,3 +204,43 @@ def test_the_machine_counts_other_processes_not_its_own_tree(tmp_path):
         os.kill(other, signal.SIGKILL)
         mine.kill()
         mine.wait()
+
+
+def test_status_sends_accept_quant_only_when_given_and_an_older_daemon_refusing_a_field_is_done_without(tmp_path):
+    import fcntl
+    import threading
+
+    from diffuse.cli import build_parser
+
+    plain = client.survey_request(vars(build_parser().parse_args(["status"])))
+    assert "accept_quant" not in plain
+    assert isinstance(protocol.parse(json.dumps(plain).encode()), protocol.Survey)
+    asked = client.survey_request(vars(build_parser().parse_args(["status", "--accept-quant", "int4"])))
+    assert asked["accept_quant"] == "int4"
+    sock_path, pid_path, _ = protocol.paths(tmp_path)  # a "daemon": this process holds the lock, a thread answers
+    lock = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.write(lock, b"1")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sock_path))
+    server.listen()
+    answers = [protocol.error("bad request: accept_quant: unknown field"), b"<html>\n"]
+
+    def serve() -> None:
+        for answer in answers:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        for _ in answers:
+            said: list[str] = []
+            assert client.call(tmp_path, asked, say=said.append) is None
+            assert "going on without it" in said[0], said
+    finally:
+        thread.join(10)
+        server.close()
+        os.close(lock)

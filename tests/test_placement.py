@@ -124,3 +124,16 @@ def test_the_manifest_not_a_majority_of_records_says_how_many_blocks_a_model_has
     cov = coverage([rec(0, 15), rec(15, 30), *fakes], MODEL, 30, expected_hashes=fake_hashes(30))
     assert cov.num_blocks == 30 and cov.servable and cov.replicas == [1] * 30
     assert len(cov.excluded) == 3 and all("256 blocks" in why for why in cov.excluded.values())
+
+
+def test_peer_lines_stay_aligned_with_a_variant_in_the_span_column():
+    from dataclasses import replace
+
+    hashes = fake_hashes(130)
+    recs = [rec(0, 15, hashes=hashes, n=130), replace(rec(100, 130, hashes=hashes, n=130), extra={"quant": "int4"})]
+    lines = format_text(coverage(recs, MODEL, 130, expected_hashes=hashes,
+                                 variants={"none": hashes, "int4": hashes})).splitlines()
+    at = lines.index(next(line for line in lines if line.lstrip().startswith("peer ")))
+    peers = lines[at + 1:at + 3]
+    assert "[100,130) int4" in peers[1]
+    assert len({line.index(" ago") for line in peers}) == 1, lines  # the columns after the span line up

@@ -85,12 +85,23 @@ def test_a_variant_this_client_cannot_make_rejects_that_record_alone():
     async def records(model):
         return [_record("QmInt4", "int4"), _record("QmPlain", "none")]
 
-    client = NS(model_id=MODEL, _records=(-1e9, []), node=NS(records=records, may_serve=lambda p: True),
-                accepted=("none", "int4"), variant_hashes=variant_hashes, rejected={}, cfg=NS(num_layers=2),
-                bans=NS(seen=lambda good: []), runs={}, rtt={})
-    good = trio.run(SwarmClient.records, client)
+    client = dict(model_id=MODEL, _records=(-1e9, []), node=NS(records=records, may_serve=lambda p: True),
+                  accepted=("none", "int4"), variant_hashes=variant_hashes, rejected={}, cfg=NS(num_layers=2),
+                  runs={}, rtt={})
+    swarm = NS(**client, bans=NS(seen=lambda good: []))
+    good = trio.run(SwarmClient.records, swarm)
+    client["rejected"] = swarm.rejected
     assert [r.peer_id for r in good] == ["QmPlain"]
-    assert "int4" in client.rejected["QmInt4"] and "no int4 variant" in client.rejected["QmInt4"]
+    assert "int4" in swarm.rejected["QmInt4"] and "no int4 variant" in swarm.rejected["QmInt4"]
+    from diffuse.client.swarm_backend import SwarmBackend
+
+    async def mine(_client):
+        return await records(MODEL)
+
+    client |= {"manifest": NS(block_hashes=["h0", "h1"]), "remote_range": (0, 2), "opts": NS(dtype=torch.float32),
+               "bans": NS(active=lambda: set())}  # the API's coverage rejects that record alone as well
+    api = trio.run(SwarmBackend._coverage, NS(_records=mine, started=time.time(), trust={}), NS(**client))
+    assert api["servable"] and "no int4 variant" in api["excluded"]["QmInt4"]
 
 
 def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
@@ -106,3 +117,58 @@ def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
 def test_a_forwarded_frame_may_take_longer_the_larger_it_is():
     assert link_write_s(0) == 2.0
     assert link_write_s(10_000_000) == pytest.approx(12.0)
+
+
+def test_status_counts_the_variants_the_store_holds_and_makes_only_those_asked_for(tmp_path, monkeypatch):
+    """A status query does not quantize the model because a record names a scheme: a variant the
+    store lacks is excluded, said, unless --accept-quant names it; a variant that cannot be made
+    (an OSError as well as a ModelError) excludes its peers alone."""
+    from diffuse.client.survey import Variants
+    from diffuse.model import variants
+    from diffuse.model.quant import SCHEMES
+    from diffuse.model.weights import load_manifest
+    from tiny import make_tiny
+
+    model = make_tiny(tmp_path / "models" / "tiny", layers=2)
+    manifest = load_manifest(model)
+    now = time.time()
+
+    def rec(peer: str, hashes, scheme: str) -> PeerRecord:
+        return PeerRecord(peer, manifest.model_id, 2, 0, 2, tuple(hashes), "bfloat16", 10.0, 100,
+                          ("/ip4/127.0.0.1/tcp/1",), now, now + 60, now - 5, extra={"quant": scheme})
+
+    recs = [rec("QmPlain", manifest.block_hashes, "none"), rec("QmFour", ["x", "y"], "int4")]
+
+    async def records(model_id):
+        return recs
+
+    def survey(make=()):
+        return trio.run(Variants({manifest.model_hash: model}, SCHEMES, make).coverage, NS(records=records), manifest)
+
+    plain = survey()
+    assert set(plain.peers) == {"QmPlain"} and not variants.variant_dir(model, "int4").exists()
+    assert plain.excluded["QmFour"] == "the int4 variant is not made here (--accept-quant int4 makes it)"
+    assert "other weights" in survey(("int4",)).excluded["QmFour"]  # made, and checked against
+    recs[1] = rec("QmFour", load_manifest(variants.variant_dir(model, "int4")).block_hashes, "int4")
+    assert set(survey().peers) == {"QmPlain", "QmFour"}  # the store holds it now
+
+    def full(source, scheme):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(variants, "resolve", full)
+    recs.append(rec("QmEight", ["x", "y"], "int8"))
+    cov = survey(("int8",))
+    assert "QmPlain" in cov.peers
+    assert "int8 variant, which cannot be made here: [Errno 28] No space left" in cov.excluded["QmEight"]
+
+
+def test_status_of_a_variant_surveys_its_source(tmp_path):
+    """`status --model NAME@int4`: the records are the source's, each variant's hashes checked as such."""
+    from diffuse.client.survey import stored
+    from diffuse.model import variants
+    from diffuse.model.weights import load_manifest
+    from tiny import make_tiny
+
+    model = make_tiny(tmp_path / "models" / "tiny", layers=2)
+    variants.make_variant(model, "int4")
+    assert stored(tmp_path, ["tiny@int4"]) == {load_manifest(model).model_hash: model}

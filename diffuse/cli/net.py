@@ -71,7 +71,7 @@ def _register_status(p: argparse.ArgumentParser) -> None:
     add_bootstrap_options(p)
     p.add_argument("--model", action="append", default=[], help="model in the store (repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--accept-quant", metavar="LIST|any", help="variants counted (default: any this store can check)")
+    p.add_argument("--accept-quant", metavar="LIST|any", help="variants counted (default: any held; named: made)")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="poll until servable, up to SECONDS")
     p.add_argument("--reach", action=argparse.BooleanOptionalAction, default=True,
                    help="connect to each peer listed and say how it is reached: direct, relayed via a relay, "

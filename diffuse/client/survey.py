@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import trio
 
+from diffuse.client.accept import NotHere, accepted_hashes, explain
 from diffuse.client.swarm_backend import SwarmConfig
 from diffuse.control.coverage import Coverage, coverage, format_text
 from diffuse.control.identity import ephemeral
@@ -24,7 +25,7 @@ from diffuse.control.node import Node, open_node
 from diffuse.data import files
 from diffuse.errors import FetchError, ModelError
 from diffuse.model import store, variants
-from diffuse.model.quant import SCHEMES, parse_accept
+from diffuse.model.quant import parse_accept
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
 from diffuse.trust import reputation
 
@@ -46,20 +47,30 @@ class Survey:
 def stored(home: Path, names: list[str]) -> dict[str, Path]:
     """The named models' directories by model hash; by default every model in the store (the
     swarm's other models have no manifest to judge them by); none from an empty store: the
-    survey fetches the swarm's manifests."""
+    survey fetches the swarm's manifests. A variant named (NAME@int4) stands for its source,
+    whose records carry every variant's."""
     dirs = [store.resolve(home, name) for name in names] if names else [m.path for m in store.list_models(home)]
-    return {load_manifest(d).model_hash: d for d in dirs}
+    found = {}
+    for d in dirs:
+        manifest = load_manifest(d)
+        if manifest.quant != "none":
+            d = variants.source_dir(d, manifest)
+            manifest = load_manifest(d)
+        found[manifest.model_hash] = d
+    return found
 
 
 class Variants:
-    """The quantized variants a survey counts: those accepted (`--accept-quant`), their hashes
-    made from the store's own weights as a client makes them (model/variants.py; kept in the
-    store once made), so a peer's variant is counted only with the bytes a client would check."""
+    """The quantized variants a survey counts (client/accept.py): those accepted
+    (`--accept-quant`), their hashes those of the store's own variant (model/variants.py). A
+    variant the store lacks is made from its weights only where `make` names its scheme (the
+    user asked for it): a status query does not spend minutes and disk on every scheme a record
+    names."""
 
-    def __init__(self, sources: Mapping[str, Path], accept: tuple[str, ...]):
-        self.sources, self.accept = sources, accept
+    def __init__(self, sources: Mapping[str, Path], accept: tuple[str, ...], make: tuple[str, ...] = ()):
+        self.sources, self.accept, self.make = sources, accept, make
         self.hashes: dict[tuple[str, str], list[str]] = {}
-        self.failed: dict[tuple[str, str], str] = {}  # (model hash, scheme) -> why it cannot be made
+        self.failed: dict[tuple[str, str], Exception] = {}  # (model hash, scheme) -> why it is not had
 
     async def coverage(self, node: Node, m: Manifest) -> Coverage:
         """`m`'s block map; without its weights here (a manifest from the swarm), a quantized peer
@@ -68,31 +79,36 @@ class Variants:
         source = self.sources.get(m.model_hash)
         if source is None:
             return coverage(records, m.model_id, m.num_layers, expected_hashes=m.block_hashes)
-        known = {}
-        for scheme in {str(r.extra.get("quant", "none")) for r in records} & set(self.accept):
+
+        async def hashes_of(scheme: str) -> list[str]:
             key = (m.model_hash, scheme)
             if scheme == "none":
-                known[scheme] = m.block_hashes
-            elif key not in self.hashes and key not in self.failed:
+                return m.block_hashes
+            if key in self.failed:  # not tried again while the survey polls
+                raise self.failed[key]
+            if key not in self.hashes:
                 try:
-                    made = await trio.to_thread.run_sync(variants.resolve, source, scheme)
-                    self.hashes[key] = load_manifest(made).block_hashes
-                except ModelError as e:
-                    self.failed[key] = str(e)
-            if key in self.hashes:
-                known[scheme] = self.hashes[key]
+                    self.hashes[key] = await self._hashes(source, scheme)
+                except (ModelError, OSError) as e:
+                    self.failed[key] = e
+                    raise
+            return self.hashes[key]
+
+        known, failed = await accepted_hashes(records, self.accept, hashes_of)
         cov = coverage(records, m.model_id, m.num_layers, expected_hashes=m.block_hashes, variants=known)
-        for r in records:
-            why = self.failed.get((m.model_hash, str(r.extra.get("quant", "none"))))
-            if why and r.peer_id in cov.excluded:
-                cov.excluded[r.peer_id] = f"serves the {r.extra['quant']} variant, which cannot be made here: {why}"
+        explain(cov.excluded, records, failed)
         return cov
 
+    async def _hashes(self, source: Path, scheme: str) -> list[str]:
+        if not (variants.variant_dir(source, scheme) / MANIFEST).is_file() and scheme not in self.make:
+            raise NotHere(f"the {scheme} variant is not made here (--accept-quant {scheme} makes it)")
+        made = await trio.to_thread.run_sync(variants.resolve, source, scheme)
+        return load_manifest(made).block_hashes
 
-async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge: Variants | None = None) -> Survey:
+
+async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge: Variants) -> Survey:
     """Coverage of `models`, polled until all are servable or `swarm.wait` seconds pass; `judge`:
-    the variants counted (default: none of them, their hashes unchecked)."""
-    judge = judge or Variants({}, SCHEMES)
+    the variants counted."""
     async with open_node(ephemeral(), swarm.node_config(), codecs=reputation.swarm_codecs()) as node:
         if swarm.mdns and not swarm.bootstrap:  # the swarm is whoever answers on the LAN: give them a moment
             with trio.move_on_after(max(swarm.wait, MDNS_WAIT_S)):
@@ -113,9 +129,10 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge:
 async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool,
                  accept: str | None = None) -> dict[str, Any]:
     """What `diffuse status` prints, for people ("text") and for --json ("json"). `accept`:
-    --accept-quant (default: every variant, each checked against what this store makes)."""
+    --accept-quant (default: every variant the store holds, each checked against it; those it
+    names, `any` included, are made here where the store lacks them)."""
     sources = stored(home, names)
-    judge = Variants(sources, parse_accept(accept or "any", "none"))
+    judge = Variants(sources, parse_accept(accept or "any", "none"), parse_accept(accept, "none") if accept else ())
     models = [load_manifest(d) for d in sources.values()]
     text, data = report(await survey(swarm, models, reach, judge), swarm)
     return {"text": text, "json": data}

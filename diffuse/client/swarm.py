@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import trio
 
+from diffuse.client.accept import accepted_hashes, scheme_of
 from diffuse.client.pipeline import LocalStage, Pipeline, head_batcher
 from diffuse.client.rescue import Rescuable
 from diffuse.control.dial import open_stream
@@ -27,7 +28,7 @@ from diffuse.control.routing import Hop, NoRoute, plan_route
 from diffuse.data import scheduler
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode
-from diffuse.errors import DiffuseError, ModelError
+from diffuse.errors import DiffuseError
 from diffuse.home import data_home
 from diffuse.model.config import ModelConfig
 from diffuse.model.engine import BlockSpan, Head, block_parameters
@@ -132,16 +133,17 @@ class SwarmClient:
         if time.monotonic() - at <= max_age:
             return [r for r in cached if r.fresh() and self.node.may_serve(r.peer_id)]
         good = []
-        for r in await self.node.records(self.model_id):
-            scheme = str(r.extra.get("quant", "none"))
+        found = await self.node.records(self.model_id)
+        known, failed = await accepted_hashes(found, self.accepted, self.variant_hashes)
+        for r in found:
+            scheme = scheme_of(r)
             if scheme not in self.accepted:
                 self.rejected[r.peer_id] = f"serves the {scheme} variant, which this client does not accept"
                 continue
-            try:
-                hashes = await self.variant_hashes(scheme)
-            except ModelError as e:  # this model has no such variant here (a family int4 cannot take)
-                self.rejected[r.peer_id] = f"serves the {scheme} variant, which this client cannot make: {e}"
+            if scheme in failed:  # this model has no such variant here (a family int4 cannot take)
+                self.rejected[r.peer_id] = failed[scheme]
                 continue
+            hashes = list(known[scheme])
             if r.num_blocks != self.cfg.num_layers or list(r.block_hashes) != hashes[r.start:r.end]:
                 self.rejected[r.peer_id] = f"announced block hashes differ from the trusted manifest ({scheme})"
                 continue

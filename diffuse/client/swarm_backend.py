@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from diffuse.client import draft_head
+from diffuse.client.accept import accepted_hashes, explain
 from diffuse.client.backend import LOCAL_PEER, Overloaded, UnknownModel, Unservable
 from diffuse.client.credit import Payer
 from diffuse.client.draft_fetch import drop_fetched, obtain_draft_head
@@ -125,9 +126,11 @@ class SwarmBackend:
         """The DHT's block map (trusted records only), with the blocks this API computes itself
         as the peer 'local', and each peer's standing with this client (banned, RTT)."""
         records = await self._records(client)
-        schemes = {str(r.extra.get("quant", "none")) for r in records} & set(client.accepted)
-        cov = coverage(records, client.model_id, client.cfg.num_layers, expected_hashes=client.manifest.block_hashes,
-                       variants={s: await client.variant_hashes(s) for s in schemes}).to_dict()
+        known, failed = await accepted_hashes(records, client.accepted, client.variant_hashes)
+        found = coverage(records, client.model_id, client.cfg.num_layers, expected_hashes=client.manifest.block_hashes,
+                         variants=known)
+        explain(found.excluded, records, failed)
+        cov = found.to_dict()
         start, end = client.remote_range
         local = [b for b in range(cov["num_blocks"]) if not start <= b < end]
         for b in local:

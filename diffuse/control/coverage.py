@@ -156,12 +156,12 @@ def format_text(cov: Coverage) -> str:
         lines.append(f"  {span:<11} {reps[i]:>8}  {who}")
         i = j + 1
     if cov.peers:
-        lines.append("  peer          blocks     age  heartbeat  mode     tokens/s  cache  reached  addrs")
+        lines.append("  peer          blocks            age  heartbeat  mode     tokens/s  cache  reached  addrs")
     for r in sorted(cov.peers.values(), key=lambda r: (r.start, r.peer_id)):
         d = _peer_dict(r, cov.now)
         span = f"[{r.start},{r.end})" + (f" {d['quant']}" if d["quant"] != "none" else "")
         lines.append(
-            f"  {_short(r.peer_id):<13} {span:<9} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
+            f"  {_short(r.peer_id):<13} {span:<16} {_dur(d['age_s']):>5}  {_dur(d['last_heartbeat_s']):>6} ago"
             f"  {d['mode'] or '?':<7}  {r.throughput:>8.1f}  {r.cache_tokens:>5}  "
             f"{_reached(cov.reached.get(r.peer_id, d['reach']))}"
             f"  {' '.join(r.addrs)}"

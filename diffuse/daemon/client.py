@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diffuse.daemon import units
-from diffuse.daemon.protocol import MISMATCH, OPTIONS, SAMPLING, encode, paths
+from diffuse.daemon.protocol import BAD_REQUEST, MISMATCH, OPTIONS, SAMPLING, encode, paths
 from diffuse.errors import DiffuseError
 
 Say = Callable[[str], None]
@@ -91,10 +91,34 @@ def _open(home: Path, say: Say) -> socket.socket | None:
             time.sleep(0.05)
 
 
+class _Garbled(DiffuseError):
+    """A reply line that is no JSON object: a daemon of another version (or not one)."""
+
+
 def _replies(sock: socket.socket) -> Iterator[dict[str, Any]]:
     with sock.makefile("rb") as f:
         for line in f:
-            yield json.loads(line)
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                raise _Garbled(line[:80]) from None
+            if not isinstance(reply, dict):
+                raise _Garbled(line[:80])
+            yield reply
+
+
+def _declined(reply: dict[str, Any], say: Say) -> bool:
+    """Whether an error reply means "do it yourself": a daemon serving another swarm or model
+    (mismatch), or one that does not understand the request (bad request: an older daemon whose
+    protocol lacks a field this command sent); said."""
+    if reply.get("kind") == MISMATCH:
+        say(f"the daemon does not answer this ({reply['error']}); going on without it")
+        return True
+    if reply.get("kind") == BAD_REQUEST:
+        say(f"the daemon does not understand this request ({reply['error']}: another version?); "
+            "going on without it")
+        return True
+    return False
 
 
 def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]], None] | None = None,
@@ -112,8 +136,7 @@ def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]
                 if "ok" in reply:
                     return reply["ok"]
                 if "error" in reply:
-                    if reply.get("kind") == MISMATCH:
-                        say(f"the daemon does not answer this ({reply['error']}); going on without it")
+                    if _declined(reply, say):
                         return None
                     raise DiffuseError(f"the daemon: {reply['error']}")
                 replied = True
@@ -121,6 +144,11 @@ def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]
                     on_reply(reply)
     except ConnectionError:
         pass
+    except _Garbled as e:
+        if not replied:
+            say(f"the daemon of {home} answered what this command does not read ({e}); going on without it")
+            return None
+        raise DiffuseError(f"the daemon of {home} answered what this command does not read ({e})") from None
     if not replied:  # it died before a word (a SIGKILL as we connected): nothing to take back
         say(f"the daemon of {home} went away before it answered; going on without it")
         return None
@@ -159,9 +187,13 @@ def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict
 
 
 def survey_request(options: dict[str, Any]) -> dict[str, Any]:
-    """What `status`'s options ask of the daemon."""
-    return {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
-            "bootstrap": options["bootstrap"], "accept_quant": options["accept_quant"]}
+    """What `status`'s options ask of the daemon; --accept-quant only where given, so that a daemon
+    from before it answers a plain `status`."""
+    request = {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
+               "bootstrap": options["bootstrap"]}
+    if options.get("accept_quant") is not None:
+        request["accept_quant"] = options["accept_quant"]
+    return request
 
 
 def api_request(options: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
@@ -191,8 +223,7 @@ def serve_api(home: Path, request: dict[str, Any], on_listening: Callable[[str],
         sock.sendall(encode({"op": "api"} | request))
         for reply in _replies(sock):
             if "error" in reply:
-                if reply.get("kind") == MISMATCH:
-                    say(f"the daemon does not answer this ({reply['error']}); going on without it")
+                if _declined(reply, say):
                     return False
                 raise DiffuseError(f"the daemon: {reply['error']}")
             on_listening(reply["ok"]["listening"])

@@ -226,6 +226,8 @@ class Packed:
 def group_permutation(n: int, generator: torch.Generator) -> Tensor:
     """A random permutation of n (a multiple of GROUP) that moves whole groups of GROUP and
     shuffles within each: what an int4 weight's columns can take (`Packed.reindexed`)."""
+    if n % GROUP:
+        raise ModelError(f"{n} columns are not whole groups of {GROUP}: no int4 weight has them")
     groups = torch.randperm(n // GROUP, generator=generator)
     within = torch.stack([torch.randperm(GROUP, generator=generator) for _ in range(n // GROUP)])
     return (groups[:, None] * GROUP + within).flatten()

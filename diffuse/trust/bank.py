@@ -22,14 +22,17 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from diffuse.model import variants
+from diffuse.model.config import ModelConfig
 from diffuse.model.engine import BlockSpan
 from diffuse.model.layers import widen_
 from diffuse.model.load import load_head, load_span
 from diffuse.model.quant import compute_name, split_name
 from diffuse.model.tokenizer import Tokenizer
-from diffuse.model.weights import load_manifest
+from diffuse.model.weights import MANIFEST, load_manifest
 from diffuse.trust import canary as C
 from diffuse.trust.spotcheck import Tolerance
 
@@ -57,16 +60,24 @@ class SpanMaterial:
     load_variant: Callable[[str, torch.dtype], BlockSpan] | None = None  # (scheme, dtype) -> its blocks here
     _variants: dict[str, BlockSpan] = field(default_factory=dict)  # fp32 referees of quantized variants
     references: dict[str, torch.Tensor] = field(default_factory=dict)  # per variant: its fp32 output [n, T, H]
+    hashes: dict[str, str] = field(default_factory=dict)  # per variant: the model hash its reference is of
+    variant_hash: Callable[[str], str | None] = lambda scheme: None  # the store's variant's hash now
 
     def __post_init__(self) -> None:
+        self._calibrate(self.benign)
+
+    def _calibrate(self, benign: dict[str, list[torch.Tensor]]) -> None:
+        """Calibration and tolerance for `benign`, built aside and then assigned whole: the trust
+        plane's tasks read them while a worker thread calibrates a new dtype."""
         by_scheme: dict[str, dict[str, list[torch.Tensor]]] = {}
-        for name, outs in self.benign.items():
+        for name, outs in benign.items():
             by_scheme.setdefault(split_name(name)[1], {})[name] = outs
-        self.calibration = C.Calibration({})
+        calibration = C.Calibration({})
         for outputs in by_scheme.values():  # each variant's outputs scored against its own references
             canaries = self.canaries_for(next(iter(outputs)))
-            self.calibration.benign |= C.Calibration.from_outputs(canaries, outputs).benign
-        fitted = Tolerance.from_outputs(self.benign)
+            calibration.benign |= C.Calibration.from_outputs(canaries, outputs).benign
+        fitted = Tolerance.from_outputs(benign)
+        self.calibration = calibration
         self.tolerance = Tolerance({k: v * SPOT_MARGIN for k, v in fitted.thresholds.items()}, fitted.alpha)
 
     @property
@@ -110,29 +121,31 @@ class SpanMaterial:
         torch_dtype = getattr(torch, name, None)
         if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
             raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
+        benign = dict(self.benign)  # published once calibrated: readers test `dtype in benign` unlocked
         if scheme == "none":
-            self.benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+            benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
         else:  # the variant's reference, and its honest outputs in fp32 (the referee's) and in `dtype`
-            self._judge_variant(scheme, torch_dtype)
-        self.__post_init__()
+            self._judge_variant(scheme, torch_dtype, benign)
+        self._calibrate(benign)
+        self.benign = benign
         self.save(self)
 
-    def _judge_variant(self, scheme: str, dtype: torch.dtype) -> None:
+    def _judge_variant(self, scheme: str, dtype: torch.dtype, benign: dict[str, list[torch.Tensor]]) -> None:
         """Two honest realizations, as for the full weights (canary.honest_output: this machine's
         kernels alone, and the dimensions permuted and batched), of the variant in fp32 and in
-        `dtype`, and the variant's reference (its fp32 output, computed at once)."""
+        `dtype`, into `benign`, and the variant's reference (its fp32 output, computed at once)."""
         hidden = torch.stack([c.hidden for c in self.canaries]).float()
         name = compute_name(torch.float32, scheme)
-        referee = self.referee_for(name)
-        if scheme not in self.references or name not in self.benign:
+        if scheme not in self.references or name not in benign:
+            referee = self.referee_for(name)  # makes the variant where the store lacks it
             ref = C.forward(referee, hidden)
-            self.references[scheme] = ref
-            self.benign[name] = [ref.to(self.wire_dtype).float(),
-                                 C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
+            self.references[scheme], self.hashes[scheme] = ref, self.variant_hash(scheme) or ""
+            benign[name] = [ref.to(self.wire_dtype).float(),
+                            C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
         if dtype != torch.float32:
             peer = self.load_variant(scheme, dtype)
-            self.benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
-                                                         for seed in (None, 1)]
+            benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
+                                                    for seed in (None, 1)]
 
 
 class CanaryBank:
@@ -150,24 +163,44 @@ class CanaryBank:
         self._boundaries: torch.Tensor | None = None
         self._lock = threading.Lock()  # sessions of one client ask for the same span at once
 
-    def _write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def _write(self, path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> None:
         """Atomically, readable by this user only: whoever reads canaries can game them."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
 
     def _base(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Canary tokens [n, T] and their fp32 hidden states at every block boundary [L+1, n, T, H]."""
         if self._tokens is None:
-            if self.path.exists():
-                saved = load_file(self.path)
-                self._tokens, self._boundaries = saved["tokens"], saved["boundaries"]
+            saved = self._read_base() if self.path.exists() else None
+            if saved is not None:
+                self._tokens, self._boundaries = saved
             else:
                 self._tokens, self._boundaries = self._sample()
                 self._write(self.path, {"tokens": self._tokens, "boundaries": self._boundaries})
         return self._tokens, self._boundaries
+
+    def _read_base(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stored canaries, checked: integer tokens [n, T], float boundaries [L+1, n, T, H].
+        None (said) where they are not, after removing the span files computed from them."""
+        hidden = ModelConfig.load(self.model_dir).hidden_size
+        try:
+            saved = load_file(self.path)
+            tokens, boundaries = saved["tokens"], saved["boundaries"]
+        except Exception as e:  # noqa: BLE001 - a damaged file: sample again
+            tokens = boundaries = None
+            log.warning("canaries %s unreadable (%s)", self.path, e)
+        if tokens is not None and tuple(tokens.shape) == (self.n, self.length) and not tokens.dtype.is_floating_point \
+                and tuple(boundaries.shape) == (self.num_layers + 1, self.n, self.length, hidden) \
+                and boundaries.dtype.is_floating_point:
+            return tokens, boundaries
+        log.warning("canaries %s are not [n, T] tokens with [L+1, n, T, H] = %s states: sampling them again",
+                    self.path, [self.num_layers + 1, self.n, self.length, hidden])
+        for old in self.dir.glob("span-*.safetensors"):  # calibrated for the canaries dropped
+            old.unlink(missing_ok=True)
+        return None
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         log.info("sampling %d secret canaries of %d tokens (once per model)", self.n, self.length)
@@ -208,30 +241,63 @@ class CanaryBank:
                            f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
         variant = lambda scheme, dtype: _variant(self.model_dir, start, end, scheme, dtype)  # noqa: E731
-        if path.exists():
-            saved = load_file(path)
-            canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, saved["reference"])
-            references = {name.split("/")[1]: saved[name] for name in saved if name.startswith("variant/")}
-            benign = {name.split("/")[1]: [saved[f"benign/{name.split('/')[1]}/{k}"] for k in range(2)]
-                      for name in saved if name.startswith("benign/") and name.endswith("/0")}
-            benign = {k: v for k, v in benign.items() if split_name(k)[1] in ("none", *references)}
+        saved = self._read_span(path, (self.n, self.length, boundaries.shape[-1])) if path.exists() else None
+        if saved is not None:
+            reference, references, hashes, benign = saved
+            canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, reference)
             m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant,
-                             references=references)
+                             references=references, hashes=hashes, variant_hash=self._variant_hash)
         else:
             span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
             benign = _benign(span, canaries, self.dtypes, self.wire_dtype)
-            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant)
+            m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant,
+                             variant_hash=self._variant_hash)
             m.save(m)
         self.spans[key] = m
         return m
+
+    def _variant_hash(self, scheme: str) -> str | None:
+        """The model hash of the store's `scheme` variant of this model, None where it has none."""
+        own = load_manifest(self.model_dir)
+        source = self.model_dir if own.quant == "none" else variants.source_dir(self.model_dir, own)
+        path = variants.variant_dir(source, scheme)
+        return load_manifest(path).model_hash if (path / MANIFEST).is_file() else None
+
+    def _read_span(self, path: Path, shape: tuple[int, int, int]) -> tuple | None:
+        """A span file's reference, variant references and their hashes, and benign outputs, each
+        tensor checked to be float [n, T, H]; None (said) where one is not, so it is recomputed. A
+        variant whose store copy is not the one its reference was computed of (a re-import) loses
+        its reference and benign outputs, computed again when a peer computing it is met."""
+        try:
+            saved = load_file(path)
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except Exception as e:  # noqa: BLE001 - a damaged file: recompute it
+            log.warning("canary calibration %s unreadable (%s): recomputing it", path, e)
+            return None
+        bad = [k for k, v in saved.items() if tuple(v.shape) != shape or not v.dtype.is_floating_point]
+        names = {k.split("/")[1] for k in saved if k.startswith("benign/")}
+        bad += [f"benign/{k}/{i}" for k in names for i in range(2) if f"benign/{k}/{i}" not in saved]
+        if bad or "reference" not in saved:
+            log.warning("canary calibration %s does not hold float [n, T, H] = %s tensors (%s): recomputing it",
+                        path, list(shape), ", ".join(bad[:4]) or "no reference")
+            return None
+        references = {k.split("/")[1]: v for k, v in saved.items() if k.startswith("variant/")}
+        hashes = {s: meta.get(f"variant/{s}", "") for s in references}
+        for scheme in [s for s in references if hashes[s] != self._variant_hash(s)]:
+            log.info("the %s variant in the store is not the one %s was calibrated for: recalibrating it", scheme, path)
+            del references[scheme], hashes[scheme]
+        benign = {k: [saved[f"benign/{k}/{i}"] for i in range(2)] for k in names
+                  if split_name(k)[1] in ("none", *references)}
+        return saved["reference"], references, hashes, benign
 
     def _saver(self, path: Path) -> Callable[[SpanMaterial], None]:
         def save(m: SpanMaterial) -> None:
             tensors = {"reference": torch.stack([c.reference for c in m.canaries])}
             tensors |= {f"variant/{scheme}": ref for scheme, ref in m.references.items()}
             tensors |= {f"benign/{name}/{k}": out for name, outs in m.benign.items() for k, out in enumerate(outs)}
-            self._write(path, tensors)
+            self._write(path, tensors, {f"variant/{s}": h for s, h in m.hashes.items()})
         return save
 
 
