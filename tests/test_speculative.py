@@ -421,11 +421,11 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
         gate.observe(1, 8, 0.15, None)  # eight losing steps in the sliding window: held
     assert not gate.open
 
-    # In the loop: the text repeats (guesses are right: 9 tokens a step), but wide steps cost 12x
+    # In the loop: the text repeats (guesses are right: 9 tokens a step), but wide steps cost 10x
     # a plain one until the round trip grows; then trees come back. The answer is plain greedy's.
     eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
-    cost = Misjudged(wide=1.2)
-    state, params = SpecState(cost=cost), SamplingParams(max_tokens=400)
+    cost = Misjudged(wide=1.0)
+    state, params = SpecState(cost=cost), SamplingParams(max_tokens=1000)
     modes = state.stats.modes
 
     async def run():
@@ -439,8 +439,8 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
     out = trio.run(run)
     assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
     # The opening tree lost time (the ledger), so the next is held, and so is every step until the
-    # budget allows another probe.
-    assert modes[0] == TREE and modes[1:40] == [HELD] * 39
+    # budget affords another tree at what the last one took (nine plain steps' worth more).
+    assert modes[0] == TREE and modes[1:400] == [HELD] * 399
     # Back once it pays (the very last step may be plain: with one token left a tree has nothing to win).
     assert set(modes) <= {TREE, PLAIN, HELD} and modes[-9:-1] == [TREE] * 8
 
@@ -500,6 +500,12 @@ def test_ledger_backs_off_when_trees_lose_and_probes_again_later():
         assert ledger.allows(0.05, None)
         ledger.observe(3, 8, 0.15)  # trees that pay (3 tokens for 1.5 plain steps' time)
     assert ledger.saved(0.1) > 1.0
+
+    ledger = Ledger()
+    for _ in range(Ledger.MEASURE):
+        ledger.observe(1, 1, 0.1)
+    ledger.observe(2, 8, 0.3)  # a tree that took 0.2 s more than a plain step
+    assert ledger.allows(0.005, None) is False  # priced at what trees took, not at the fit's 5 ms
 
 
 def test_ledger_bounds_a_whole_answer_whose_trees_never_pay():

@@ -36,6 +36,7 @@ class Ledger:
         self.tokens = 0  # tokens the answer's steps produced so far
         self.tree_tokens = 0
         self.tree_seconds = 0.0
+        self.recent: deque[float] = deque(maxlen=4)  # seconds of the latest trees
 
     def price(self, guess: float | None) -> float | None:
         """Seconds of one plain step: measured, else the guess."""
@@ -48,6 +49,7 @@ class Ledger:
         else:
             self.tree_tokens += tokens
             self.tree_seconds += seconds
+            self.recent.append(seconds)
 
 
     def saved(self, plain: float) -> float:
@@ -72,7 +74,12 @@ class Ledger:
 
     def allows(self, extra: float, plain_guess: float | None) -> bool:
         """Whether a tree forecast to take `extra` seconds more than a plain step may be sent:
-        its worst case (every guess rejected: one token, as a plain step gives, for `extra`
-        more) must leave the losses within the budget."""
+        its worst case (every guess rejected: one token, as a plain step gives, for `extra` more,
+        or for what the latest trees took more, at their median, if that is more: a fit skewed
+        by the prompt's forward can price a tree at a third of what it costs) must leave the
+        losses within the budget."""
         plain = self.price(plain_guess)
-        return plain is None or self.saved(plain) - max(0.0, extra) >= -self.budget(plain)
+        if plain is None:
+            return True
+        measured = statistics.median(self.recent) - plain if self.recent else 0.0
+        return self.saved(plain) - max(0.0, extra, measured) >= -self.budget(plain)

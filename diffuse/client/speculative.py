@@ -11,9 +11,10 @@ guesses too. Acceptance keeps the output exactly that of plain decoding: under g
 of argmaxes, under sampling the speculative rejection rule (Leviathan et al. / Chen et al.). A
 planner sizes each step's tree from the measured step cost and the observed acceptance, down to
 one token when guessing does not pay (as on a local CPU, where a wider step costs more than its
-extra tokens gain), and a gate holds speculation off for a while whenever its steps, as measured,
-yield fewer tokens per second than plain ones: a generation is never much slower than plain
-decoding, and speculates again where the text starts to repeat.
+extra tokens gain); a ledger (spec_ledger.py) sends a tree only while the answer can afford its
+worst case, and a gate holds speculation off for a while whenever its steps, as measured, yield
+fewer tokens per second than plain ones: a generation is never much slower than plain decoding,
+and speculates again where the text starts to repeat.
 """
 
 from __future__ import annotations
