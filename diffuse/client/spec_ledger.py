@@ -3,7 +3,7 @@
 The planner's forecast (acceptance x the step-cost fit) and the gate's windows of eight steps
 both judge speculation after the fact; neither bounds what an answer loses before they act, and
 an answer whose guesses are rarely right (chat without a draft head, where a copied word is a
-weak guess) could lose a third of its speed to trees that each cost more than the token they
+weak guess) could lose much of its speed to trees that each cost more than the token they
 add. The ledger bounds it: each tree step is charged what it took beyond what its tokens would
 have cost as plain steps (negative where it won), and a tree is sent only while, even if every
 guess in it is rejected, the answer's losses stay within a small share of the time plain
@@ -51,7 +51,6 @@ class Ledger:
             self.tree_seconds += seconds
             self.recent.append(seconds)
 
-
     def saved(self, plain: float) -> float:
         """What the trees so far saved: their tokens as plain steps, less what they took."""
         return self.tree_tokens * plain - self.tree_seconds
@@ -76,7 +75,7 @@ class Ledger:
         """Whether a tree forecast to take `extra` seconds more than a plain step may be sent:
         its worst case (every guess rejected: one token, as a plain step gives, for `extra` more,
         or for what the latest trees took more, at their median, if that is more: a fit skewed
-        by the prompt's forward can price a tree at a third of what it costs) must leave the
+        by the prompt's forward can price a tree well below what it costs) must leave the
         losses within the budget."""
         plain = self.price(plain_guess)
         if plain is None:
