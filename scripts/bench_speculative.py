@@ -2,7 +2,7 @@
 """Speculative vs plain decoding through a real swarm behind an emulated wide-area link.
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
-        [--tokens 96] [--dtypes bf16 fp32] [--spans 1:30] [--modes spec draft] [--exact]
+        [--tokens 96] [--dtypes bf16 fp32] [--spans 1:30] [--modes spec draft] [--exact] [--repeats 1]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
@@ -21,7 +21,9 @@ Reported per dtype, RTT, class and mode: tokens per round trip (decode steps aft
 plain is 1), positions per round trip, the share of steps the planner sent as trees / kept plain /
 held plain (speculation not paying, as measured), decode tokens/s and the speed-up over plain;
 then the mixed tokens per round trip over only the answers equal to plain's (a fast-kernel answer
-that flipped a near-tie can fall into a loop that every guess predicts).
+that flipped a near-tie can fall into a loop that every guess predicts). Per prompt: each mode's
+median decode tokens/s over `--repeats` askings (the order of the modes alternating from one to
+the next), their ratio and the share of steps held, so that no answer hides behind its class.
 The model tokens/s = tokens_per_step / (RTT + c) is fitted per mode (c = fixed time per step:
 compute, transfer and client work, one least-squares constant over every cell) and its
 prediction error printed per cell.
@@ -48,7 +50,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 from diffuse.client import draft_head  # noqa: E402
 from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
-from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig  # noqa: E402
+from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig, SpecState  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
@@ -63,14 +65,15 @@ async def run_one(client: SwarmClient, swarm: LoopbackSwarm, tok: Tokenizer, pro
     pipe = await client.session(session_length(len(prompt), params.max_tokens, spec), exact=exact)
     try:
         swarm.check_relayed(pipe)
-        gen = Generation(pipe, tok, prompt, params, speculate=spec)
+        gen = Generation(pipe, tok, prompt, params, speculate=spec, state=SpecState() if spec else None)
         async for _ in gen:
             pass
     finally:
         await pipe.close()
     c = gen.completion
+    forward_s = sum(gen.state.stats.seconds) if gen.state else None
     return {"tokens": c.token_ids, "steps": c.steps, "positions": c.positions, "modes": c.modes,
-            "decode_s": c.timings["decode_s"]}
+            "decode_s": c.timings["decode_s"], "forward_s": forward_s}
 
 
 def cell(runs: list[dict]) -> dict:
@@ -99,6 +102,7 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
     spec_modes = modes[1:]
     params = SamplingParams(max_tokens=args.tokens)
     results: dict[tuple[float, str, str], list[dict]] = {}
+    per_prompt: dict[tuple[float, int, str], list[dict]] = {}
     mismatches = 0
     with LoopbackSwarm(home, args.spans, dtype) as swarm:
         async def bench() -> None:
@@ -119,20 +123,22 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
                     configs = {m: configs[m] for m in modes}
                     await run_one(client, swarm, tok, prompts[0][1], SamplingParams(max_tokens=4), None)  # warm-up
                     for i, (kind, prompt) in enumerate(prompts):
-                        order = list(configs) if i % 2 == 0 else list(configs)[::-1]
-                        got = {}
-                        for mode in order:
-                            got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode],
-                                                      args.exact and mode != "plain")
-                            results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
-                        for m in spec_modes:
-                            got[m]["same"] = got[m]["tokens"] == got["plain"]["tokens"]
-                        mismatches += sum(not got[m]["same"] for m in spec_modes)
+                        for r in range(args.repeats):
+                            order = list(configs) if (i + r) % 2 == 0 else list(configs)[::-1]
+                            got = {}
+                            for mode in order:
+                                got[mode] = await run_one(client, swarm, tok, prompt, params, configs[mode],
+                                                          args.exact and mode != "plain")
+                                results.setdefault((rtt_ms, kind, mode), []).append(got[mode])
+                                per_prompt.setdefault((rtt_ms, i, mode), []).append(got[mode])
+                            for m in spec_modes:
+                                got[m]["same"] = got[m]["tokens"] == got["plain"]["tokens"]
+                            mismatches += sum(not got[m]["same"] for m in spec_modes)
                         print(f"  {dtype} rtt {rtt_ms:g} ms {kind} {i + 1}/{len(prompts)}", file=sys.stderr,
                               flush=True)
 
         trio.run(bench)
-    return {"results": results, "mismatches": mismatches}
+    return {"results": results, "per_prompt": per_prompt, "mismatches": mismatches}
 
 
 def report(args, dtype: str, results: dict, mismatches: int, prompts: list, modes: list[str]) -> None:
@@ -180,9 +186,41 @@ def report(args, dtype: str, results: dict, mismatches: int, prompts: list, mode
             if same:
                 print(f"{rtt:g} ms, {m}: {cell(same)['per_step']:.2f} tokens/step over the {len(same)} answers "
                       f"equal to plain's")
-    print(f"greedy answers differing from plain: {mismatches} of {len(prompts) * len(args.rtts) * len(spec_modes)}"
+    print(f"greedy answers differing from plain: {mismatches} of "
+          f"{len(prompts) * len(args.rtts) * len(spec_modes) * args.repeats}"
           + ("" if args.exact else " (fast kernels: near-ties may flip; scripts/eval_speculative_identity.py "
                                    "shows each one's top-2 gap)"))
+
+
+def tps(run: dict) -> float:
+    return (len(run["tokens"]) - 1) / run["decode_s"]
+
+
+def report_prompts(args, per_prompt: dict, prompts: list, modes: list[str]) -> None:
+    """Per prompt and RTT: median tokens/s per mode over the repeats, the ratio to plain's, the
+    steps held or kept plain, and the client's time outside the forward passes per step."""
+    from support.prompts import CLASSES
+
+    texts = [t for ts in CLASSES.values() for t in ts[:args.per_class]]
+    print(f"\nper prompt, median of {args.repeats} alternated repeats (fresh speculation state each):")
+    print("| RTT ms | prompt | mode | tok/s plain | tok/s | ratio | tokens/step | steps tree/plain/held "
+          "| client ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rtt in args.rtts:
+        worst = {}
+        for i, (kind, _prompt) in enumerate(prompts):
+            plain = statistics.median(tps(r) for r in per_prompt[(rtt, i, "plain")])
+            words = texts[i][:32]
+            for m in modes[1:]:
+                runs = per_prompt[(rtt, i, m)]
+                c = cell(runs)
+                spec = statistics.median(tps(r) for r in runs)
+                client = (sum(r["decode_s"] - r["forward_s"] for r in runs) / c["n_steps"]) * 1e3
+                shares = "/".join(f"{c['modes'][x]:.0%}" for x in (TREE, PLAIN, HELD))
+                worst[m] = min(worst.get(m, 9.0), spec / plain)
+                print(f"| {rtt:g} | {kind} {i}: {words} | {m} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x "
+                      f"| {c['per_step']:.2f} | {shares} | {client:.1f} |")
+        print(f"| {rtt:g} | lowest | " + ", ".join(f"{m} {w:.2f}x" for m, w in worst.items()) + " | | | | | | |")
 
 
 def main() -> None:
@@ -201,6 +239,8 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["spec", "draft"], choices=["spec", "draft"],
                     help="speculative modes against plain: spec (prompt lookup + lookahead), draft (+ a fetched "
                          "draft head)")
+    ap.add_argument("--repeats", type=int, default=1, help="askings of each prompt per mode, the modes' order "
+                    "alternating; per-prompt figures are their medians")
     ap.add_argument("--exact", action="store_true", help="speculative sessions use exact (batch-invariant) "
                     "kernels, as `ask --exact` does; plain keeps the fast ones, the baseline to beat")
     args = ap.parse_args()
@@ -218,6 +258,7 @@ def main() -> None:
     runs = {dtype: bench_dtype(args, home, dtype, tok, prompts, modes) for dtype in args.dtypes}
     for dtype, run in runs.items():
         report(args, dtype, run["results"], run["mismatches"], prompts, modes)
+        report_prompts(args, run["per_prompt"], prompts, modes)
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 

@@ -13,7 +13,7 @@ from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalModel
 from diffuse.client.sampling import Sampler, SamplingParams
 from diffuse.client.speculative import (
-    PLAIN, TREE, Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator,
+    HELD, PLAIN, TREE, Acceptance, Cost, Draft, Lookahead, NGramPool, PromptLookup, SpecConfig, SpecState, Speculator,
     StepCost,
     best_size, copy_source,
     kv_headroom, speculative_tokens, tree_inputs, verify,
@@ -421,11 +421,11 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
         gate.observe(1, 8, 0.15, None)  # eight losing steps in the sliding window: held
     assert not gate.open
 
-    # In the loop: the text repeats (guesses are right: 9 tokens a step), but wide steps cost 20x
+    # In the loop: the text repeats (guesses are right: 9 tokens a step), but wide steps cost 10x
     # a plain one until the round trip grows; then trees come back. The answer is plain greedy's.
     eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
-    cost = Misjudged(wide=2.0)
-    state, params = SpecState(cost=cost), SamplingParams(max_tokens=400)
+    cost = Misjudged(wide=1.0)
+    state, params = SpecState(cost=cost), SamplingParams(max_tokens=1000)
     modes = state.stats.modes
 
     async def run():
@@ -438,8 +438,9 @@ def test_gate_holds_speculation_that_does_not_pay_and_lets_it_back():
 
     out = trio.run(run)
     assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
-    assert modes[:8] == [TREE] * 8 and modes[8] == HELD  # held after one window of losing trees
-    assert modes[:40].count(HELD) >= 16  # holds of 4, 8, 16 steps between windows of 8 trees
+    # The opening tree lost time (the ledger), so the next is held, and so is every step until the
+    # budget affords another tree at what the last one took (nine plain steps' worth more).
+    assert modes[0] == TREE and modes[1:400] == [HELD] * 399
     # Back once it pays (the very last step may be plain: with one token left a tree has nothing to win).
     assert set(modes) <= {TREE, PLAIN, HELD} and modes[-9:-1] == [TREE] * 8
 
@@ -471,6 +472,56 @@ def test_gate_measures_a_plain_step_only_when_its_guess_decides():
     for _ in range(8):
         gate.observe(1, 8, 0.2, 0.1)
     assert gate.held == 4  # 5 tokens/s: held (a plain step is known now)
+
+
+def test_ledger_backs_off_when_trees_lose_and_probes_again_later():
+    from diffuse.client.spec_ledger import Ledger
+
+    ledger = Ledger()
+    assert ledger.allows(0.05, 0.1)  # the opening probe: within the floor of one plain step
+    ledger.observe(1, 8, 0.15)  # a tree step: every guess rejected, 0.05 s lost
+    assert ledger.wants_plain(0.1)  # lost on a guessed plain price: measure one first
+    for _ in range(Ledger.MEASURE):  # and, while losing, priced on more than one plain step
+        ledger.observe(1, 1, 0.1)
+    assert not ledger.wants_plain(0.1)
+    sent = 0
+    while ledger.allows(0.05, None):
+        ledger.observe(1, 8, 0.15)
+        sent += 1
+    # Backed off once one more losing tree would lose more than a plain step plus 2% of the
+    # time plain decoding would have taken: the answer can only fall to ~0.95x plain's speed.
+    assert sent == 1 and -ledger.saved(0.1) <= ledger.budget(0.1)
+    held = 0
+    while not ledger.allows(0.05, None):
+        ledger.observe(1, 1, 0.1)  # held plain: costs the ledger nothing, the budget grows
+        held += 1
+    assert 10 <= held <= 30  # probed again later, not never
+    for _ in range(20):
+        assert ledger.allows(0.05, None)
+        ledger.observe(3, 8, 0.15)  # trees that pay (3 tokens for 1.5 plain steps' time)
+    assert ledger.saved(0.1) > 1.0
+
+    ledger = Ledger()
+    for _ in range(Ledger.MEASURE):
+        ledger.observe(1, 1, 0.1)
+    ledger.observe(2, 8, 0.3)  # a tree that took 0.2 s more than a plain step
+    assert ledger.allows(0.005, None) is False  # priced at what trees took, not at the fit's 5 ms
+
+
+def test_ledger_bounds_a_whole_answer_whose_trees_never_pay():
+    # The text repeats, so every step's forecast says trees pay, but each wide step takes three
+    # plain steps' time and yields at most two tokens more than plain: the answer stays at
+    # >= 0.95x of plain decoding's time, probing now and then, and is plain greedy's.
+    eos, prompt = 5, [1, 2, 3, 4, 5] * 3 + [1]
+    cost = Misjudged(wide=0.4)
+    state, params = SpecState(cost=cost), SamplingParams(max_tokens=400)
+    cfg = SpecConfig(max_nodes=2, probe_nodes=2, levels=0)  # two guesses at most: 3 tokens for 0.4 s
+    out = trio.run(collect, speculative_tokens, cyclic_pipe(eos), prompt, params, set(), cfg, state)
+    assert out == trio.run(collect, stream_tokens, cyclic_pipe(eos), prompt, params, set())
+    stats = state.stats
+    seconds = sum(0.1 if p == 1 else 0.4 for p in stats.positions)
+    assert sum(stats.tokens) * 0.1 / seconds >= 0.95
+    assert stats.modes.count(TREE) >= 3 and stats.modes.count(HELD) > stats.modes.count(TREE)
 
 
 def test_a_generation_opens_with_a_tree():

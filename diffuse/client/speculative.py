@@ -11,9 +11,10 @@ guesses too. Acceptance keeps the output exactly that of plain decoding: under g
 of argmaxes, under sampling the speculative rejection rule (Leviathan et al. / Chen et al.). A
 planner sizes each step's tree from the measured step cost and the observed acceptance, down to
 one token when guessing does not pay (as on a local CPU, where a wider step costs more than its
-extra tokens gain), and a gate holds speculation off for a while whenever its steps, as measured,
-yield fewer tokens per second than plain ones: a generation is never much slower than plain
-decoding, and speculates again where the text starts to repeat.
+extra tokens gain); a ledger (spec_ledger.py) sends a tree only while the answer can afford its
+worst case, and a gate holds speculation off for a while whenever its steps, as measured, yield
+fewer tokens per second than plain ones: a generation is never much slower than plain decoding,
+and speculates again where the text starts to repeat.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import Tensor
 from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
+from diffuse.client.spec_ledger import Ledger
 from diffuse.model.kernels import padded_rows
 from diffuse.model.engine import Head
 
@@ -49,6 +51,12 @@ class SpecStats:
     positions: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
+
+    def add(self, tokens: int, positions: int, seconds: float, mode: str) -> None:
+        self.tokens.append(tokens)
+        self.positions.append(positions)
+        self.seconds.append(seconds)
+        self.modes.append(mode)
 
     @property
     def steps(self) -> int:
@@ -519,6 +527,8 @@ class Speculator:
         self.acceptance = Acceptance(cfg.draft.priors() if cfg.draft is not None else None)
         self.cost = state.cost
         self.gate = Gate()
+        self.ledger = Ledger()
+        self.held = 0  # steps held plain so far (the draft head drafts on every fourth)
         self.waiting: deque[tuple[Draft, int]] = deque()  # drafts to score once their future is known
 
     @property
@@ -564,9 +574,9 @@ class Speculator:
         """This step's tree: the guesses worth their positions, plus the lookahead window when
         the tokens it is expected to add (through the pool, later) are worth its positions, and
         then the next-best guesses in the rows the kernels would pad with zeros anyway. The root
-        alone while the gate holds speculation off (drafting still runs, to keep learning, but
-        the draft head only every fourth held step: its levels cost client time). Until the
-        cost's slope is known (the prompt's forward is one size), a step sends `probe_nodes`.
+        alone while the gate holds speculation off, or the ledger (spec_ledger.py) cannot afford
+        the tree's worst case. Until the cost's slope is known (the prompt's forward is one
+        size), a step sends `probe_nodes`.
 
         `company`: sessions batched with this one. A position then costs each of them what it
         costs this session, so it is priced `company` times its fitted slope: a session's own
@@ -576,23 +586,19 @@ class Speculator:
         fit = self.cost.fit()
         if fit is not None and company > 1:
             fit = Cost(fit.plain, fit.a, fit.b * company)
-        if not self.gate.open:
-            self.draft(max_depth, fit, head=self.gate.held % 4 == 0)
-            return StepTree([self.text[-1]], [-1], False, HELD)
+        pad = functools.partial(padded_rows, exact=self.exact)
+        guess = fit.plain if fit is not None else None
+        smallest = fit is not None and self.ledger.tree_seconds and not self.ledger.allows(fit(pad(2)) - fit(pad(1)),
+                                                                                            guess)
+        if not self.gate.open or self.ledger.wants_plain(guess) or smallest:  # no tree is affordable
+            return self._hold(max_depth, fit, drafted=False)
         draft = self.draft(max_depth, fit)
         scores = self.acceptance.scores(draft)
         ranked = sorted(range(1, len(scores)), key=lambda i: (-scores[i], draft.kinds[i][1], i))
-        if fit is None:
-            n, lookahead = min(len(ranked), self.cfg.probe_nodes), False
-        else:
-            pad = functools.partial(padded_rows, exact=self.exact)
-            n = best_size([scores[i] for i in ranked], fit, self.exact)
-            gain = 1 + sum(scores[i] for i in ranked[:n])
-            wide = fit(pad(1 + n + self.cfg.lookahead_positions))
-            lookahead = (self.window is not None and max_depth > 0
-                         and (gain + self.cfg.lookahead_gain) / wide > gain / fit(pad(1 + n)))
-            total = 1 + n + (self.cfg.lookahead_positions if lookahead else 0)
-            n = min(len(ranked), n + pad(total) - total)
+        sized = self._size([scores[i] for i in ranked], fit, max_depth)
+        if sized is None:  # the ledger cannot afford the tree's worst case
+            return self._hold(max_depth, fit, drafted=True)
+        n, lookahead = sized
         sent = [0] + ranked[:n]  # parents rank above children, so they come first
         index = {node: i for i, node in enumerate(sent)}
         tokens = [draft.tokens[i] for i in sent]
@@ -602,14 +608,45 @@ class Speculator:
             tokens, parents = tokens + more, parents + more_parents
         return StepTree(tokens, parents, lookahead, TREE if len(tokens) > 1 else PLAIN)
 
-    def learn(self, step: StepTree, predictions: list[int], tokens: int, seconds: float) -> None:
-        """Time the step (cost fit and gate), feed the pool with the model's prediction at every
-        node (after the last levels tokens of that node's branch) and advance the Jacobi window."""
+    def _size(self, scores: list[float], fit: Cost | None, max_depth: int) -> tuple[int, bool] | None:
+        """(guesses to send, whether the lookahead window rides along) for guesses whose
+        P(accepted) are `scores`, best first; None when the ledger cannot afford the tree."""
+        if fit is None:
+            return min(len(scores), self.cfg.probe_nodes), False
+        pad = functools.partial(padded_rows, exact=self.exact)
+        n = best_size(scores, fit, self.exact)
+        gain = 1 + sum(scores[:n])
+        wide = fit(pad(1 + n + self.cfg.lookahead_positions))
+        lookahead = (self.window is not None and max_depth > 0
+                     and (gain + self.cfg.lookahead_gain) / wide > gain / fit(pad(1 + n)))
+        total = 1 + n + (self.cfg.lookahead_positions if lookahead else 0)
+        if lookahead and not self.ledger.allows(fit(pad(total)) - fit(pad(1)), fit.plain):
+            lookahead, total = False, 1 + n  # the ledger affords the guesses alone, maybe
+        if n and not self.ledger.allows(fit(pad(total)) - fit(pad(1)), fit.plain):
+            return None
+        return min(len(scores), n + pad(total) - total), lookahead
+
+    def _hold(self, max_depth: int, fit: Cost | None, drafted: bool) -> StepTree:
+        """The root alone, held plain by the gate or the ledger. Drafting still runs, to keep
+        learning, but the draft head only every fourth held step: its levels cost client time,
+        which a held step is meant not to spend."""
+        self.held += 1
+        if not drafted:
+            self.draft(max_depth, fit, head=self.held % 4 == 1)
+        return StepTree([self.text[-1]], [-1], False, HELD)
+
+    def learn(self, step: StepTree, predictions: list[int], tokens: int, seconds: float,
+              wall: float | None = None) -> None:
+        """Time the step (cost fit by its forward's `seconds`; gate and ledger by its `wall`
+        time, the client's drafting and verification included), feed the pool with the model's
+        prediction at every node (after the last levels tokens of that node's branch) and
+        advance the Jacobi window."""
         positions = len(step.tokens)
         self.cost.observe(padded_rows(positions, self.exact), seconds)
         fit = self.cost.fit()
-        self.gate.observe(tokens, positions, self.cost.charged(padded_rows(positions, self.exact), seconds),
-                          fit.plain if fit is not None else None)
+        charged = self.cost.charged(padded_rows(positions, self.exact), seconds) + max(0.0, (wall or 0.0) - seconds)
+        self.gate.observe(tokens, positions, charged, fit.plain if fit is not None else None)
+        self.ledger.observe(tokens, positions, charged)
         n = self.cfg.levels
         for i in range(len(step.tokens)):
             gram, j = [predictions[i]], i
@@ -645,6 +682,7 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     while root not in eos_ids:
         yield root
         produced += 1
+        started = time.perf_counter()
         spec.push([root])
         if produced == sampler.p.max_tokens or sampler.stopped:
             return
@@ -662,11 +700,8 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
         cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
         await pipeline.commit([0] + path[:cut])
         produced_now = min(len(path), cut + 1) + (cut == len(guesses))  # an eos ends the step
-        spec.learn(step, logits.argmax(-1).tolist(), produced_now, seconds)
-        state.stats.tokens.append(produced_now)
-        state.stats.positions.append(len(step.tokens))
-        state.stats.seconds.append(seconds)
-        state.stats.modes.append(step.mode)
+        spec.learn(step, logits.argmax(-1).tolist(), produced_now, seconds, time.perf_counter() - started)
+        state.stats.add(produced_now, len(step.tokens), seconds, step.mode)
         for tok in guesses[:cut]:
             yield tok
         produced += cut
