@@ -211,6 +211,48 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
         canonical.unlink()
 
 
+def fetched_block(files, block: int | None, part, canonical) -> None:
+    """Write block `block` (None: the head) of `files` into store `part` as a fetch leaves it."""
+    from diffuse.model import blockfiles
+
+    with open(canonical, "wb") as out:
+        for piece in blockfiles.segments(files, block):
+            if isinstance(piece, bytes):
+                out.write(piece)
+            else:
+                with open(piece[0], "rb") as f:
+                    f.seek(piece[1])
+                    out.write(f.read(piece[2]))
+    dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
+    blockfiles.to_safetensors(canonical, dest, block)
+
+
+def test_a_fetched_manifest_is_never_rewritten_and_only_a_whole_store_upgrades_its_own(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.model import blockfiles
+    from diffuse.model.weights import MANIFEST, ModelFiles, load_manifest
+
+    src = make_tiny(tmp_path / "src")
+    part = tmp_path / "part"
+    part.mkdir()
+    for f in src.iterdir():  # the format-1 manifest and config, no weights
+        if f.is_file() and f.suffix != ".safetensors":
+            (part / f.name).write_bytes(f.read_bytes())
+    files = ModelFiles(src)
+    for block in range(4):  # every block, no head
+        fetched_block(files, block, part, tmp_path / "canonical")
+    own = (part / MANIFEST).read_bytes()
+    assert blockfiles.complete(part).format == 1 and (part / MANIFEST).read_bytes() == own  # no head: kept
+    whole = blockfiles.complete(src)  # its own manifest, head and every block: upgraded once
+    assert whole.format == 2 and whole.head_size > 0 and load_manifest(src) == whole
+    fetched = (src / MANIFEST).read_bytes()
+    (part / MANIFEST).write_bytes(fetched)  # as `join --from-swarm --blocks 0:4` leaves it
+    (part / "notes.txt").write_text("a file the manifest does not list")
+    assert blockfiles.complete(part) == whole and (part / MANIFEST).read_bytes() == fetched
+    assert blockfiles.complete(src) == whole and (src / MANIFEST).read_bytes() == fetched
+
+
 def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
     from diffuse.client import fallback
     from diffuse.model import blockfiles, store
@@ -223,17 +265,7 @@ def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path
             (part / f.name).write_bytes(f.read_bytes())
     files = ModelFiles(smollm2)
     for block in (4, 5, None):  # as a fetch leaves them: canonical bytes rewritten per block
-        canonical = tmp_path / "canonical"
-        with open(canonical, "wb") as out:
-            for piece in blockfiles.segments(files, block):
-                if isinstance(piece, bytes):
-                    out.write(piece)
-                else:
-                    with open(piece[0], "rb") as f:
-                        f.seek(piece[1])
-                        out.write(f.read(piece[2]))
-        dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
-        blockfiles.to_safetensors(canonical, dest, block)
+        fetched_block(files, block, part, tmp_path / "canonical")
     (m,) = store.list_models(tmp_path)
     assert m.held == "4-5, head" and "partial: holds blocks 4-5, head of 30" in store.table([m])
     assert fallback.held_models(tmp_path) == {}  # it cannot answer alone: never a fallback
