@@ -303,6 +303,23 @@ def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen
     assert _choose({"1" * 64: (one, None)}, {("1" * 64, 10): ["PEER_A"]}, None) == "1" * 64
 
 
+def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
+    from dataclasses import replace
+
+    from diffuse.client.from_swarm import _choose
+    from diffuse.errors import DiffuseError
+    from diffuse.model.weights import Manifest
+
+    one = Manifest("m", "llama", 1, "float32", ["a" * 64], "b" * 64, files={"config.json": [2, "c" * 64]})
+    other = replace(one, files={"config.json": [3, "d" * 64]})  # same blocks and head, another config
+    found = {"1" * 64: (one, None), "2" * 64: (other, None)}
+    groups = {("1" * 64, 10): ["PEER_A"], ("2" * 64, 11): ["PEER_B"]}
+    with pytest.raises(DiffuseError, match="2 different manifests have model hash") as e:
+        _choose(found, groups, one.model_hash)
+    assert all(x in str(e.value) for x in ["1" * 64, "2" * 64, "PEER_A", "PEER_B", "manifest's SHA-256"])
+    assert _choose(found, groups, "2" * 64) == "2" * 64
+
+
 def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
     from libp2p.crypto.ed25519 import create_new_key_pair
 

@@ -216,6 +216,10 @@ def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int
         hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
         if not hit:
             raise DiffuseError(f"no peer serves a manifest with hash {trusted}; announced: {_listing(found, groups)}")
+        if len(hit) > 1:  # the model hash covers blocks and head only, not config or tokenizer
+            hits = {k: p for k, p in groups.items() if k[0] in hit}
+            raise DiffuseError(f"{len(hit)} different manifests have model hash {trusted}: {_listing(found, hits)}; "
+                               "give the manifest's SHA-256 with --model-hash")
         return hit[0]
     if len(groups) == 1 and found:
         return next(iter(found))
