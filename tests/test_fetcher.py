@@ -49,6 +49,10 @@ def run_fetch(tmp_path, serving: dict, sha: str, sources: list[str], size: int =
     """Fetch with `serving` (peer -> FileServer, or an async handler of a raw stream); returns
     (path or the FetchError, fetcher)."""
     async def main():
+        with trio.fail_after(60):
+            return await fetching()
+
+    async def fetching():
         async with trio.open_nursery() as nursery:
             async def open_stream(peer: str):
                 a, b = trio.testing.memory_stream_pair()
@@ -109,6 +113,76 @@ def test_a_source_breaking_off_costs_only_the_rest_of_its_piece(tmp_path, blob):
     assert path.read_bytes() == blob and not fetcher.banned
     assert fetcher.stats.by_peer["dies"] >= half
     assert fetcher.stats.received == SIZE  # the half it sent was kept: nothing fetched twice
+
+
+def test_a_trickling_source_is_dropped_for_the_file_and_its_piece_comes_from_another(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+
+    async def trickles(stream):  # a byte every 20 ms: never stalls, never finishes a piece in time
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        try:
+            await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length)))
+            for at in range(get.offset, get.offset + get.length):
+                await stream.write(F.encode(F.Data(blob[at:at + 1])))
+                await trio.sleep(0.02)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    serving["slow"] = trickles
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["slow", "good"], per_source=1, min_piece_s=0.5)
+    assert path.read_bytes() == blob and not fetcher.banned  # too slow is no lie
+    assert 0 < fetcher.stats.by_peer["slow"] < PIECE and fetcher.stats.received == SIZE  # what it sent was kept
+
+
+def test_a_server_closes_a_transfer_slower_than_its_least_rate(blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    server = F.FileServer(max_per_peer=1, min_transfer_s=0.3, stall_timeout=5)
+    server.add_composite(sha, [blob])
+
+    async def main():  # a reader taking 100 bytes every 20 ms: never a stall, far below the least rate
+        ours, theirs = trio.testing.lockstep_stream_pair()
+        got, served = 0, trio.Event()
+
+        async def serve():
+            await server.serve(MemStream(theirs), "slowpoke")
+            served.set()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                await MemStream(ours).write(F.encode(F.Get(bytes.fromhex(sha), 0, SIZE)))
+                while not served.is_set():
+                    with trio.move_on_after(0.5):  # the server may close while this waits
+                        got += len(await MemStream(ours).read(100))
+                    await trio.sleep(0.02)
+        return got
+
+    got = trio.run(main)
+    assert 0 < got < SIZE and not server.active  # closed part-way, its slot free for others
+
+
+def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, monkeypatch):
+    from diffuse.client import from_swarm
+
+    groups = {(f"{i:064x}", 100): [f"P{i}"] * (1 + i) for i in range(20)}
+    asked: list[str] = []
+
+    async def refuses(peer: str):
+        asked.append(peer)
+        raise FetchError(f"peer {peer} is gone")
+
+    async def hangs(peer: str):
+        await trio.sleep_forever()
+
+    async def main(open_stream):
+        with trio.fail_after(20):
+            return await from_swarm._fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
+
+    assert trio.run(main, refuses) == {}
+    assert len(set(asked)) == from_swarm.MAX_MANIFESTS and "P19" in asked  # the most announced first
+    monkeypatch.setattr(from_swarm, "MANIFESTS_TIMEOUT_S", 0.5)
+    assert trio.run(main, hangs) == {}  # one that never answers holds it up no longer than the timeout
 
 
 def test_a_busy_source_is_asked_again_not_dropped(tmp_path, blob, monkeypatch):

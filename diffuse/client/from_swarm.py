@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 MAX_MANIFEST = 1 << 20
 MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
+# Distinct manifests fetched to compare (the most announced first), and the time for all of them:
+# announcing many manifests, or serving one slowly, cannot hold a join up for long.
+MAX_MANIFESTS, MANIFESTS_TIMEOUT_S = 8, 120.0
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
@@ -178,15 +181,8 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
     if not groups:
         raise DiffuseError("the peers announce no manifest this node can fetch")
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
-        found: dict[str, tuple[Manifest, Path]] = {}
         groups = {k: p for k, p in groups.items() if k[0] == trusted} or groups  # the operator's, if announced
-        for (sha, size), peers in groups.items():
-            where = Path(tmp) / sha
-            try:
-                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (_checked(where, records[0].model), where)
-            except (FetchError, ModelError) as e:
-                log.warning("manifest %s refused: %s", sha, e)
+        found = await _fetch_manifests(fetcher, groups, Path(tmp), records[0].model)
         sha = _choose(found, groups, trusted)
         manifest, where = found[sha]
         dest = models_dir(home) / manifest.model_id
@@ -202,6 +198,26 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
         say(f"{manifest.model_id}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced by "
             f"{sum(len(p) for (s, _), p in groups.items() if s == sha)} peer(s)")
         return dest, manifest, sha
+
+
+async def _fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[str]], tmp: Path,
+                           model: str) -> dict[str, tuple[Manifest, Path]]:
+    """The announced manifests that could be fetched and read, at most MAX_MANIFESTS of them (the
+    most announced first) within MANIFESTS_TIMEOUT_S; those left out count as unreadable."""
+    found: dict[str, tuple[Manifest, Path]] = {}
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    with trio.move_on_after(MANIFESTS_TIMEOUT_S) as late:
+        for (sha, size), peers in ranked[:MAX_MANIFESTS]:
+            where = tmp / sha
+            try:
+                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
+                found[sha] = (_checked(where, model), where)
+            except (FetchError, ModelError) as e:
+                log.warning("manifest %s refused: %s", sha, e)
+    if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
+        log.warning("%d of %d announced manifests fetched (at most %d, within %g s)", len(found), len(groups),
+                    MAX_MANIFESTS, MANIFESTS_TIMEOUT_S)
+    return found
 
 
 def _mkdir(path: Path) -> Path:

@@ -6,8 +6,11 @@ costs); a couple of workers per source take the next piece left and stream it st
 place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
 and the hash is computed over the prefix received while the rest arrives. A source that fails
 (dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
-its unfinished piece is asked of the others from where it stopped. A BUSY source is no failure:
-it is asked again a second later (up to a minute).
+its unfinished piece is asked of the others from where it stopped. A piece must be through within
+max(30 s, its bytes at 1 MiB/s) (files.transfer_limit): a slower source, which a stall timer never
+catches if it sends a frame now and then, is dropped for this file (not banned) and the rest of
+its piece goes to the others. A BUSY source is no failure: it is asked again a second later (up to
+a minute).
 
 When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
 blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
@@ -35,7 +38,8 @@ from pathlib import Path
 
 import trio
 
-from diffuse.data.files import STALL_TIMEOUT_S, Busy, Smaller, get_range, sha256_file
+from diffuse.data.files import MIN_RATE, MIN_TRANSFER_S, STALL_TIMEOUT_S, Busy, Slow, Smaller, get_range, \
+    sha256_file, transfer_limit
 from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
 
@@ -80,8 +84,10 @@ class Fetcher:
     that sent bytes other than the hash names)."""
 
     def __init__(self, open_stream: Open, *, piece: int = PIECE, per_source: int = PER_SOURCE,
-                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None) -> None:
+                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None,
+                 min_rate: float = MIN_RATE, min_piece_s: float = MIN_TRANSFER_S) -> None:
         self.open_stream, self.piece, self.per_source = open_stream, piece, per_source
+        self.min_rate, self.min_piece_s = min_rate, min_piece_s
         self.stall_timeout, self.on_bytes = stall_timeout, on_bytes
         self.banned: dict[str, str] = {}
         self.stats = Stats()
@@ -200,7 +206,8 @@ class _Job:
                 out = _At(self.fd, offset, self.f.stats, peer)
                 try:
                     await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
-                                    length, self.size, out, _NoDigest(), self.f.stall_timeout)
+                                    length, self.size, out, _NoDigest(), self.f.stall_timeout,
+                                    transfer_limit(length, self.f.min_rate, self.f.min_piece_s))
                     strikes[peer] = 0
                 except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
                     waits[peer] += 1
@@ -208,6 +215,10 @@ class _Job:
                     self.errors[peer] = str(e)
                     todo.append((offset + out.count, length - out.count))
                     await trio.sleep(BUSY_WAIT_S)
+                except Slow as e:  # dropped for this file, its piece's rest to the others
+                    log.info("%s: %s; dropped for this file", self.what, e)
+                    strikes[peer], self.errors[peer] = STRIKES, f"{e}: too slow, dropped"
+                    todo.append((offset + out.count, length - out.count))
                 except (FetchError, Smaller) as e:
                     strikes[peer] += 1
                     self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
