@@ -404,3 +404,39 @@ def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
     config = JoinConfig(home=tmp_path, from_swarm=True, serve=ServeConfig(quant="int4"))
     with pytest.raises(DiffuseError, match="--from-swarm fetches a span of unquantized blocks"):
         Peer(create_new_key_pair(), config, print, print)
+
+
+def good_manifest() -> dict:
+    return {"model_id": "m", "arch": "llama", "num_layers": 2, "dtype": "float32", "block_hashes": ["a" * 64] * 2,
+            "head_hash": "b" * 64, "format": 2, "block_sizes": [100, 100], "head_size": 50,
+            "files": {"config.json": [2, "c" * 64]}}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47]), ("head_hash", "B" * 64),
+    ("head_hash", 7), ("block_sizes", [100, 10 ** 30]), ("block_sizes", [100, "100"]), ("head_size", -1),
+    ("head_size", 1.5), ("num_layers", "2"), ("block_hashes", "a" * 128), ("files", ["config.json"])])
+def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value):
+    from diffuse.client.from_swarm import _checked
+    from diffuse.errors import ModelError
+
+    (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
+    assert _checked(tmp_path, "m").block_sizes == [100, 100]
+    (tmp_path / "manifest.json").write_text(json.dumps(good_manifest() | {field: value}))
+    with pytest.raises(ModelError, match=re.escape(field)):
+        _checked(tmp_path, "m")
+
+
+@pytest.mark.parametrize("sha,size,why", [("../" + "a" * 61, 10, "not 64 lowercase hex"),
+                                          ("a" * 64, 10 ** 20, "is not a file's"),
+                                          ("a" * 64, "10", "is not a file's")])
+def test_a_fetch_refuses_a_hash_that_is_no_sha256_or_a_size_out_of_bounds(tmp_path, sha, size, why):
+    async def never(peer: str):
+        raise AssertionError("asked a peer")
+
+    async def main():
+        return await Fetcher(never).fetch(sha, size, tmp_path / "x", ["p"], "block 1")
+
+    with pytest.raises(FetchError, match=why):
+        trio.run(main)
+    assert list(tmp_path.iterdir()) == []

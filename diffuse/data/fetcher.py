@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ MAX_PIECE = 64 << 20  # and at most (files.MAX_RANGE is what a server must serve
 PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
 STRIKES = 3  # failed requests in a row before a source is dropped for this file
 BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
+MAX_SIZE = 1 << 40  # bytes of one file
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 Open = Callable[[str], Awaitable[ByteStream]]  # a files stream to a peer
 
 
@@ -96,9 +99,11 @@ class Fetcher:
         """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
         names the file (`what`) and why when no honest source could give it. What an earlier
         fetch of the same file left (`.part` and its `.json`) is resumed from."""
+        if not isinstance(sha256, str) or not _HEX64.fullmatch(sha256):  # part of the temporary file's name
+            raise FetchError(f"{what or 'a file'}: hash {str(sha256)[:80]!r} is not 64 lowercase hex digits")
         what = what or f"file {sha256[:16]}…"
-        if size <= 0:
-            raise FetchError(f"{what}: a size of {size} bytes is not a file's")
+        if type(size) is not int or not 0 < size <= MAX_SIZE:
+            raise FetchError(f"{what}: a size of {str(size)[:80]} bytes is not a file's (1 to {MAX_SIZE})")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _claim(dest.with_name(f".{dest.name}.{sha256[:16]}.part"))
