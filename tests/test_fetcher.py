@@ -440,3 +440,19 @@ def test_a_fetch_refuses_a_hash_that_is_no_sha256_or_a_size_out_of_bounds(tmp_pa
     with pytest.raises(FetchError, match=why):
         trio.run(main)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_is_served_as_announced_even_once_rewritten_on_disk(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.client.from_swarm import MANIFEST_SHA
+    from diffuse.peer.offer import offer
+
+    store = make_tiny(tmp_path / "tiny")
+    server = F.FileServer()
+    extra = offer(server, store, (0, 4))
+    announced = (store / "manifest.json").read_bytes()
+    assert hashlib.sha256(announced).hexdigest() == extra[MANIFEST_SHA]
+    (store / "manifest.json").write_bytes(announced.replace(b'"llama"', b'"LLAMA"'))  # same size, other bytes
+    path, fetcher = run_fetch(tmp_path, {"peer": server}, extra[MANIFEST_SHA], ["peer"], size=len(announced))
+    assert not isinstance(path, Exception) and path.read_bytes() == announced and not fetcher.banned
