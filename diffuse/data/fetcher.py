@@ -227,6 +227,7 @@ class _Job:
                 except (FetchError, Smaller) as e:
                     strikes[peer] += 1
                     self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
+                    log.warning("%s: %s (strike %d of %d)", self.what, self.errors[peer], strikes[peer], STRIKES)
                     if length > out.count:  # the rest, from where it stopped, for whoever is free
                         todo.append((offset + out.count, length - out.count))
                 finally:
