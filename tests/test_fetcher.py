@@ -456,3 +456,44 @@ def test_the_manifest_is_served_as_announced_even_once_rewritten_on_disk(tmp_pat
     (store / "manifest.json").write_bytes(announced.replace(b'"llama"', b'"LLAMA"'))  # same size, other bytes
     path, fetcher = run_fetch(tmp_path, {"peer": server}, extra[MANIFEST_SHA], ["peer"], size=len(announced))
     assert not isinstance(path, Exception) and path.read_bytes() == announced and not fetcher.banned
+
+
+def test_bytes_of_a_source_gone_before_a_liar_is_replaced_stay_for_the_next_run(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["liar"])
+    bad = bytearray(blob)
+    for i in range(0, SIZE, PIECE):
+        bad[i] ^= 1
+    (tmp_path / "liar.bin").write_bytes(bytes(bad))
+    honest, asked = servers(tmp_path, blob, ["honest"])["honest"], []
+
+    async def then_gone(stream):  # serves its first request, then has the file no more
+        asked.append(1)
+        if len(asked) == 1:
+            await honest.serve(stream, "me")
+        else:
+            await stream.read(4096)
+            await stream.write(F.encode(F.Response(F.Status.NOT_FOUND, message="gone")))
+            await stream.close()
+
+    serving["honest"] = then_gone  # 1 piece of 4 from it, the rest from the liar: the liar's replaced first
+    err, first = run_fetch(tmp_path, serving, sha, ["honest", "liar"], per_source=2)
+    assert isinstance(err, FetchError) and "no other source could send them" in str(err), (err, first.stats)
+    notes = json.loads((tmp_path / "got" / f".file.{sha[:16]}.part.json").read_text())
+    assert sum(n for _, n in notes["received"]) == first.stats.by_peer["honest"] > 0  # the honest bytes, kept
+    path, second = run_fetch(tmp_path, servers(tmp_path, blob, ["good"]), sha, ["good"])
+    assert path.read_bytes() == blob and second.stats.received == SIZE - first.stats.by_peer["honest"]
+
+
+def test_with_two_liars_the_error_names_as_banned_only_those_banned(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["one", "two"])
+    for name, flip in (("one", 1), ("two", 2)):
+        bad = bytearray(blob)
+        for i in range(0, SIZE, PIECE):
+            bad[i] ^= flip
+        (tmp_path / f"{name}.bin").write_bytes(bytes(bad))
+    err, fetcher = run_fetch(tmp_path, serving, sha, ["one", "two"], per_source=1)
+    assert isinstance(err, FetchError), err
+    said = re.search(r"banned: ([^)]*)\)", str(err)).group(1)
+    assert sorted(said.split(", ")) == sorted(fetcher.banned) or (said == "none" and not fetcher.banned), str(err)

@@ -111,18 +111,17 @@ class Fetcher:
         sent = _resumable(tmp, notes, sha256, size)
         if not sent:
             os.ftruncate(fd, 0)
-        keep = True  # a failure to get the rest leaves what came, for the next try; a wrong hash, nothing
+        job = None  # a failure to get the rest leaves what came, for the next try; a hopeless hash, nothing
         try:
             os.ftruncate(fd, size)
             job = _Job(self, fd, sha256, size, what, sent, notes)
             piece = _piece(self.piece, size, len(sources) * self.per_source)
             await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
-            keep = False
             await job.check(sources, tmp)
             os.replace(tmp, dest)
         finally:
             os.close(fd)
-            if not keep:
+            if job is not None and job.hopeless:
                 tmp.unlink(missing_ok=True)
                 notes.unlink(missing_ok=True)
         notes.unlink(missing_ok=True)
@@ -187,6 +186,7 @@ class _Job:
         self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
         self.sent, self.notes = sent, notes  # offset -> (length, sender)
         self.errors: dict[str, str] = {}
+        self.hopeless = False  # every sender's bytes replaced and the hash still wrong: none worth keeping
         self.digest, self.hashed, self.hashing = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
 
     def note(self) -> None:
@@ -278,8 +278,10 @@ class _Job:
             senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
                                                                                   if q == p)))  # the unproven first
             if not senders:
-                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} "
-                                 f"(banned: {', '.join(sorted(tried))})")
+                self.hopeless = True
+                banned = ", ".join(p for p in sorted(tried) if p in self.f.banned) or "none"
+                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} (each sender's bytes "
+                                 f"replaced in turn: {', '.join(sorted(tried))}; banned: {banned})")
             suspect = senders[0]
             tried.add(suspect)
             if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
@@ -287,9 +289,11 @@ class _Job:
             ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
             for o, _ in ranges:
                 del self.sent[o]
+            self.note()
             try:
                 await self.fill(ranges, [p for p in sources if p != suspect])
             except FetchError as e:
+                self.hopeless = not self.sent  # what others sent stays, noted, for a later run
                 raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
                                  f"and no other source could send them ({e})") from None
             if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:
