@@ -72,11 +72,11 @@ def corrupt(model_dir, block: int) -> None:
                     f.write(bytes([b[0] ^ 0xFF]))
 
 
-def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str) -> None:
+def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str, env_extra: dict | None = None) -> None:
     """Start `join --from-swarm --blocks BLOCKS` on an empty store of its own."""
     home = swarm.homes[name] = tmp / f"{name}-home"
     env = swarm.procs.env
-    swarm.procs.env = env | {"DIFFUSE_HOME": str(home)}
+    swarm.procs.env = env | {"DIFFUSE_HOME": str(home)} | (env_extra or {})
     try:
         swarm.proc[name] = swarm.procs.start("join", "--identity", str(swarm.tmp / f"{name}.key"), "--bootstrap",
                                              swarm.boot, "--listen", LOCAL, "--from-swarm", "--blocks", blocks, *JOIN,
@@ -131,8 +131,9 @@ def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_pa
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
+    slow = {"DIFFUSE_TEST_FILES_SEND_RATE": str(4 << 20)}  # b sends at 4 MiB/s: killed later, mid-range
     for name, span in {"a": "0:15", "b": "15:30"}.items():
-        join(swarm, name, span, tmp_path)
+        join(swarm, name, span, tmp_path, env_extra=slow if name == "b" else None)
     for name in ("a", "b"):
         swarm.wait(name)
     manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
@@ -186,9 +187,10 @@ def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_p
     want = sum(manifest.block_sizes[15:30]) + sum(n for n, _ in manifest.files.values()) + 4096
     total, by_peer = fetched(swarm, "e")
     assert total * 2**20 <= want + 2**20, (total, want)  # nothing fetched twice
-    cut = [(int(x), int(y)) for x, y in re.findall(rf"peer {swarm.ids['b']} ended the transfer after (\d+) of (\d+) "
-                                                   "bytes", "\n".join(swarm.proc["e"].stderr))]
-    assert cut and all(x < y for x, y in cut), swarm.proc["e"].stderr  # killed mid-range: the rest came from bad
+    err = "\n".join(swarm.proc["e"].stderr)
+    cut = [(int(x), int(y)) for x, y in re.findall(rf"peer {swarm.ids['b']} (?:ended the transfer after |sent nothing "
+                                                   r"for \S+ s \()(\d+) of (\d+) bytes", err)]
+    assert cut and any(0 < x < y for x, y in cut), err  # killed mid-range: the rest came from bad
     assert by_peer.get(swarm.ids["b"], 0) > 0 and by_peer.get(swarm.ids["bad"], 0) > 0, by_peer
 
 

@@ -48,6 +48,9 @@ STALL_TIMEOUT_S = 30.0  # no byte through in this long, either way: the transfer
 # A range must be through within max(MIN_TRANSFER_S, its bytes / MIN_RATE), either way: a trickle
 # (a frame every few seconds) resets no stall timer forever, holding a server's slot or a piece.
 MIN_RATE, MIN_TRANSFER_S = 1 << 20, 30.0
+# Tests only: bytes per second a server sends at most (unset: as fast as it can), so that a test
+# can kill a source provably in the middle of a range.
+TEST_SEND_RATE = float(os.environ.get("DIFFUSE_TEST_FILES_SEND_RATE", "0") or 0)
 
 
 def transfer_limit(length: int, min_rate: float = MIN_RATE, least: float = MIN_TRANSFER_S) -> float:
@@ -362,6 +365,8 @@ class FileServer:
             for at in range(0, len(block), CHUNK):
                 await self._send(stream, Data(block[at:at + CHUNK]))
             length -= len(block)
+            if TEST_SEND_RATE:
+                await trio.sleep(len(block) / TEST_SEND_RATE)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
         with trio.fail_after(self.stall_timeout):
