@@ -5,11 +5,12 @@ block 3 is altered on disk once it serves (it computes with the blocks it loaded
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
 stores a block that hashes right; `--model auto` with `--blocks auto` fetches the span it serves;
 two peers with empty stores take complementary spans and end with only their span on disk; `src`
-is SIGKILLed and the swarm's greedy answer equals the local one, as is a client's that fetched
+and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
+one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
-block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer finishes from
-another without fetching twice what it had; with no honest source left for block 3, a join fails
-naming the block.
+block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
+cut range) finishes from another without fetching twice what it had; with no honest source left
+for block 3, a join fails naming the block.
 """
 
 from __future__ import annotations
@@ -40,18 +41,25 @@ def swarm(home, tmp_path_factory):
     shutil.copytree(models_dir(home) / DEFAULT_MODEL, models_dir(bad_home) / DEFAULT_MODEL)
     with Procs(home) as procs:
         s = Swarm(procs, tmp, {"src": "0:30"}, {"src": JOIN})
-        s.spans["bad"], s.extra["bad"] = "0:30", JOIN
-        s.procs.env, env = s.procs.env | {"DIFFUSE_HOME": str(bad_home)}, s.procs.env
-        s.start("bad")
-        s.procs.env = env
-        s.wait("bad")
-        corrupt(models_dir(bad_home) / DEFAULT_MODEL, 3)
+        s.spans["bad"], s.extra["bad"], s.bad_home = "0:30", JOIN, bad_home
+        start_bad(s)
         s.homes = {}
         yield s
 
 
+def start_bad(s: Swarm) -> None:
+    """Start `bad` on its whole copy and, once it serves, alter its stored block 3."""
+    s.procs.env, env = s.procs.env | {"DIFFUSE_HOME": str(s.bad_home)}, s.procs.env
+    try:
+        s.start("bad")
+    finally:
+        s.procs.env = env
+    s.wait("bad")
+    corrupt(models_dir(s.bad_home) / DEFAULT_MODEL, 3)
+
+
 def corrupt(model_dir, block: int) -> None:
-    """Flip a byte in every MiB of the block's stored tensors, in place (the size stays)."""
+    """Flip a byte in every MiB of the block's stored tensors, in place (the size stays); again, to restore."""
     files = ModelFiles(model_dir)
     with open(model_dir / "model.safetensors", "r+b") as f:
         for part in blockfiles.segments(files, block):
@@ -64,11 +72,11 @@ def corrupt(model_dir, block: int) -> None:
                     f.write(bytes([b[0] ^ 0xFF]))
 
 
-def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str) -> None:
+def join(swarm: Swarm, name: str, blocks: str, tmp, *extra: str, env_extra: dict | None = None) -> None:
     """Start `join --from-swarm --blocks BLOCKS` on an empty store of its own."""
     home = swarm.homes[name] = tmp / f"{name}-home"
     env = swarm.procs.env
-    swarm.procs.env = env | {"DIFFUSE_HOME": str(home)}
+    swarm.procs.env = env | {"DIFFUSE_HOME": str(home)} | (env_extra or {})
     try:
         swarm.proc[name] = swarm.procs.start("join", "--identity", str(swarm.tmp / f"{name}.key"), "--bootstrap",
                                              swarm.boot, "--listen", LOCAL, "--from-swarm", "--blocks", blocks, *JOIN,
@@ -123,8 +131,9 @@ def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_pa
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
+    slow = {"DIFFUSE_TEST_FILES_SEND_RATE": str(4 << 20)}  # b sends at 4 MiB/s: killed later, mid-range
     for name, span in {"a": "0:15", "b": "15:30"}.items():
-        join(swarm, name, span, tmp_path)
+        join(swarm, name, span, tmp_path, env_extra=slow if name == "b" else None)
     for name in ("a", "b"):
         swarm.wait(name)
     manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)
@@ -134,7 +143,12 @@ def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, 
         for i in range(lo, hi):  # the canonical bytes less each tensor's 3 header fields, plus safetensors' header
             assert manifest.block_sizes[i] - 4096 < disk[f"block-{i:05d}.safetensors"] < manifest.block_sizes[i] + 4096
     swarm.kill("src")
-    assert ask(swarm.procs, swarm.boot)["token_ids"] == reference_answer(home)
+    swarm.kill("bad")  # else the whole answer might come from it
+    answer = ask(swarm.procs, swarm.boot)
+    assert answer["token_ids"] == reference_answer(home)
+    assert {h["peer"] for h in answer["route"]} == {swarm.ids["a"], swarm.ids["b"]}, answer["route"]
+    corrupt(models_dir(swarm.bad_home) / DEFAULT_MODEL, 3)  # restored, so that it loads: a source again
+    start_bad(swarm)
 
 
 def client_ask(swarm: Swarm, home, *extra: str) -> tuple[dict, str]:
@@ -173,6 +187,10 @@ def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_p
     want = sum(manifest.block_sizes[15:30]) + sum(n for n, _ in manifest.files.values()) + 4096
     total, by_peer = fetched(swarm, "e")
     assert total * 2**20 <= want + 2**20, (total, want)  # nothing fetched twice
+    err = "\n".join(swarm.proc["e"].stderr)
+    cut = [(int(x), int(y)) for x, y in re.findall(rf"peer {swarm.ids['b']} (?:ended the transfer after |sent nothing "
+                                                   r"for \S+ s \()(\d+) of (\d+) bytes", err)]
+    assert cut and any(0 < x < y for x, y in cut), err  # killed mid-range: the rest came from bad
     assert by_peer.get(swarm.ids["b"], 0) > 0 and by_peer.get(swarm.ids["bad"], 0) > 0, by_peer
 
 

@@ -49,6 +49,10 @@ def run_fetch(tmp_path, serving: dict, sha: str, sources: list[str], size: int =
     """Fetch with `serving` (peer -> FileServer, or an async handler of a raw stream); returns
     (path or the FetchError, fetcher)."""
     async def main():
+        with trio.fail_after(60):
+            return await fetching()
+
+    async def fetching():
         async with trio.open_nursery() as nursery:
             async def open_stream(peer: str):
                 a, b = trio.testing.memory_stream_pair()
@@ -109,6 +113,76 @@ def test_a_source_breaking_off_costs_only_the_rest_of_its_piece(tmp_path, blob):
     assert path.read_bytes() == blob and not fetcher.banned
     assert fetcher.stats.by_peer["dies"] >= half
     assert fetcher.stats.received == SIZE  # the half it sent was kept: nothing fetched twice
+
+
+def test_a_trickling_source_is_dropped_for_the_file_and_its_piece_comes_from_another(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["good"])
+
+    async def trickles(stream):  # a byte every 20 ms: never stalls, never finishes a piece in time
+        get = F.Decoder(4096).feed(await stream.read(4096))[0]
+        try:
+            await stream.write(F.encode(F.Response(F.Status.OK, SIZE, get.offset, get.length)))
+            for at in range(get.offset, get.offset + get.length):
+                await stream.write(F.encode(F.Data(blob[at:at + 1])))
+                await trio.sleep(0.02)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    serving["slow"] = trickles
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["slow", "good"], per_source=1, min_piece_s=0.5)
+    assert path.read_bytes() == blob and not fetcher.banned  # too slow is no lie
+    assert 0 < fetcher.stats.by_peer["slow"] < PIECE and fetcher.stats.received == SIZE  # what it sent was kept
+
+
+def test_a_server_closes_a_transfer_slower_than_its_least_rate(blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    server = F.FileServer(max_per_peer=1, min_transfer_s=0.3, stall_timeout=5)
+    server.add_composite(sha, [blob])
+
+    async def main():  # a reader taking 100 bytes every 20 ms: never a stall, far below the least rate
+        ours, theirs = trio.testing.lockstep_stream_pair()
+        got, served = 0, trio.Event()
+
+        async def serve():
+            await server.serve(MemStream(theirs), "slowpoke")
+            served.set()
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve)
+                await MemStream(ours).write(F.encode(F.Get(bytes.fromhex(sha), 0, SIZE)))
+                while not served.is_set():
+                    with trio.move_on_after(0.5):  # the server may close while this waits
+                        got += len(await MemStream(ours).read(100))
+                    await trio.sleep(0.02)
+        return got
+
+    got = trio.run(main)
+    assert 0 < got < SIZE and not server.active  # closed part-way, its slot free for others
+
+
+def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, monkeypatch):
+    from diffuse.client import from_swarm
+
+    groups = {(f"{i:064x}", 100): [f"P{i}"] * (1 + i) for i in range(20)}
+    asked: list[str] = []
+
+    async def refuses(peer: str):
+        asked.append(peer)
+        raise FetchError(f"peer {peer} is gone")
+
+    async def hangs(peer: str):
+        await trio.sleep_forever()
+
+    async def main(open_stream):
+        with trio.fail_after(20):
+            return await from_swarm._fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
+
+    assert trio.run(main, refuses) == {}
+    assert len(set(asked)) == from_swarm.MAX_MANIFESTS and "P19" in asked  # the most announced first
+    monkeypatch.setattr(from_swarm, "MANIFESTS_TIMEOUT_S", 0.5)
+    assert trio.run(main, hangs) == {}  # one that never answers holds it up no longer than the timeout
 
 
 def test_a_busy_source_is_asked_again_not_dropped(tmp_path, blob, monkeypatch):
@@ -211,6 +285,48 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
         canonical.unlink()
 
 
+def fetched_block(files, block: int | None, part, canonical) -> None:
+    """Write block `block` (None: the head) of `files` into store `part` as a fetch leaves it."""
+    from diffuse.model import blockfiles
+
+    with open(canonical, "wb") as out:
+        for piece in blockfiles.segments(files, block):
+            if isinstance(piece, bytes):
+                out.write(piece)
+            else:
+                with open(piece[0], "rb") as f:
+                    f.seek(piece[1])
+                    out.write(f.read(piece[2]))
+    dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
+    blockfiles.to_safetensors(canonical, dest, block)
+
+
+def test_a_fetched_manifest_is_never_rewritten_and_only_a_whole_store_upgrades_its_own(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.model import blockfiles
+    from diffuse.model.weights import MANIFEST, ModelFiles, load_manifest
+
+    src = make_tiny(tmp_path / "src")
+    part = tmp_path / "part"
+    part.mkdir()
+    for f in src.iterdir():  # the format-1 manifest and config, no weights
+        if f.is_file() and f.suffix != ".safetensors":
+            (part / f.name).write_bytes(f.read_bytes())
+    files = ModelFiles(src)
+    for block in range(4):  # every block, no head
+        fetched_block(files, block, part, tmp_path / "canonical")
+    own = (part / MANIFEST).read_bytes()
+    assert blockfiles.complete(part).format == 1 and (part / MANIFEST).read_bytes() == own  # no head: kept
+    whole = blockfiles.complete(src)  # its own manifest, head and every block: upgraded once
+    assert whole.format == 2 and whole.head_size > 0 and load_manifest(src) == whole
+    fetched = (src / MANIFEST).read_bytes()
+    (part / MANIFEST).write_bytes(fetched)  # as `join --from-swarm --blocks 0:4` leaves it
+    (part / "notes.txt").write_text("a file the manifest does not list")
+    assert blockfiles.complete(part) == whole and (part / MANIFEST).read_bytes() == fetched
+    assert blockfiles.complete(src) == whole and (src / MANIFEST).read_bytes() == fetched
+
+
 def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path, smollm2):
     from diffuse.client import fallback
     from diffuse.model import blockfiles, store
@@ -223,17 +339,7 @@ def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path
             (part / f.name).write_bytes(f.read_bytes())
     files = ModelFiles(smollm2)
     for block in (4, 5, None):  # as a fetch leaves them: canonical bytes rewritten per block
-        canonical = tmp_path / "canonical"
-        with open(canonical, "wb") as out:
-            for piece in blockfiles.segments(files, block):
-                if isinstance(piece, bytes):
-                    out.write(piece)
-                else:
-                    with open(piece[0], "rb") as f:
-                        f.seek(piece[1])
-                        out.write(f.read(piece[2]))
-        dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
-        blockfiles.to_safetensors(canonical, dest, block)
+        fetched_block(files, block, part, tmp_path / "canonical")
     (m,) = store.list_models(tmp_path)
     assert m.held == "4-5, head" and "partial: holds blocks 4-5, head of 30" in store.table([m])
     assert fallback.held_models(tmp_path) == {}  # it cannot answer alone: never a fallback
@@ -271,6 +377,23 @@ def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen
     assert _choose({"1" * 64: (one, None)}, {("1" * 64, 10): ["PEER_A"]}, None) == "1" * 64
 
 
+def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
+    from dataclasses import replace
+
+    from diffuse.client.from_swarm import _choose
+    from diffuse.errors import DiffuseError
+    from diffuse.model.weights import Manifest
+
+    one = Manifest("m", "llama", 1, "float32", ["a" * 64], "b" * 64, files={"config.json": [2, "c" * 64]})
+    other = replace(one, files={"config.json": [3, "d" * 64]})  # same blocks and head, another config
+    found = {"1" * 64: (one, None), "2" * 64: (other, None)}
+    groups = {("1" * 64, 10): ["PEER_A"], ("2" * 64, 11): ["PEER_B"]}
+    with pytest.raises(DiffuseError, match="2 different manifests have model hash") as e:
+        _choose(found, groups, one.model_hash)
+    assert all(x in str(e.value) for x in ["1" * 64, "2" * 64, "PEER_A", "PEER_B", "manifest's SHA-256"])
+    assert _choose(found, groups, "2" * 64) == "2" * 64
+
+
 def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
     from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -281,3 +404,96 @@ def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
     config = JoinConfig(home=tmp_path, from_swarm=True, serve=ServeConfig(quant="int4"))
     with pytest.raises(DiffuseError, match="--from-swarm fetches a span of unquantized blocks"):
         Peer(create_new_key_pair(), config, print, print)
+
+
+def good_manifest() -> dict:
+    return {"model_id": "m", "arch": "llama", "num_layers": 2, "dtype": "float32", "block_hashes": ["a" * 64] * 2,
+            "head_hash": "b" * 64, "format": 2, "block_sizes": [100, 100], "head_size": 50,
+            "files": {"config.json": [2, "c" * 64]}}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47]), ("head_hash", "B" * 64),
+    ("head_hash", 7), ("block_sizes", [100, 10 ** 30]), ("block_sizes", [100, "100"]), ("head_size", -1),
+    ("head_size", 1.5), ("num_layers", "2"), ("block_hashes", "a" * 128), ("files", ["config.json"])])
+def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value):
+    from diffuse.client.from_swarm import _checked
+    from diffuse.errors import ModelError
+
+    (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
+    assert _checked(tmp_path, "m").block_sizes == [100, 100]
+    (tmp_path / "manifest.json").write_text(json.dumps(good_manifest() | {field: value}))
+    with pytest.raises(ModelError, match=re.escape(field)):
+        _checked(tmp_path, "m")
+
+
+@pytest.mark.parametrize("sha,size,why", [("../" + "a" * 61, 10, "not 64 lowercase hex"),
+                                          ("a" * 64, 10 ** 20, "is not a file's"),
+                                          ("a" * 64, "10", "is not a file's")])
+def test_a_fetch_refuses_a_hash_that_is_no_sha256_or_a_size_out_of_bounds(tmp_path, sha, size, why):
+    async def never(peer: str):
+        raise AssertionError("asked a peer")
+
+    async def main():
+        return await Fetcher(never).fetch(sha, size, tmp_path / "x", ["p"], "block 1")
+
+    with pytest.raises(FetchError, match=why):
+        trio.run(main)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_is_served_as_announced_even_once_rewritten_on_disk(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.client.from_swarm import MANIFEST_SHA
+    from diffuse.peer.offer import offer
+
+    store = make_tiny(tmp_path / "tiny")
+    server = F.FileServer()
+    extra = offer(server, store, (0, 4))
+    announced = (store / "manifest.json").read_bytes()
+    assert hashlib.sha256(announced).hexdigest() == extra[MANIFEST_SHA]
+    (store / "manifest.json").write_bytes(announced.replace(b'"llama"', b'"LLAMA"'))  # same size, other bytes
+    path, fetcher = run_fetch(tmp_path, {"peer": server}, extra[MANIFEST_SHA], ["peer"], size=len(announced))
+    assert not isinstance(path, Exception) and path.read_bytes() == announced and not fetcher.banned
+
+
+def test_bytes_of_a_source_gone_before_a_liar_is_replaced_stay_for_the_next_run(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving: dict = servers(tmp_path, blob, ["liar"])
+    bad = bytearray(blob)
+    for i in range(0, SIZE, PIECE):
+        bad[i] ^= 1
+    (tmp_path / "liar.bin").write_bytes(bytes(bad))
+    honest, asked = servers(tmp_path, blob, ["honest"])["honest"], []
+
+    async def then_gone(stream):  # serves its first request, then has the file no more
+        asked.append(1)
+        if len(asked) == 1:
+            await honest.serve(stream, "me")
+        else:
+            await stream.read(4096)
+            await stream.write(F.encode(F.Response(F.Status.NOT_FOUND, message="gone")))
+            await stream.close()
+
+    serving["honest"] = then_gone  # 1 piece of 4 from it, the rest from the liar: the liar's replaced first
+    err, first = run_fetch(tmp_path, serving, sha, ["honest", "liar"], per_source=2)
+    assert isinstance(err, FetchError) and "no other source could send them" in str(err), (err, first.stats)
+    notes = json.loads((tmp_path / "got" / f".file.{sha[:16]}.part.json").read_text())
+    assert sum(n for _, n in notes["received"]) == first.stats.by_peer["honest"] > 0  # the honest bytes, kept
+    path, second = run_fetch(tmp_path, servers(tmp_path, blob, ["good"]), sha, ["good"])
+    assert path.read_bytes() == blob and second.stats.received == SIZE - first.stats.by_peer["honest"]
+
+
+def test_with_two_liars_the_error_names_as_banned_only_those_banned(tmp_path, blob):
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["one", "two"])
+    for name, flip in (("one", 1), ("two", 2)):
+        bad = bytearray(blob)
+        for i in range(0, SIZE, PIECE):
+            bad[i] ^= flip
+        (tmp_path / f"{name}.bin").write_bytes(bytes(bad))
+    err, fetcher = run_fetch(tmp_path, serving, sha, ["one", "two"], per_source=1)
+    assert isinstance(err, FetchError), err
+    said = re.search(r"banned: ([^)]*)\)", str(err)).group(1)
+    assert sorted(said.split(", ")) == sorted(fetcher.banned) or (said == "none" and not fetcher.banned), str(err)

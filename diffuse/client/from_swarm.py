@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 Say = Callable[[str], None]
 MAX_MANIFEST = 1 << 20
 MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
+MAX_BLOCK, MAX_LAYERS = 1 << 38, 4096  # canonical bytes of one block or the head; blocks of a model
+# Distinct manifests fetched to compare (the most announced first), and the time for all of them:
+# announcing many manifests, or serving one slowly, cannot hold a join up for long.
+MAX_MANIFESTS, MANIFESTS_TIMEOUT_S = 8, 120.0
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
@@ -178,15 +182,8 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
     if not groups:
         raise DiffuseError("the peers announce no manifest this node can fetch")
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
-        found: dict[str, tuple[Manifest, Path]] = {}
         groups = {k: p for k, p in groups.items() if k[0] == trusted} or groups  # the operator's, if announced
-        for (sha, size), peers in groups.items():
-            where = Path(tmp) / sha
-            try:
-                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (_checked(where, records[0].model), where)
-            except (FetchError, ModelError) as e:
-                log.warning("manifest %s refused: %s", sha, e)
+        found = await _fetch_manifests(fetcher, groups, Path(tmp), records[0].model)
         sha = _choose(found, groups, trusted)
         manifest, where = found[sha]
         dest = models_dir(home) / manifest.model_id
@@ -204,6 +201,26 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
         return dest, manifest, sha
 
 
+async def _fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[str]], tmp: Path,
+                           model: str) -> dict[str, tuple[Manifest, Path]]:
+    """The announced manifests that could be fetched and read, at most MAX_MANIFESTS of them (the
+    most announced first) within MANIFESTS_TIMEOUT_S; those left out count as unreadable."""
+    found: dict[str, tuple[Manifest, Path]] = {}
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
+    with trio.move_on_after(MANIFESTS_TIMEOUT_S) as late:
+        for (sha, size), peers in ranked[:MAX_MANIFESTS]:
+            where = tmp / sha
+            try:
+                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
+                found[sha] = (_checked(where, model), where)
+            except (FetchError, ModelError) as e:
+                log.warning("manifest %s refused: %s", sha, e)
+    if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
+        log.warning("%d of %d announced manifests fetched (at most %d, within %g s)", len(found), len(groups),
+                    MAX_MANIFESTS, MANIFESTS_TIMEOUT_S)
+    return found
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -216,6 +233,10 @@ def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int
         hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
         if not hit:
             raise DiffuseError(f"no peer serves a manifest with hash {trusted}; announced: {_listing(found, groups)}")
+        if len(hit) > 1:  # the model hash covers blocks and head only, not config or tokenizer
+            hits = {k: p for k, p in groups.items() if k[0] in hit}
+            raise DiffuseError(f"{len(hit)} different manifests have model hash {trusted}: {_listing(found, hits)}; "
+                               "give the manifest's SHA-256 with --model-hash")
         return hit[0]
     if len(groups) == 1 and found:
         return next(iter(found))
@@ -229,19 +250,43 @@ def _listing(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, in
 
 
 def _checked(where: Path, model: str) -> Manifest:
-    """A fetched manifest that can say what to fetch: format 2, of `model`, its names safe."""
+    """A fetched manifest that can say what to fetch: format 2, of `model`, its names safe, every
+    hash 64 lowercase hex digits (one becomes part of a file name), every size an integer in bounds."""
     m = load_manifest(where)
-    if m.model_id != model or not _NAME.fullmatch(m.model_id) or len(m.block_hashes) != m.num_layers \
-            or len(m.block_sizes) != m.num_layers or m.quant != "none":
-        raise ModelError(f"not a manifest of {model} listing its blocks' sizes (format 2 of an unquantized model)")
+    if m.model_id != model or not isinstance(m.model_id, str) or not _NAME.fullmatch(m.model_id) \
+            or m.quant != "none":
+        raise ModelError(f"not a manifest of {model} (format 2 of an unquantized model)")
+    _check_counts(m)
+    hashes = [("head_hash", m.head_hash), *((f"block_hashes[{i}]", h) for i, h in enumerate(m.block_hashes))]
+    for field, value in hashes:
+        if not isinstance(value, str) or not _HEX64.fullmatch(value):
+            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not 64 lowercase hex digits")
+    for field, value, least in [("head_size", m.head_size, 0),
+                                *((f"block_sizes[{i}]", n, 1) for i, n in enumerate(m.block_sizes))]:
+        if type(value) is not int or not least <= value <= MAX_BLOCK:
+            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not an integer "
+                             f"from {least} to {MAX_BLOCK}")
     for name, entry in m.files.items():
         if not _NAME.fullmatch(name) or name.endswith(".safetensors") or name in blockfiles.NOT_FILES \
                 or not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int \
-                or not 0 < entry[0] <= MAX_FILE or not _HEX64.fullmatch(str(entry[1])):
-            raise ModelError(f"the manifest lists file {name!r} as {entry!r}")
-    if "config.json" not in m.files or not all(type(n) is int and n > 0 for n in m.block_sizes):
-        raise ModelError("the manifest lists no config.json, or a block size that is not a positive integer")
+                or not 0 < entry[0] <= MAX_FILE or not isinstance(entry[1], str) or not _HEX64.fullmatch(entry[1]):
+            raise ModelError(f"the manifest lists file {str(name)[:80]!r} as {str(entry)[:200]}")
+    if "config.json" not in m.files:
+        raise ModelError("the manifest lists no config.json")
     return m
+
+
+def _check_counts(m: Manifest) -> None:
+    """num_layers an integer in bounds, one hash and one size per block, `files` a mapping."""
+    if type(m.num_layers) is not int or not 0 < m.num_layers <= MAX_LAYERS:
+        raise ModelError(f"the manifest's num_layers is {str(m.num_layers)[:80]!r}, not an integer "
+                         f"from 1 to {MAX_LAYERS}")
+    for field in ("block_hashes", "block_sizes"):
+        value = getattr(m, field)
+        if not isinstance(value, list) or len(value) != m.num_layers:
+            raise ModelError(f"the manifest's {field} is not a list of {m.num_layers} entries (one per block)")
+    if not isinstance(m.files, dict):
+        raise ModelError("the manifest's files is not a mapping of names to [size, sha256]")
 
 
 async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources: list[str]) -> None:

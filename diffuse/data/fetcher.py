@@ -6,8 +6,11 @@ costs); a couple of workers per source take the next piece left and stream it st
 place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
 and the hash is computed over the prefix received while the rest arrives. A source that fails
 (dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
-its unfinished piece is asked of the others from where it stopped. A BUSY source is no failure:
-it is asked again a second later (up to a minute).
+its unfinished piece is asked of the others from where it stopped. A piece must be through within
+max(30 s, its bytes at 1 MiB/s) (files.transfer_limit): a slower source, which a stall timer never
+catches if it sends a frame now and then, is dropped for this file (not banned) and the rest of
+its piece goes to the others. A BUSY source is no failure: it is asked again a second later (up to
+a minute).
 
 When every byte is in, the size is checked first (short: an interrupted transfer, nobody is
 blamed), then the SHA-256. A wrong hash with one sender bans it. With several, the fetcher
@@ -28,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +39,8 @@ from pathlib import Path
 
 import trio
 
-from diffuse.data.files import STALL_TIMEOUT_S, Busy, Smaller, get_range, sha256_file
+from diffuse.data.files import MIN_RATE, MIN_TRANSFER_S, STALL_TIMEOUT_S, Busy, Slow, Smaller, get_range, \
+    sha256_file, transfer_limit
 from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
 
@@ -45,6 +50,8 @@ MAX_PIECE = 64 << 20  # and at most (files.MAX_RANGE is what a server must serve
 PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
 STRIKES = 3  # failed requests in a row before a source is dropped for this file
 BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
+MAX_SIZE = 1 << 40  # bytes of one file
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 Open = Callable[[str], Awaitable[ByteStream]]  # a files stream to a peer
 
 
@@ -80,8 +87,10 @@ class Fetcher:
     that sent bytes other than the hash names)."""
 
     def __init__(self, open_stream: Open, *, piece: int = PIECE, per_source: int = PER_SOURCE,
-                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None) -> None:
+                 stall_timeout: float = STALL_TIMEOUT_S, on_bytes: Callable[[int], None] | None = None,
+                 min_rate: float = MIN_RATE, min_piece_s: float = MIN_TRANSFER_S) -> None:
         self.open_stream, self.piece, self.per_source = open_stream, piece, per_source
+        self.min_rate, self.min_piece_s = min_rate, min_piece_s
         self.stall_timeout, self.on_bytes = stall_timeout, on_bytes
         self.banned: dict[str, str] = {}
         self.stats = Stats()
@@ -90,9 +99,11 @@ class Fetcher:
         """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
         names the file (`what`) and why when no honest source could give it. What an earlier
         fetch of the same file left (`.part` and its `.json`) is resumed from."""
+        if not isinstance(sha256, str) or not _HEX64.fullmatch(sha256):  # part of the temporary file's name
+            raise FetchError(f"{what or 'a file'}: hash {str(sha256)[:80]!r} is not 64 lowercase hex digits")
         what = what or f"file {sha256[:16]}…"
-        if size <= 0:
-            raise FetchError(f"{what}: a size of {size} bytes is not a file's")
+        if type(size) is not int or not 0 < size <= MAX_SIZE:
+            raise FetchError(f"{what}: a size of {str(size)[:80]} bytes is not a file's (1 to {MAX_SIZE})")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _claim(dest.with_name(f".{dest.name}.{sha256[:16]}.part"))
@@ -100,18 +111,17 @@ class Fetcher:
         sent = _resumable(tmp, notes, sha256, size)
         if not sent:
             os.ftruncate(fd, 0)
-        keep = True  # a failure to get the rest leaves what came, for the next try; a wrong hash, nothing
+        job = None  # a failure to get the rest leaves what came, for the next try; a hopeless hash, nothing
         try:
             os.ftruncate(fd, size)
             job = _Job(self, fd, sha256, size, what, sent, notes)
             piece = _piece(self.piece, size, len(sources) * self.per_source)
             await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
-            keep = False
             await job.check(sources, tmp)
             os.replace(tmp, dest)
         finally:
             os.close(fd)
-            if not keep:
+            if job is not None and job.hopeless:
                 tmp.unlink(missing_ok=True)
                 notes.unlink(missing_ok=True)
         notes.unlink(missing_ok=True)
@@ -176,6 +186,7 @@ class _Job:
         self.f, self.fd, self.sha, self.size, self.what = fetcher, fd, sha, size, what
         self.sent, self.notes = sent, notes  # offset -> (length, sender)
         self.errors: dict[str, str] = {}
+        self.hopeless = False  # every sender's bytes replaced and the hash still wrong: none worth keeping
         self.digest, self.hashed, self.hashing = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
 
     def note(self) -> None:
@@ -200,7 +211,8 @@ class _Job:
                 out = _At(self.fd, offset, self.f.stats, peer)
                 try:
                     await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
-                                    length, self.size, out, _NoDigest(), self.f.stall_timeout)
+                                    length, self.size, out, _NoDigest(), self.f.stall_timeout,
+                                    transfer_limit(length, self.f.min_rate, self.f.min_piece_s))
                     strikes[peer] = 0
                 except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
                     waits[peer] += 1
@@ -208,9 +220,14 @@ class _Job:
                     self.errors[peer] = str(e)
                     todo.append((offset + out.count, length - out.count))
                     await trio.sleep(BUSY_WAIT_S)
+                except Slow as e:  # dropped for this file, its piece's rest to the others
+                    log.info("%s: %s; dropped for this file", self.what, e)
+                    strikes[peer], self.errors[peer] = STRIKES, f"{e}: too slow, dropped"
+                    todo.append((offset + out.count, length - out.count))
                 except (FetchError, Smaller) as e:
                     strikes[peer] += 1
                     self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
+                    log.warning("%s: %s (strike %d of %d)", self.what, self.errors[peer], strikes[peer], STRIKES)
                     if length > out.count:  # the rest, from where it stopped, for whoever is free
                         todo.append((offset + out.count, length - out.count))
                 finally:
@@ -261,8 +278,10 @@ class _Job:
             senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
                                                                                   if q == p)))  # the unproven first
             if not senders:
-                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} "
-                                 f"(banned: {', '.join(sorted(tried))})")
+                self.hopeless = True
+                banned = ", ".join(p for p in sorted(tried) if p in self.f.banned) or "none"
+                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} (each sender's bytes "
+                                 f"replaced in turn: {', '.join(sorted(tried))}; banned: {banned})")
             suspect = senders[0]
             tried.add(suspect)
             if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
@@ -270,9 +289,11 @@ class _Job:
             ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
             for o, _ in ranges:
                 del self.sent[o]
+            self.note()
             try:
                 await self.fill(ranges, [p for p in sources if p != suspect])
             except FetchError as e:
+                self.hopeless = not self.sent  # what others sent stays, noted, for a later run
                 raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
                                  f"and no other source could send them ({e})") from None
             if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:

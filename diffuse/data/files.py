@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -44,6 +45,17 @@ MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for
 MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
 REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
 STALL_TIMEOUT_S = 30.0  # no byte through in this long, either way: the transfer is given up
+# A range must be through within max(MIN_TRANSFER_S, its bytes / MIN_RATE), either way: a trickle
+# (a frame every few seconds) resets no stall timer forever, holding a server's slot or a piece.
+MIN_RATE, MIN_TRANSFER_S = 1 << 20, 30.0
+# Tests only: bytes per second a server sends at most (unset: as fast as it can), so that a test
+# can kill a source provably in the middle of a range.
+TEST_SEND_RATE = float(os.environ.get("DIFFUSE_TEST_FILES_SEND_RATE", "0") or 0)
+
+
+def transfer_limit(length: int, min_rate: float = MIN_RATE, least: float = MIN_TRANSFER_S) -> float:
+    """Seconds a range of `length` bytes may take at most."""
+    return max(least, length / min_rate)
 
 _HEADER = struct.Struct(">2sBBBB")  # magic, major, minor, type, reserved
 HEADER_SIZE = _HEADER.size  # 6
@@ -250,10 +262,12 @@ class FileServer:
     """
 
     def __init__(self, *, max_transfers: int = 4, max_per_peer: int = 2, max_range: int = MAX_RANGE,
-                 request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S) -> None:
+                 request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S,
+                 min_rate: float = MIN_RATE, min_transfer_s: float = MIN_TRANSFER_S) -> None:
         self.files: dict[str, tuple[Path | Composite, int]] = {}  # hex sha256 -> (file, size when hashed)
         self.max_transfers, self.max_per_peer, self.max_range = max_transfers, max_per_peer, max_range
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
+        self.min_rate, self.min_transfer_s = min_rate, min_transfer_s
         self.active: Counter[str] = Counter()  # remote peer -> transfers in progress
 
     def add(self, path: Path) -> tuple[str, int]:
@@ -331,7 +345,12 @@ class FileServer:
                 answer = resolve(get, size, self.max_range)
                 await self._send(stream, answer)
                 if answer.status == Status.OK:
-                    await self._copy(f, stream, answer.offset, answer.length)
+                    limit = transfer_limit(answer.length, self.min_rate, self.min_transfer_s)
+                    with trio.move_on_after(limit) as slow:
+                        await self._copy(f, stream, answer.offset, answer.length)
+                    if slow.cancelled_caught:  # its slot is freed; the stream is closed by serve
+                        log.info("files stream to %s took over %g s for %d bytes: closed", remote, limit,
+                                 answer.length)
         finally:
             self.active[remote] -= 1
             if not self.active[remote]:
@@ -346,6 +365,8 @@ class FileServer:
             for at in range(0, len(block), CHUNK):
                 await self._send(stream, Data(block[at:at + CHUNK]))
             length -= len(block)
+            if TEST_SEND_RATE:
+                await trio.sleep(len(block) / TEST_SEND_RATE)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
         with trio.fail_after(self.stall_timeout):
@@ -483,6 +504,10 @@ class Busy(FetchError):
     """The peer answered BUSY: it serves the file, but not now."""
 
 
+class Slow(FetchError):
+    """The peer sent a range slower than the least rate a fetch accepts (not a lie: no ban)."""
+
+
 class Smaller(Exception):
     """The peer answered TOO_LARGE: it sends at most `length` bytes per request."""
 
@@ -492,8 +517,9 @@ class Smaller(Exception):
 
 
 async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
-                     out: BinaryIO, digest: Any, stall_timeout: float) -> int:
-    """Receive [offset, offset + length) into `out` and `digest`; returns `length`."""
+                     out: BinaryIO, digest: Any, stall_timeout: float, deadline_s: float = math.inf) -> int:
+    """Receive [offset, offset + length) into `out` and `digest` within `deadline_s` (else Slow);
+    returns `length`."""
     stream = await open_stream()
     try:
         try:
@@ -503,31 +529,35 @@ async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, len
         decoder = Decoder(HEADER_SIZE + MAX_CHUNK)
         head: Response | None = None
         received = 0
-        while head is None or received < length:
-            with trio.move_on_after(stall_timeout) as idle:
-                data = await _read(stream)
-            if idle.cancelled_caught:
-                raise FetchError(f"peer {peer} sent nothing for {stall_timeout:g} s "
-                                 f"({received} of {length} bytes from {offset} received)")
-            if not data:
-                what = "before answering" if head is None else f"after {received} of {length} bytes from {offset}"
-                raise FetchError(f"peer {peer} ended the transfer {what}")
-            try:
-                messages = decoder.feed(data)
-            except FrameError as e:
-                raise FetchError(f"peer {peer} broke the files protocol: {e}") from None
-            for msg in messages:
-                if head is None:
-                    head = _check_head(msg, peer, offset, length, total)
-                elif isinstance(msg, Data) and received + len(msg.data) <= length:
-                    out.write(msg.data)
-                    digest.update(msg.data)
-                    received += len(msg.data)
-                elif isinstance(msg, Response):
-                    raise FetchError(f"peer {peer} broke off the transfer after {received} of {length} bytes: "
-                                     f"{status_name(msg.status)}: {msg.message}")
-                else:
-                    raise FetchError(f"peer {peer} sent more than the {length} bytes asked from {offset}")
+        with trio.move_on_after(deadline_s) as late:
+            while head is None or received < length:
+                with trio.move_on_after(stall_timeout) as idle:
+                    data = await _read(stream)
+                if idle.cancelled_caught:
+                    raise FetchError(f"peer {peer} sent nothing for {stall_timeout:g} s "
+                                     f"({received} of {length} bytes from {offset} received)")
+                if not data:
+                    what = "before answering" if head is None else \
+                        f"after {received} of {length} bytes from {offset}"
+                    raise FetchError(f"peer {peer} ended the transfer {what}")
+                try:
+                    messages = decoder.feed(data)
+                except FrameError as e:
+                    raise FetchError(f"peer {peer} broke the files protocol: {e}") from None
+                for msg in messages:
+                    if head is None:
+                        head = _check_head(msg, peer, offset, length, total)
+                    elif isinstance(msg, Data) and received + len(msg.data) <= length:
+                        out.write(msg.data)
+                        digest.update(msg.data)
+                        received += len(msg.data)
+                    elif isinstance(msg, Response):
+                        raise FetchError(f"peer {peer} broke off the transfer after {received} of {length} bytes: "
+                                         f"{status_name(msg.status)}: {msg.message}")
+                    else:
+                        raise FetchError(f"peer {peer} sent more than the {length} bytes asked from {offset}")
+        if late.cancelled_caught:
+            raise Slow(f"peer {peer} sent {received} of {length} bytes from {offset} in {deadline_s:g} s")
         return received
     finally:
         await close_quietly(stream)
@@ -562,5 +592,5 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
 
 
 __all__ = ["PROTOCOL_ID", "Busy", "Composite", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response",
-           "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range", "resolve", "sha256_file",
-           "status_name"]
+           "Slow", "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range", "resolve",
+           "sha256_file", "status_name", "transfer_limit"]

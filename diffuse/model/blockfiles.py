@@ -80,12 +80,16 @@ def held(model_dir: Path) -> tuple[set[int], bool]:
 
 
 def complete(model_dir: Path) -> Manifest:
-    """The manifest with its format-2 fields, written back (atomically) where they were missing
-    or stale; a store lacking blocks keeps the one it has (fetched, it was checked by hash)."""
+    """The manifest, upgraded once (atomically) from format 1 to 2 on a store that made its own and
+    holds every block and the head (a variant: its source's head, not held). A format-2 manifest
+    is never rewritten: fetched, it is the swarm's, and its SHA-256 is what this peer announces; a
+    rewrite from a partial store (no head, other files about) would split the swarm."""
     model_dir = Path(model_dir)
     m = load_manifest(model_dir)
+    if m.format >= FORMAT:
+        return m
     blocks, head = held(model_dir)
-    if len(blocks) < m.num_layers:
+    if not blocks.issuperset(range(m.num_layers)) or not (head or m.quant != "none"):
         return m
     files = ModelFiles(model_dir)
     got = replace(m, format=FORMAT, block_sizes=[size(segments(files, i)) for i in range(m.num_layers)],

@@ -9,6 +9,7 @@ this store); what it serves is never trusted by a receiver, which hashes everyth
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ def offer(server: FileServer, model_dir: Path, span: tuple[int, int] | None) -> 
     manifest = blockfiles.complete(model_dir)
     if "" in manifest.block_hashes:  # part of a hub model (model/hub_blocks.py): no manifest of the model's
         return {}
-    sha, size = server.add(model_dir / MANIFEST)
+    data = (model_dir / MANIFEST).read_bytes()  # served from memory: a later rewrite on disk never
+    sha = hashlib.sha256(data).hexdigest()      # sends other bytes under the hash announced
+    size = server.add_composite(sha, [data])
     extra: dict[str, Any] = {MANIFEST_SHA: sha, MANIFEST_BYTES: size}
     if span is None or manifest.format < blockfiles.FORMAT or manifest.quant != "none":
         return extra
