@@ -131,7 +131,7 @@ def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_pa
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
-    slow = {"DIFFUSE_TEST_FILES_SEND_RATE": str(4 << 20)}  # b sends at 4 MiB/s: killed later, mid-range
+    slow = {"DIFFUSE_FILES_SEND_RATE": str(4 << 20)}  # b sends at 4 MiB/s: killed later, mid-range
     for name, span in {"a": "0:15", "b": "15:30"}.items():
         join(swarm, name, span, tmp_path, env_extra=slow if name == "b" else None)
     for name in ("a", "b"):

@@ -23,7 +23,7 @@ import trio.testing
 
 from diffuse.data import files as F
 from diffuse.data.fetcher import Fetcher
-from diffuse.errors import FetchError
+from diffuse.errors import DiffuseError, FetchError
 from test_sessions import MemStream
 
 SIZE = 3 * 65536 + 123
@@ -497,3 +497,17 @@ def test_with_two_liars_the_error_names_as_banned_only_those_banned(tmp_path, bl
     assert isinstance(err, FetchError), err
     said = re.search(r"banned: ([^)]*)\)", str(err)).group(1)
     assert sorted(said.split(", ")) == sorted(fetcher.banned) or (said == "none" and not fetcher.banned), str(err)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan"])
+def test_a_bad_upload_cap_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", value)
+    with pytest.raises(DiffuseError, match="DIFFUSE_FILES_SEND_RATE"):
+        F.send_rate_cap()
+
+
+def test_the_upload_cap_defaults_to_none_and_takes_bytes_per_second(monkeypatch):
+    monkeypatch.delenv("DIFFUSE_FILES_SEND_RATE", raising=False)
+    assert F.send_rate_cap() == 0
+    monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", str(4 << 20))
+    assert F.FileServer().send_rate == 4 << 20

@@ -29,7 +29,7 @@ import trio
 
 from diffuse.control.dial import connect, connected, open_stream
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
-from diffuse.errors import FetchError, ProtocolError
+from diffuse.errors import DiffuseError, FetchError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,20 @@ STALL_TIMEOUT_S = 30.0  # no byte through in this long, either way: the transfer
 # A range must be through within max(MIN_TRANSFER_S, its bytes / MIN_RATE), either way: a trickle
 # (a frame every few seconds) resets no stall timer forever, holding a server's slot or a piece.
 MIN_RATE, MIN_TRANSFER_S = 1 << 20, 30.0
-# Tests only: bytes per second a server sends at most (unset: as fast as it can), so that a test
-# can kill a source provably in the middle of a range.
-TEST_SEND_RATE = float(os.environ.get("DIFFUSE_TEST_FILES_SEND_RATE", "0") or 0)
+SEND_RATE_ENV = "DIFFUSE_FILES_SEND_RATE"  # an owner's cap on upload: bytes/s per transfer (unset: none)
+
+
+def send_rate_cap() -> float:
+    """$DIFFUSE_FILES_SEND_RATE: bytes per second one transfer may send at most (0 or unset: no cap),
+    for an owner whose upload link is lent too. Below MIN_RATE, fetchers drop this peer's pieces."""
+    text = os.environ.get(SEND_RATE_ENV, "").strip()
+    try:
+        rate = float(text or 0)
+    except ValueError:
+        rate = -1.0
+    if not (math.isfinite(rate) and rate >= 0):
+        raise DiffuseError(f"{SEND_RATE_ENV} must be a number of bytes per second >= 0, not {text!r}")
+    return rate
 
 
 def transfer_limit(length: int, min_rate: float = MIN_RATE, least: float = MIN_TRANSFER_S) -> float:
@@ -269,6 +280,7 @@ class FileServer:
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
         self.min_rate, self.min_transfer_s = min_rate, min_transfer_s
         self.active: Counter[str] = Counter()  # remote peer -> transfers in progress
+        self.send_rate = send_rate_cap()
 
     def add(self, path: Path) -> tuple[str, int]:
         """Hash `path` and serve it; returns (hex sha256, size)."""
@@ -365,8 +377,8 @@ class FileServer:
             for at in range(0, len(block), CHUNK):
                 await self._send(stream, Data(block[at:at + CHUNK]))
             length -= len(block)
-            if TEST_SEND_RATE:
-                await trio.sleep(len(block) / TEST_SEND_RATE)
+            if self.send_rate:
+                await trio.sleep(len(block) / self.send_rate)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
         with trio.fail_after(self.stall_timeout):
