@@ -195,6 +195,14 @@ class _Job:
                                    "received": [[o, n] for o, (n, _) in sorted(self.sent.items())]}))
         tmp.replace(self.notes)
 
+    def received(self, offset: int, count: int, peer: str) -> None:
+        """Note `count` bytes from `peer` at `offset` (kept for a resume) and report them."""
+        if count:
+            self.sent[offset] = (count, peer)
+            self.note()
+            if self.f.on_bytes:
+                self.f.on_bytes(count)
+
     async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
         """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
         live = [p for p in dict.fromkeys(sources) if p not in self.f.banned]
@@ -232,15 +240,8 @@ class _Job:
                         todo.append((offset + out.count, length - out.count))
                 finally:
                     busy.remove(offset)
-                    if out.count:
-                        self.sent[offset] = (out.count, peer)
-                        self.note()
-                        if self.f.on_bytes:
-                            self.f.on_bytes(out.count)
-                if strikes[peer]:
-                    await trio.sleep(0.2 * strikes[peer])
-                else:
-                    await self.hash_ahead()
+                    self.received(offset, out.count, peer)
+                await (trio.sleep(0.2 * strikes[peer]) if strikes[peer] else self.hash_ahead())
 
         async with trio.open_nursery() as nursery:
             for peer in live:
