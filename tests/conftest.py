@@ -8,6 +8,7 @@ test it could not run and why (each reason says how to install what it needs).""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -76,3 +77,12 @@ def gemma_pulled(tmp_path_factory) -> tuple[Path, Path, list[str]]:
     home = tmp_path_factory.mktemp("gemma-home")
     lines: list[str] = []
     return home, store.pull(home, packages.GEMMA_3_270M.name, lines.append), lines
+
+
+@pytest.fixture(autouse=True)
+def _free_cycles():
+    """After each test, collect reference cycles: a client's or a peer's weights held in a cycle
+    (an object and a bound method of it) are otherwise freed only when Python's collector next
+    runs, which counts objects, not bytes, so a worker's memory grows test by test."""
+    yield
+    gc.collect()

@@ -8,6 +8,7 @@ stranger cannot send frames into a session; a peer altering what it forwards is 
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -77,6 +78,8 @@ async def answers(boot: str, home, ids: dict[str, str], runs: list[dict]) -> lis
             await pipe.close()
             out.append({"tokens": gen.completion.token_ids, "report": report,
                         "trees": max(state.stats.positions) if state else 0})
+            del client, pipe, remote, gen
+            gc.collect()  # a client's weights sit in reference cycles: free them before the next run's
     return out
 
 
