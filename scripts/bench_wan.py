@@ -202,11 +202,7 @@ def main() -> int:
                 table("loopback: the client in the peers' namespace (0 ms)",
                       client_run(procs, wan, "peers", boot, ids, args), args.peers)
         finally:
-            if relay is not None:
-                relay.kill()
-                relay.wait()
-            procs.close()
-            wan.destroy()
+            wan.close(procs, relay)
     return 0
 
 

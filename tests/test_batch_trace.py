@@ -13,21 +13,7 @@ import trio
 import trio.testing
 
 from support import batch_trace
-
-
-def _two_sessions(batcher, steps: int = 8) -> None:
-    async def session(name: str, offset: float) -> None:
-        await trio.sleep(offset)
-        for _ in range(steps):
-            await batcher.run("k", 1, name, name, name.lower())
-            await trio.sleep(0.2)  # elsewhere: the next peer, the client's head
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(session, "A", 0.0)
-            nursery.start_soon(session, "B", 0.05)
-
-    trio.run(main)
+from test_batching import two_sessions
 
 
 def test_every_pass_is_traced_with_its_sessions_and_a_broken_trace_stops_quietly(tmp_path):
@@ -39,9 +25,9 @@ def test_every_pass_is_traced_with_its_sessions_and_a_broken_trace_stops_quietly
 
     batcher = Batcher(compute)
     batcher.trace = str(batch_trace.trace_file(tmp_path, 1))
-    _two_sessions(batcher, 4)
+    two_sessions(batcher, 4)
     out = batcher._trace_out
-    _two_sessions(batcher, 1)
+    two_sessions(batcher, 1)
     assert batcher._trace_out is out  # kept open between passes
     path = batch_trace.trace_file(tmp_path, 1)
     passes = batch_trace.read(path)
@@ -87,7 +73,7 @@ def test_with_gathering_off_sessions_out_of_phase_keep_alternating(monkeypatch):
         time.sleep(0.1)
         return items
 
-    _two_sessions(Batcher(compute))
+    two_sessions(Batcher(compute))
     # test_batching's gathering test puts them in step after a few passes; here most passes stay single
     assert sum(sizes) == 16 and sizes.count(1) >= 10, sizes
 

@@ -285,6 +285,22 @@ def test_company_counts_the_sessions_stepping_until_they_leave_or_lapse():
     assert trio.run(main) == (3, 2, 0)
 
 
+def two_sessions(batcher, steps: int = 8) -> None:
+    """Sessions A and B at one pace, B queueing 50 ms after A, each step tagged with its name."""
+    async def session(name: str, offset: float) -> None:
+        await trio.sleep(offset)
+        for _ in range(steps):
+            await batcher.run("k", 1, name, name, name.lower())
+            await trio.sleep(0.2)  # elsewhere: the next peer, the client's head
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session, "A", 0.0)
+            nursery.start_soon(session, "B", 0.05)
+
+    trio.run(main)
+
+
 def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
     """Two sessions with the same pace, B queueing just after A's batch began: without waiting
     they alternate forever (each computes while the other is elsewhere); a step waits up to one
@@ -298,20 +314,7 @@ def test_sessions_stepping_out_of_phase_are_gathered_into_one_batch():
         time.sleep(0.1)
         return items
 
-    batcher = Batcher(compute)
-
-    async def session(name: str, offset: float) -> None:
-        await trio.sleep(offset)
-        for _ in range(12):
-            await batcher.run("k", 1, name, name)
-            await trio.sleep(0.2)  # elsewhere: the next peer, the client's head
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(session, "A", 0.0)
-            nursery.start_soon(session, "B", 0.05)
-
-    trio.run(main)
+    two_sessions(Batcher(compute), 12)
     late = sizes[len(sizes) // 2:]
     # In step once their rhythm is known (a busy machine may knock them out of it once; without the
     # wait they alternate and every batch is single).

@@ -50,6 +50,14 @@ class Wan:
     def prefix(self, name: str) -> tuple[str, ...]:
         return ("ip", "netns", "exec", self.ns[name])
 
+    def close(self, procs, relay: subprocess.Popen | None) -> None:
+        """End a bench's relay (if started) and processes, then remove the namespaces."""
+        if relay is not None:
+            relay.kill()
+            relay.wait()
+        procs.close()
+        self.destroy()
+
     def destroy(self) -> None:
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
