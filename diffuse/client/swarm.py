@@ -8,6 +8,7 @@ block hashes match the manifest the client trusts, preferring peers with a low m
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -122,8 +123,11 @@ class SwarmClient:
                                    "(open it with codecs=reputation.swarm_codecs())")
             # Canaries live in the store holding the model (home/models/NAME), else the default home.
             store_home = self.model_dir.parent.parent if self.model_dir.parent.name == "models" else data_home()
-            bank = CanaryBank(self.model_dir, store_home, self.opts.wire_dtype, t.canaries, t.canary_tokens)
-            self.guard = Guard(self.model_id, bank, node.key_pair, t, publish=self._publish)
+            bank = CanaryBank(self.model_dir, store_home, self.opts.wire_dtype, t.canaries, t.canary_tokens,
+                              exact=self.opts.exact)
+            # publishing needs only the node: a bound method would make client and guard a cycle that
+            # keeps the client's weights alive until the garbage collector runs
+            self.guard = Guard(self.model_id, bank, node.key_pair, t, publish=functools.partial(publish_evidence, node))
         self.suspects: dict[str, tuple[int, float]] = {}  # peer -> (others' reports, looked up at)
 
     async def records(self, max_age: float = 0.0) -> list[PeerRecord]:
@@ -260,10 +264,6 @@ class SwarmClient:
             for peer in todo:
                 nursery.start_soon(one, peer)
         return {p for p, (n, _) in self.suspects.items() if n > 0}
-
-    async def _publish(self, evidence: reputation.SignedEvidence) -> None:
-        acks = await reputation.publish(self.node, evidence)
-        log.info("evidence against %s published to %d DHT nodes", evidence.evidence.accused, acks)
 
     async def _probe(self, records: list[PeerRecord], start: int, end: int) -> None:
         """Ping peers not measured lately, most supported first (those in the most DHT nodes'
@@ -447,3 +447,8 @@ def route_report(pipeline: Pipeline, tokens: int) -> dict | None:
 
 
 __all__ = ["SwarmBusy", "SwarmClient", "SwarmOptions", "NoRoute", "remote_of", "remotes_of", "route_report"]
+
+
+async def publish_evidence(node: Node, evidence: reputation.SignedEvidence) -> None:
+    acks = await reputation.publish(node, evidence)
+    log.info("evidence against %s published to %d DHT nodes", evidence.evidence.accused, acks)

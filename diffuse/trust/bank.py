@@ -62,6 +62,7 @@ class SpanMaterial:
     references: dict[str, torch.Tensor] = field(default_factory=dict)  # per variant: its fp32 output [n, T, H]
     hashes: dict[str, str] = field(default_factory=dict)  # per variant: the model hash its reference is of
     variant_hash: Callable[[str], str | None] = lambda scheme: None  # the store's variant's hash now
+    exact: bool = False  # judges exact sessions: honest outputs on the batch-invariant kernels
 
     def __post_init__(self) -> None:
         self._calibrate(self.benign)
@@ -123,7 +124,7 @@ class SpanMaterial:
             raise ValueError(f"peer declares an unknown compute dtype {dtype!r}")
         benign = dict(self.benign)  # published once calibrated: readers test `dtype in benign` unlocked
         if scheme == "none":
-            benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype))
+            benign.update(_benign(self.referee, self.canaries, [torch_dtype], self.wire_dtype, self.exact))
         else:  # the variant's reference, and its honest outputs in fp32 (the referee's) and in `dtype`
             self._judge_variant(scheme, torch_dtype, benign)
         self._calibrate(benign)
@@ -140,20 +141,27 @@ class SpanMaterial:
             referee = self.referee_for(name)  # makes the variant where the store lacks it
             ref = C.forward(referee, hidden)
             self.references[scheme], self.hashes[scheme] = ref, self.variant_hash(scheme) or ""
-            benign[name] = [ref.to(self.wire_dtype).float(),
-                            C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype)]
+            first = C.honest_output(referee, hidden, torch.float32, None, self.wire_dtype, True) if self.exact \
+                else ref.to(self.wire_dtype).float()
+            benign[name] = [first, C.honest_output(referee, hidden, torch.float32, 1, self.wire_dtype, self.exact)]
         if dtype != torch.float32:
             peer = self.load_variant(scheme, dtype)
-            benign[compute_name(dtype, scheme)] = [C.honest_output(peer, hidden, dtype, seed, self.wire_dtype)
-                                                    for seed in (None, 1)]
+            benign[compute_name(dtype, scheme)] = [
+                C.honest_output(peer, hidden, dtype, seed, self.wire_dtype, self.exact) for seed in (None, 1)]
 
 
 class CanaryBank:
+    """exact: the bank of a client whose sessions are exact, so are its canary sessions, and peers
+    compute them on the batch-invariant kernels (attention in fp64), whose drift differs canary by
+    canary from the fast kernels' (some canaries drift far more): calibrated on those kernels, in
+    span files of their own. The sampled canaries are shared."""
+
     def __init__(self, model_dir: Path, home: Path, wire_dtype: torch.dtype, n: int = 16, length: int = 16,
-                 dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)):
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), exact: bool = False):
         if n < 2 or length <= 4:
             raise ValueError("a canary bank needs at least 2 canaries of more than 4 tokens")
         self.model_dir, self.wire_dtype, self.n, self.length, self.dtypes = model_dir, wire_dtype, n, length, dtypes
+        self.exact = exact
         manifest = load_manifest(model_dir)
         self.num_layers = manifest.num_layers
         self.dir = home / "trust" / manifest.model_hash[:16]
@@ -238,7 +246,7 @@ class CanaryBank:
             return self.spans[key]
         tokens, boundaries = self._base()
         path = self.dir / (f"span-{start}-{end}-{C.dtype_name(self.wire_dtype)}-{self.n}x{self.length}"
-                           f"-tail{C.DECODE_TAIL}.safetensors")  # calibrated for canaries sent so
+                           f"-tail{C.DECODE_TAIL}{'-exact' if self.exact else ''}.safetensors")  # canaries sent so
         load = lambda: load_span(self.model_dir, start, end, torch.float32)  # noqa: E731
         variant = lambda scheme, dtype: _variant(self.model_dir, start, end, scheme, dtype)  # noqa: E731
         saved = self._read_span(path, (self.n, self.length, boundaries.shape[-1])) if path.exists() else None
@@ -246,13 +254,13 @@ class CanaryBank:
             reference, references, hashes, benign = saved
             canaries = C.make_canaries(tokens, boundaries[start], None, self.wire_dtype, reference)
             m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), None, variant,
-                             references=references, hashes=hashes, variant_hash=self._variant_hash)
+                             references=references, hashes=hashes, variant_hash=self._variant_hash, exact=self.exact)
         else:
             span = load()
             canaries = C.make_canaries(tokens, boundaries[start], span, self.wire_dtype)
-            benign = _benign(span, canaries, self.dtypes, self.wire_dtype)
+            benign = _benign(span, canaries, self.dtypes, self.wire_dtype, self.exact)
             m = SpanMaterial(start, end, canaries, benign, self.wire_dtype, load, self._saver(path), span, variant,
-                             variant_hash=self._variant_hash)
+                             variant_hash=self._variant_hash, exact=self.exact)
             m.save(m)
         self.spans[key] = m
         return m
@@ -308,9 +316,11 @@ def _variant(model_dir: Path, start: int, end: int, scheme: str, dtype: torch.dt
 
 
 def _benign(span: BlockSpan, canaries: list[C.Canary], dtypes,
-            wire_dtype: torch.dtype) -> dict[str, list[torch.Tensor]]:
-    """Two honest realizations per dtype; fp32's first is the references themselves (the same
-    computation), which saves one of the five passes."""
+            wire_dtype: torch.dtype, exact: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Two honest realizations per dtype; fp32's first on the fast kernels is the references
+    themselves (the same computation), which saves one of the five passes."""
+    if exact:
+        return C.benign_outputs(span, canaries, dtypes, wire_dtype, realizations=2, exact=True)
     out = {}
     for d in dtypes:
         if d == torch.float32:

@@ -74,16 +74,17 @@ def forward(span: BlockSpan, hidden: Tensor) -> Tensor:
 
 
 @torch.inference_mode()
-def forward_as_sent(span: BlockSpan, hidden: Tensor, alone: bool) -> Tensor:
+def forward_as_sent(span: BlockSpan, hidden: Tensor, alone: bool, exact: bool = False) -> Tensor:
     """`hidden` [B, T, H] through `span` the way a client sends a canary: a prefill, then the
     last DECODE_TAIL tokens one step each. A peer's kernels depend on how many rows a product
     has, so single-token steps drift otherwise than a prefill does (on SmolLM2 in bf16, ~5% more
     relative error). `alone`: each sequence's steps computed by themselves (a peer serving one
-    session); otherwise all B sequences' steps together (a peer batching sessions)."""
+    session); otherwise all B sequences' steps together (a peer batching sessions). `exact`: on
+    the batch-invariant kernels an exact session's canaries are computed with."""
     if alone:
-        return torch.cat([forward_as_sent(span, hidden[i:i + 1], False) for i in range(hidden.shape[0])])
+        return torch.cat([forward_as_sent(span, hidden[i:i + 1], False, exact) for i in range(hidden.shape[0])])
     b, t, _ = hidden.shape
-    first, x, cache = max(1, t - DECODE_TAIL), hidden.to(_dtype(span)), span.new_cache(t, b)
+    first, x, cache = max(1, t - DECODE_TAIL), hidden.to(_dtype(span)), span.new_cache(t, b, exact)
     outs = [span(x[:, :first], torch.arange(first), cache)]
     outs += [span(x[:, j:j + 1], torch.tensor([j]), cache) for j in range(first, t)]
     return torch.cat(outs, 1)
@@ -141,27 +142,30 @@ def _permute(span: BlockSpan, seed: int) -> Tensor:
 
 
 def honest_output(span: BlockSpan, hidden: Tensor, dtype: torch.dtype, seed: int | None,
-                  wire_dtype: torch.dtype) -> Tensor:
+                  wire_dtype: torch.dtype, exact: bool = False) -> Tensor:
     """What an honest peer computing in `dtype` sends back for canaries `hidden` [B, T, H] (as
     fp32), stepped as a client sends them (forward_as_sent).
 
     seed None: this machine's kernels, each canary computed alone; an int: the same arithmetic
     with the hidden and MLP dimensions permuted, so every matmul and norm sums in another order,
     and the canaries' steps batched together. The two realizations span both ways a peer serves.
+    exact: as a peer computes an exact session's canaries (batch-invariant kernels, attention in
+    fp64), whose drift is another distribution than the fast kernels': an exact client is judged
+    against exact realizations only.
     """
     peer = copy.deepcopy(span).to(dtype)
     if seed is None:
-        return forward_as_sent(peer, hidden, alone=True).to(wire_dtype).float()
+        return forward_as_sent(peer, hidden, True, exact).to(wire_dtype).float()
     p = _permute(peer, seed)
-    return forward_as_sent(peer, hidden[..., p], alone=False)[..., torch.argsort(p)].to(wire_dtype).float()
+    return forward_as_sent(peer, hidden[..., p], False, exact)[..., torch.argsort(p)].to(wire_dtype).float()
 
 
 def benign_outputs(span: BlockSpan, canaries: Sequence[Canary], dtypes: Sequence[torch.dtype],
-                   wire_dtype: torch.dtype, realizations: int = 2) -> dict[str, list[Tensor]]:
+                   wire_dtype: torch.dtype, realizations: int = 2, exact: bool = False) -> dict[str, list[Tensor]]:
     """Per dtype name, `realizations` honest outputs [n, T, H] of every canary (seed None first)."""
     hidden = torch.stack([c.hidden for c in canaries]).float()
     seeds = [None, *range(1, realizations)]
-    return {dtype_name(d): [honest_output(span, hidden, d, s, wire_dtype) for s in seeds] for d in dtypes}
+    return {dtype_name(d): [honest_output(span, hidden, d, s, wire_dtype, exact) for s in seeds] for d in dtypes}
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
