@@ -44,29 +44,55 @@ class Link:
         self.downstream, self.stream = downstream, stream
         self.error: str | None = None
         self.forwarded = 0
+        self.nursery: trio.Nursery | None = None
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Run the link's tasks (its watcher, its writes) in the session's `nursery`."""
+        self.nursery = nursery
+        nursery.start_soon(self.watch)
 
     async def forward(self, step: Step) -> bool:
         """Write one output as a STEP of the downstream session; False (and `error`) if the link is
-        gone. Never raises: the client's copy still has to go out."""
+        gone. Never raises: the client's copy still has to go out.
+
+        The write runs in a task of its own and is waited for at most link_write_s: a message,
+        once begun, is written whole (control/whole_writes.py), so a link whose packets are
+        dropped would otherwise hold the client's copy until the connection's write timeout,
+        and the client would blame this peer for its link."""
         if self.error is not None:
             return False
         try:
             frame = encode(step)
-            limit = link_write_s(len(frame))
-            with trio.fail_after(limit):
-                await self.stream.write(frame)
-        except trio.TooSlowError:
-            return await self.drop(f"the next peer did not take a frame in {limit:.1f} s")
-        except Exception as e:  # noqa: BLE001 - py-libp2p's many ways of a stream ending; an encode error
+        except Exception as e:  # noqa: BLE001 - an output the codec refuses
             return await self.drop(f"forwarding failed: {type(e).__name__}: {e}")
+        limit, done, failed = link_write_s(len(frame)), trio.Event(), []
+
+        async def write() -> None:
+            try:
+                await self.stream.write(frame)
+            except Exception as e:  # noqa: BLE001 - py-libp2p's many ways of a stream ending
+                failed.append(f"forwarding failed: {type(e).__name__}: {e}")
+            finally:
+                done.set()
+
+        self.nursery.start_soon(write)
+        with trio.move_on_after(limit):
+            await done.wait()
+        if failed or not done.is_set():
+            return await self.drop(failed[0] if failed else f"the next peer did not take a frame in {limit:.1f} s")
         self.forwarded += 1
         return True
 
     async def drop(self, why: str) -> bool:
+        """Stop forwarding; the stream is closed beside the session (closing writes too, and a
+        link that takes no bytes would hold the step)."""
         if self.error is None:
             self.error = why
             log.info("link to %s dropped: %s", self.downstream.peer_id, why)
-            await close_quietly(self.stream)
+            if self.nursery is not None:
+                self.nursery.start_soon(close_quietly, self.stream)
+            else:
+                await close_quietly(self.stream)
         return False
 
     async def watch(self) -> None:
@@ -115,6 +141,7 @@ async def open_link(dial: DialPeer | None, downstream: Downstream) -> tuple[Link
         why = UNREACHABLE
     else:
         if isinstance(got[0], AttachOk) and got[0].session_id == downstream.session_id:
+            log.info("linked to %s for its session %s", downstream.peer_id, downstream.session_id.hex()[:8])
             return Link(downstream, stream), None
         why = f"the next peer refused the link: {getattr(got[0], 'message', type(got[0]).__name__)}"
     if stream is not None:

@@ -305,9 +305,10 @@ class RemoteSpan:
             session.feed_from_upstream(i > 0 and self.hops[i - 1].feeds(session))
             try:
                 h = await session.step(h, positions, tree_mask, commit)
-                if session.link_error and i + 1 < len(self.hops) and not self._noted(session):
-                    self.stats.links.append({"link": [session.hop.peer_id, self.hops[i + 1].hop.peer_id],
-                                             "when": "step", "error": session.link_error})
+                if session.link_error and i + 1 < len(self.hops):
+                    self._note_link(session.hop.peer_id, self.hops[i + 1].hop.peer_id, session.link_error)
+                if session.silent_link and i > 0:  # the link into this hop, noticed at its end
+                    self._note_link(self.hops[i - 1].hop.peer_id, session.hop.peer_id, session.silent_link)
                 i += 1
             except (Rewind, ChecksUnavailable):
                 raise
@@ -318,8 +319,11 @@ class RemoteSpan:
                 await self._failover(i, e, noticed_s=time.perf_counter() - sent)
         return h
 
-    def _noted(self, session: Session) -> bool:
-        return any(r["link"][0] == session.hop.peer_id and r["error"] == session.link_error for r in self.stats.links)
+    def _note_link(self, upstream: str, downstream: str, error: str) -> None:
+        """Report a link between two peers that failed (once): neither peer is blamed."""
+        entry = {"link": [upstream, downstream], "when": "step", "error": error}
+        if entry not in self.stats.links:
+            self.stats.links.append(entry)
 
     async def _failover(self, i: int, error: Exception, inputs: list[Sent] | None = None,
                         during: str = "step", noticed_s: float | None = None) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor
 from diffuse.control.routing import Hop
 from diffuse.data.chain import LINK_OPEN_S, link_write_s
 from diffuse.data.codec import (
-    Close, Downstream, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError,
+    Close, Downstream, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Step, StepOk, WireError, encode,
 )
 from diffuse.data.commitments import StepBinding, bind, input_commitment
 from diffuse.data.session import Role, SessionRules, SessionState
@@ -118,6 +118,7 @@ class Session(Protocol):
     session_id: bytes
     chained: bool
     link_error: str | None
+    silent_link: str | None
     forwarded_steps: int
 
     @property
@@ -146,6 +147,7 @@ class HopSession:
         self.link_error: str | None = None  # why it is not, or no longer
         self.minor = 0  # the peer's protocol minor version
         self.fed = False  # this step's input arrives from the upstream peer, not from us
+        self.silent_link: str | None = None  # why the upstream's link stopped feeding us: we step it ourselves
         self.forwarded = False  # the last step's output went on to `downstream`
         self.forwarded_steps = 0
         self.commitments = commitments  # ask for, and check, per-step output commitments
@@ -243,8 +245,8 @@ class HopSession:
 
     def feed_from_upstream(self, fed: bool) -> None:
         """Whether the next step's input comes from the upstream peer (it forwarded the previous
-        hop's output here) rather than from this client (star)."""
-        self.fed = fed
+        hop's output here) rather than from this client (star); never again once its link fell silent."""
+        self.fed = fed and self.silent_link is None
 
     def feeds(self, other: Session) -> bool:
         """Whether this hop's last output went on to `other`'s session (its peer took it)."""
@@ -256,15 +258,31 @@ class HopSession:
         limit = timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout)
         if self.chained:  # the peer writes its output to the next peer before ours goes out
             limit += link_write_s(msg.hidden.numel() * msg.hidden.element_size())
-        with self._within(limit, f"STEP {msg.step}"):
-            if self.fed:
-                self.rules.sent(msg)  # the upstream peer delivers it
-            else:
+        if self.fed:
+            self.rules.sent(msg)  # the upstream peer delivers it
+            reply = await self._fed_reply(msg, limit)
+        else:
+            with self._within(limit, f"STEP {msg.step}"):
                 await self._send(msg)
-            reply = await self._receive()
+                reply = await self._receive()
         out = self._accept(msg, reply)
         self._advance(msg, positions)
         return out
+
+    async def _fed_reply(self, msg: Step, limit: float) -> Message:
+        """The reply to a STEP the upstream peer forwards here. None within `limit` may be a silent
+        link (packets dropped between the two peers: the upstream's writes still succeed) as well
+        as a frozen peer, so the client sends the STEP itself (the peer answers it once and drops
+        the link) and waits as long again: an answer then blames the link, not this peer, and the
+        client steps this session itself from then on."""
+        with trio.move_on_after(limit):
+            return await self._receive()
+        self.fed, self.silent_link = False, f"no input forwarded by {self.upstream} in {limit:.1f} s"
+        with self._within(limit, f"STEP {msg.step} (sent again, its forwarded copy missing)"):
+            data = encode(msg)
+            self.bytes_sent += len(data)
+            await self._write(data)
+            return await self._receive()
 
     async def replay(self, inputs: Sequence[Sent], timeout: float) -> list[Tensor]:
         """Send every step of `inputs` as first sent, then read the replies while writing, so a

@@ -418,7 +418,7 @@ class _Conn:
             return None
         self.link_out, why = await open_link(self.server.dial, m.downstream)
         if self.link_out is not None:
-            self.nursery.start_soon(self.link_out.watch)
+            self.link_out.start(self.nursery)
         return why
 
     async def on_step(self, m: Step) -> bool:
