@@ -1,8 +1,9 @@
 """A swarm across Linux network namespaces: the sentinel, two peers and the client each in a
 namespace of their own, joined by veth pairs to a bridge in a switch namespace (nothing touches
 the host's own network). Each node sees the others only at their 10.99.0.x addresses, so this
-checks what loopback cannot: announced addresses are the ones that route, and sessions work
-between hosts. Needs root and iproute2's `ip netns`; skipped with the reason otherwise.
+checks what loopback cannot: announced addresses are the ones that route, sessions work between
+hosts, and a link between two peers that drops packets is told from a dead peer. Needs root,
+iproute2's `ip netns` and iptables; skipped with the reason otherwise (failed under CI).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,9 +92,9 @@ def reference(home) -> list[int]:
     return reference_answer(home)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def net():
-    why = missing()
+    why = missing() or (None if shutil.which("iptables") else "iptables is not installed (apt-get install iptables)")
     if why:
         pytest.skip(why)
     net = Net(os.urandom(3).hex())
@@ -105,37 +107,89 @@ def net():
     assert net.tag not in leftover, f"namespaces left behind: {leftover}"
 
 
-def test_swarm_across_namespaces_equals_local(home, tmp_path, net, reference):
+@pytest.fixture(scope="module")
+def swarm(home, tmp_path_factory, net):
+    """The sentinel and peers A (blocks 1:15, logging at -v) and B (15:30), each in its namespace:
+    (boot address, peer ids by name, A's log)."""
+    tmp = tmp_path_factory.mktemp("netns")
     children: list[Child] = []
     base = ["--home", str(home)]
 
     def start(name: str, *args: str) -> Child:
-        children.append(Child(name, base + list(args), tmp_path / f"{name}.log", prefix=net.prefix(name)))
+        children.append(Child(name, base + list(args), tmp / f"{name}.log", prefix=net.prefix(name)))
         return children[-1]
 
     try:
-        sentinel = start("sentinel", "sentinel", "--identity", str(tmp_path / "s.key"),
-                         "--listen", net.listen("sentinel"))
+        sentinel = start("sentinel", "sentinel", "--identity", str(tmp / "s.key"), "--listen", net.listen("sentinel"))
         boot = sentinel.wait_for("/ip4/", 120)
         assert boot.startswith(f"/ip4/{net.addr['sentinel']}/")
         ids = {}
         for name, span in (("peerA", "1:15"), ("peerB", "15:30")):
-            start(name, "join", "--bootstrap", boot, "--blocks", span, "--heartbeat", "5",
-                  "--identity", str(tmp_path / f"{name}.key"), "--listen", net.listen(name))
+            start(name, "-v", "join", "--bootstrap", boot, "--blocks", span, "--heartbeat", "5",
+                  "--identity", str(tmp / f"{name}.key"), "--listen", net.listen(name))
         for child in children[1:]:
             addr = child.wait_for("/ip4/", 180)
             assert addr.startswith(f"/ip4/{net.addr[child.name]}/"), addr
-            ids[parse_peer_addr(addr).peer_id.to_base58()] = child.name
+            ids[child.name] = parse_peer_addr(addr).peer_id.to_base58()
             child.wait_for("serving ", 180)
-        # Plain greedy, as the reference: bf16 speculation may flip a near-tie (its own tests cover it).
-        out = subprocess.run(net.prefix("client") + CLI + base + [
-            "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
-            "--wait", "60", "--no-speculate", QUESTION], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr
-        got = json.loads(out.stdout)
-        assert got["token_ids"] == reference
-        assert [(ids[h["peer"]], h["blocks"]) for h in got["route"]] == [("peerA", [1, 15]), ("peerB", [15, 30])]
-        assert not got["failovers"]
+        yield boot, ids, tmp / "peerA.log"
     finally:
         for child in reversed(children):
             child.stop()
+
+
+def ask(home, net: Net, boot: str) -> subprocess.Popen:
+    """`ask --json` from the client's namespace, plain greedy as the reference (bf16 speculation
+    may flip a near-tie: its own tests cover it)."""
+    return subprocess.Popen(net.prefix("client") + CLI + ["--home", str(home)] + [
+        "--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
+        "--wait", "60", "--no-speculate", QUESTION], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def answer(proc: subprocess.Popen) -> dict:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+def test_swarm_across_namespaces_equals_local(home, net, swarm, reference):
+    boot, ids, _ = swarm
+    got = answer(ask(home, net, boot))
+    assert got["token_ids"] == reference
+    assert [h["peer"] for h in got["route"]] == [ids["peerA"], ids["peerB"]]
+    assert [h["blocks"] for h in got["route"]] == [[1, 15], [15, 30]]
+    assert not got["failovers"]
+
+
+def test_a_link_that_drops_packets_as_the_answer_starts_is_blamed_and_stepped_around(home, net, swarm, reference):
+    """Packets from A to B are dropped (iptables in A's namespace) once A has linked to B for the
+    client's session, while the client still reaches both. Nothing errors: A's write of the
+    prefill's output hangs in a full socket (A stops waiting after link_write_s and tells the
+    client), or a smaller write succeeds and B never gets its input (the client sends that step
+    itself). Either way the answer completes as the local one with no failover, and the report
+    blames the link, naming both peers (tests/test_chain.py pins each way in memory)."""
+    boot, ids, log_a = swarm
+    linked = f"linked to {ids['peerB']}"
+    before = log_a.read_text(errors="replace").count(linked)
+    drop = ["iptables", "-A", "OUTPUT", "-d", net.addr["peerB"], "-j", "DROP"]
+    proc = ask(home, net, boot)
+    try:
+        deadline = time.monotonic() + 180
+        while log_a.read_text(errors="replace").count(linked) == before:
+            assert time.monotonic() < deadline and proc.poll() is None, "A never linked to B for the session"
+            time.sleep(0.02)
+        done = subprocess.run(net.prefix("peerA") + drop, capture_output=True, text=True, timeout=20)
+        assert done.returncode == 0, done.stderr
+        got = answer(proc)
+    finally:
+        subprocess.run(net.prefix("peerA") + ["iptables", "-D", *drop[2:]], capture_output=True, timeout=20)
+    assert got["token_ids"] == reference
+    assert not got["failovers"], got["failovers"]
+    blamed = [link for link in got["links"] if link["link"] == [ids["peerA"], ids["peerB"]]]
+    assert blamed and blamed[0]["when"] == "step", got["links"]
+    assert any(why in blamed[0]["error"] for why in ("did not take a frame", "no input forwarded")), blamed
