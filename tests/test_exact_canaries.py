@@ -24,7 +24,7 @@ from diffuse.trust.guard import TrustOptions
 from diffuse.trust.tamper import Tamper
 
 pytestmark = pytest.mark.slow
-START, END = 1, 15  # the span whose fast-kernel calibration called an honest exact peer a cheat
+START, END = 1, 15  # 14 of SmolLM2's blocks, the span of a 2-peer route's first hop
 
 
 def verdict(material, outputs):
@@ -34,12 +34,11 @@ def verdict(material, outputs):
 
 def test_an_exact_clients_canaries_judge_exact_peers_on_their_own_kernels(smollm2, tmp_path):
     exact = CanaryBank(smollm2, tmp_path, torch.float16, exact=True).material(START, END)
-    fast = CanaryBank(smollm2, tmp_path, torch.float16).material(START, END)
-    assert [c.tokens.tolist() for c in exact.canaries] == [c.tokens.tolist() for c in fast.canaries]
     hidden = torch.stack([c.hidden for c in exact.canaries]).float()
+    native = C.honest_output(exact.referee, hidden, torch.bfloat16, None, torch.float16, exact=True)
+    assert torch.equal(exact.benign["bfloat16"][0], native)  # calibrated on the exact kernels
     honest = {seed: C.honest_output(exact.referee, hidden, torch.bfloat16, seed, torch.float16, exact=True)
-              for seed in (None, 2, 3)}
-    assert torch.equal(exact.benign["bfloat16"][0], honest[None])  # calibrated on the exact kernels
+              for seed in (2, 3)}  # sums in other orders, as other machines' kernels do
     for seed, out in honest.items():
         v = verdict(exact, out)
         assert not v.tampered, (seed, v)

@@ -94,7 +94,7 @@ def reference(home) -> list[int]:
 
 @pytest.fixture(scope="module")
 def net():
-    why = missing() or (None if shutil.which("iptables") else "iptables is not installed (apt-get install iptables)")
+    why = missing()
     if why:
         pytest.skip(why)
     net = Net(os.urandom(3).hex())
@@ -173,6 +173,8 @@ def test_a_link_that_drops_packets_as_the_answer_starts_is_blamed_and_stepped_ar
     client), or a smaller write succeeds and B never gets its input (the client sends that step
     itself). Either way the answer completes as the local one with no failover, and the report
     blames the link, naming both peers (tests/test_chain.py pins each way in memory)."""
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed (apt-get install iptables)")
     boot, ids, log_a = swarm
     linked = f"linked to {ids['peerB']}"
     before = log_a.read_text(errors="replace").count(linked)
@@ -186,8 +188,12 @@ def test_a_link_that_drops_packets_as_the_answer_starts_is_blamed_and_stepped_ar
         done = subprocess.run(net.prefix("peerA") + drop, capture_output=True, text=True, timeout=20)
         assert done.returncode == 0, done.stderr
         got = answer(proc)
+        counted = subprocess.run(net.prefix("peerA") + ["iptables", "-L", "OUTPUT", "-v", "-x", "-n"],
+                                 capture_output=True, text=True, timeout=20).stdout
     finally:
         subprocess.run(net.prefix("peerA") + ["iptables", "-D", *drop[2:]], capture_output=True, timeout=20)
+    rule = next(line.split() for line in counted.splitlines() if net.addr["peerB"] in line)
+    assert int(rule[0]) > 0, f"the rule dropped nothing: the answer ended before it was in place\n{counted}"
     assert got["token_ids"] == reference
     assert not got["failovers"], got["failovers"]
     blamed = [link for link in got["links"] if link["link"] == [ids["peerA"], ids["peerB"]]]

@@ -40,15 +40,11 @@ DialPeer = Callable[[str, tuple[str, ...]], Awaitable[ByteStream]]
 class Link:
     """The stream a hop forwards its outputs on; `error` says why it was dropped (None while up)."""
 
-    def __init__(self, downstream: Downstream, stream: ByteStream):
+    def __init__(self, downstream: Downstream, stream: ByteStream, nursery: trio.Nursery):
         self.downstream, self.stream = downstream, stream
+        self.nursery = nursery  # the session's: the link's watcher, writes and closing run there
         self.error: str | None = None
         self.forwarded = 0
-        self.nursery: trio.Nursery | None = None
-
-    def start(self, nursery: trio.Nursery) -> None:
-        """Run the link's tasks (its watcher, its writes) in the session's `nursery`."""
-        self.nursery = nursery
         nursery.start_soon(self.watch)
 
     async def forward(self, step: Step) -> bool:
@@ -89,10 +85,7 @@ class Link:
         if self.error is None:
             self.error = why
             log.info("link to %s dropped: %s", self.downstream.peer_id, why)
-            if self.nursery is not None:
-                self.nursery.start_soon(close_quietly, self.stream)
-            else:
-                await close_quietly(self.stream)
+            self.nursery.start_soon(close_quietly, self.stream)
         return False
 
     async def watch(self) -> None:
@@ -119,8 +112,10 @@ class Link:
         await close_quietly(self.stream)
 
 
-async def open_link(dial: DialPeer | None, downstream: Downstream) -> tuple[Link | None, str | None]:
-    """A link to `downstream`, attached to its session, or None and why not (within LINK_OPEN_S)."""
+async def open_link(dial: DialPeer | None, downstream: Downstream,
+                    nursery: trio.Nursery) -> tuple[Link | None, str | None]:
+    """A link to `downstream`, attached to its session, or None and why not (within LINK_OPEN_S);
+    its tasks run in `nursery`, the session's."""
     if dial is None:
         return None, "this peer does not forward (no host to dial from)"
     stream = None
@@ -142,7 +137,7 @@ async def open_link(dial: DialPeer | None, downstream: Downstream) -> tuple[Link
     else:
         if isinstance(got[0], AttachOk) and got[0].session_id == downstream.session_id:
             log.info("linked to %s for its session %s", downstream.peer_id, downstream.session_id.hex()[:8])
-            return Link(downstream, stream), None
+            return Link(downstream, stream, nursery), None
         why = f"the next peer refused the link: {getattr(got[0], 'message', type(got[0]).__name__)}"
     if stream is not None:
         await close_quietly(stream)

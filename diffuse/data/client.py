@@ -307,8 +307,9 @@ class RemoteSpan:
                 h = await session.step(h, positions, tree_mask, commit)
                 if session.link_error and i + 1 < len(self.hops):
                     self._note_link(session.hop.peer_id, self.hops[i + 1].hop.peer_id, session.link_error)
-                if session.silent_link and i > 0:  # the link into this hop, noticed at its end
-                    self._note_link(self.hops[i - 1].hop.peer_id, session.hop.peer_id, session.silent_link)
+                silent = session.silent_link_news()  # the link into this hop, noticed at its end
+                if silent:
+                    self._note_link(session.upstream, session.hop.peer_id, silent)
                 i += 1
             except (Rewind, ChecksUnavailable):
                 raise

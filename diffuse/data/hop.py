@@ -118,7 +118,7 @@ class Session(Protocol):
     session_id: bytes
     chained: bool
     link_error: str | None
-    silent_link: str | None
+    upstream: str | None
     forwarded_steps: int
 
     @property
@@ -132,6 +132,7 @@ class Session(Protocol):
     async def close(self) -> None: ...
     def feed_from_upstream(self, fed: bool) -> None: ...
     def feeds(self, other: Session) -> bool: ...
+    def silent_link_news(self) -> str | None: ...
 
 
 class HopSession:
@@ -148,6 +149,7 @@ class HopSession:
         self.minor = 0  # the peer's protocol minor version
         self.fed = False  # this step's input arrives from the upstream peer, not from us
         self.silent_link: str | None = None  # why the upstream's link stopped feeding us: we step it ourselves
+        self._silent_told = False
         self.forwarded = False  # the last step's output went on to `downstream`
         self.forwarded_steps = 0
         self.commitments = commitments  # ask for, and check, per-step output commitments
@@ -265,24 +267,40 @@ class HopSession:
             with self._within(limit, f"STEP {msg.step}"):
                 await self._send(msg)
                 reply = await self._receive()
-        out = self._accept(msg, reply)
+        out = self._accept(msg, reply)  # still judged as fed: a late forward of other bytes bans both
+        self.fed = self.fed and self.silent_link is None
         self._advance(msg, positions)
         return out
 
     async def _fed_reply(self, msg: Step, limit: float) -> Message:
         """The reply to a STEP the upstream peer forwards here. None within `limit` may be a silent
         link (packets dropped between the two peers: the upstream's writes still succeed) as well
-        as a frozen peer, so the client sends the STEP itself (the peer answers it once and drops
-        the link) and waits as long again: an answer then blames the link, not this peer, and the
-        client steps this session itself from then on."""
-        with trio.move_on_after(limit):
-            return await self._receive()
-        self.fed, self.silent_link = False, f"no input forwarded by {self.upstream} in {limit:.1f} s"
-        with self._within(limit, f"STEP {msg.step} (sent again, its forwarded copy missing)"):
+        as a frozen peer, so the client then sends the STEP itself (the peer answers it once and
+        drops the link) and waits as long again: an answer then blames the link, not this peer,
+        and the client steps this session itself from then on. The read is never cancelled
+        before the end (a cancelled read may lose bytes the stream then lacks)."""
+
+        async def send_when_late() -> None:
+            await trio.sleep(limit)
+            self.silent_link = f"no input forwarded by {self.upstream} in {limit:.1f} s"
             data = encode(msg)
             self.bytes_sent += len(data)
             await self._write(data)
-            return await self._receive()
+
+        with self._within(2 * limit, f"STEP {msg.step} (forwarded, then sent by the client)"):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_when_late)
+                reply = await self._receive()
+                if self.silent_link is None:  # still asleep: a write once begun is left to finish
+                    nursery.cancel_scope.cancel()
+        return reply
+
+    def silent_link_news(self) -> str | None:
+        """Why the link into this hop fell silent, the first time it is asked after it did."""
+        if self.silent_link is None or self._silent_told:
+            return None
+        self._silent_told = True
+        return self.silent_link
 
     async def replay(self, inputs: Sequence[Sent], timeout: float) -> list[Tensor]:
         """Send every step of `inputs` as first sent, then read the replies while writing, so a

@@ -119,7 +119,10 @@ class BlockServer:
         conn = _Conn(self, stream, remote)
         self.conns.add(conn)
         try:
-            async with trio.open_nursery() as nursery:  # a chained session's link watcher lives here
+            # A chained session's link watcher and writes live here: a write stuck in a full socket
+            # is written whole or times out (control/whole_writes.py), so the handler may outlive
+            # its session by that long, its resources already released.
+            async with trio.open_nursery() as nursery:
                 conn.nursery = nursery
                 await self._serve(conn)
                 nursery.cancel_scope.cancel()
@@ -416,9 +419,7 @@ class _Conn:
             self.server.linkable[m.session_id] = self
         if m.downstream is None:
             return None
-        self.link_out, why = await open_link(self.server.dial, m.downstream)
-        if self.link_out is not None:
-            self.link_out.start(self.nursery)
+        self.link_out, why = await open_link(self.server.dial, m.downstream, self.nursery)
         return why
 
     async def on_step(self, m: Step) -> bool:
