@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 RAW = "/diffuse/bench-raw/1"
+RAW_WRITE = int(os.environ.get("BENCH_RAW_WRITE", 256 << 10))  # bytes per write of the raw stream
 
 
 def _rss_mib() -> float:
@@ -40,7 +41,7 @@ async def _serve(path: str) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.host import make_host
-    from diffuse.data.files import CHUNK, PROTOCOL_ID, FileServer
+    from diffuse.data.files import PROTOCOL_ID, FileServer
 
     host = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     server = FileServer()
@@ -51,7 +52,7 @@ async def _serve(path: str) -> None:
 
     async def raw(stream) -> None:
         with open(path, "rb") as f:
-            while block := f.read(CHUNK):
+            while block := f.read(RAW_WRITE):
                 await stream.write(block)
         await stream.close()
 
@@ -90,7 +91,9 @@ async def _fetch(addrs: list[str], sha: str, size: int, dest: str, raw: bool) ->
             async def open_stream(peer: str):
                 return await host.new_stream(infos[peer].peer_id, [PROTOCOL_ID])
 
-            await Fetcher(open_stream).fetch(sha, size, Path(dest), list(infos), "the file")
+            fetcher = Fetcher(open_stream)
+            await fetcher.fetch(sha, size, Path(dest), list(infos), "the file")
+            await fetcher.close()
         took = time.perf_counter() - start
     if os.path.getsize(dest) != size:
         raise SystemExit(f"fetched {os.path.getsize(dest)} bytes of {size}")
