@@ -1,11 +1,12 @@
 """Files from several peers at once over the files protocol (protocols/files.md), checked by hash.
 
 A file (named by its SHA-256 and size, which the caller trusts: a manifest it checked) is cut
-into pieces, as long as they can be while every worker gets one (a request opens a stream, which
-costs); a couple of workers per source take the next piece left and stream it straight to its
-place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
-and the hash is computed over the prefix received while the rest arrives. A source that fails
-(dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
+into pieces, a few per worker; a couple of workers per source take the next piece left, each on
+a stream it keeps (files 1.2), and write it straight to its place in a temporary file, so memory
+stays at a read or two per worker whatever the file's size; a task of its own hashes the prefix
+received while the rest arrives. Which sources work at once is steered by the rate they add
+(data/crew.py). A source that fails (dies, stalls, refuses) loses its workers after a few strikes
+and is replaced from the reserve at once, and the bytes it did deliver stay:
 its unfinished piece is asked of the others from where it stopped. A piece must be through within
 max(30 s, its bytes at 1 MiB/s) (files.transfer_limit): a slower source, which a stall timer never
 catches if it sends a frame now and then, is dropped for this file (not banned) and the rest of
