@@ -247,7 +247,7 @@ class _Fill:
         job = self.job
         offset, length = self.todo.pop(0)
         self.busy.append(offset)
-        out, began = _At(job.fd, offset, self.f.stats, peer), trio.current_time()
+        out, began, wait = _At(job.fd, offset, self.f.stats, peer), trio.current_time(), 0.0
         try:
             await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(job.sha), offset, length, job.size,
                             out, _NoDigest(), self.f.stall_timeout,
@@ -260,7 +260,7 @@ class _Fill:
             self.strikes[peer] += int(self.waits[peer] >= BUSY_WAITS)  # busy for good: a failure after all
             job.errors[peer] = str(e)
             self.crew.call_up()  # one from the reserve meanwhile
-            await trio.sleep(BUSY_WAIT_S)
+            wait = BUSY_WAIT_S
         except Slow as e:  # dropped for this file, its piece's rest to the others
             log.info("%s: %s; dropped for this file", job.what, e)
             self.strikes[peer], job.errors[peer] = STRIKES, f"{e}: too slow, dropped"
@@ -275,6 +275,7 @@ class _Fill:
                 self.crew.drop(peer)
             self.busy.remove(offset)
             job.received(offset, out.count, peer)
+        await trio.sleep(wait)  # a BUSY source's piece is the others' meanwhile
 
 
 class _Job:

@@ -2,12 +2,13 @@
 
 A client asks for a byte range of the file whose SHA-256 it names; the server answers with one
 RESPONSE (a status, the file's size, the range it sends) and the bytes in DATA frames of at most
-1 MiB. The content hash is the file's only name, so the receiver checks it over the whole file
-before anything uses it, and a peer can serve whatever the swarm announces by hash (a draft
-head now; blocks' weights later, which the manifest already names by hash).
+1 MiB; since 1.2 the stream then takes the next GET, so a receiver keeps it (`Held`). The content
+hash is the file's only name, so the receiver checks it over the whole file before anything uses
+it, and a peer can serve whatever the swarm announces by hash (draft heads, a model's blocks).
 
-The codec (`encode`, `decode_body`, `Decoder`, `resolve`) does no I/O; `FileServer.handle`
-and `fetch` run it over libp2p streams. Metadata is packed with `struct`, never pickle.
+The codec (`encode`, `decode_body`, `Decoder`, `AnswerDecoder`, `resolve`) does no I/O;
+`FileServer.serve` and `get_range` run it over libp2p streams. Metadata is packed with `struct`,
+never pickle.
 """
 
 from __future__ import annotations
