@@ -160,8 +160,9 @@ class Simulated:
         return int(self.count)
 
 
-def steer(total, live: list[str], width: int = C.START_WIDTH) -> list[str]:
+def steer(total, live: list[str], width: int = C.START_WIDTH, started: list | None = None) -> list[str]:
     sim = Simulated(total)
+    sim.started = started if started is not None else []
 
     async def main():
         sim.crew = C.Crew(live, width, {}, sim.started.append)
@@ -176,6 +177,12 @@ def steer(total, live: list[str], width: int = C.START_WIDTH) -> list[str]:
 
 def test_where_more_sources_cost_rate_the_crew_settles_on_one():
     assert steer(lambda k: 300e6 * (1 - 0.15 * (k - 1)), ["a", "b", "c", "d"]) == ["a"]
+
+
+def test_once_a_source_could_go_none_is_called_up():
+    started: list[str] = []
+    assert steer(lambda k: 300e6, ["a", "b", "c", "d"], started=started) == ["a"]
+    assert started == ["a", "b"]  # b let go without loss: the sources do not bound it, c and d never tried
 
 
 def test_where_each_source_adds_its_link_the_crew_takes_every_one():

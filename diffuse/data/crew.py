@@ -5,8 +5,9 @@ fetch (a fast link, or sources on the receiver's own machine), each further sour
 streams to juggle and the fetch slows down. So a fetch (data/fetcher.py) starts from the best
 sources it knows (fastest on earlier files; those not yet tried first, in the order given), as
 many as served best on the last file (two at first), and compares the rate they deliver together
-over short windows: it lets the slowest go while that costs less than LOSS of the rate, then calls
-one more up while that adds at least GAIN, then keeps what it has. A trial waits out one window
+over short windows: it lets the slowest go while that costs less than LOSS of the rate; if none
+could go, it calls one more up while that adds at least GAIN (if one could, the sources do not
+bound the fetch, and more would not help); then it keeps what it has. A trial waits out one window
 before its own (streams opening, pieces in flight finishing). Only a file with enough left to
 tell is steered. A source that fails, is dropped or answers BUSY is replaced from the reserve at
 once, whatever the windows say; one let go finishes the piece it has. The count and each
@@ -69,19 +70,19 @@ class Crew:
         to tell (the caller cancels it when the fill ends)."""
         await _window(received)  # the start: streams opening
         rate, per = await _rates(received, by_peer)
-        going = "down"
+        going, shed = "down", False
         while going and rate and left() > rate * 3 * WINDOW_S:
             if going == "down" and len(self.working) > 1:
                 slowest = min(self.working, key=lambda p: per.get(p, 0))
                 self.let_go(slowest)
                 without, after = await _trial(received, by_peer)
                 if without >= rate * LOSS:
-                    rate, per = without, after
+                    rate, per, shed = without, after, True
                     continue
                 self.restore(slowest)
-                going = "up"
-            elif going == "down":
-                going = "up"
+                going = "" if shed else "up"
+            elif going == "down":  # one could go: sources do not bound this fetch, more would not help
+                going = "" if shed else "up"
             elif (trial := self.call_up()) is not None:
                 with_it, after = await _trial(received, by_peer)
                 if with_it >= rate * GAIN:
