@@ -10,7 +10,8 @@ bytes down one stream with no framing (the baseline: what the transport alone mo
 runs in a fresh process, so its peak RSS (ru_maxrss) is its own: the fetcher's should not grow
 with the file (pieces go straight to disk), and the raw stream's process, which does the same
 without the files protocol, is the floor. MB/s is the file's bytes over the fetch's wall time,
-hash check and rename included; the median of the repeats.
+hash check and rename included; the median of the repeats. The last column says how many
+sources the fetcher had at work when it finished (data/crew.py steers it by the rate they add).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 RAW = "/diffuse/bench-raw/1"
+RAW_WRITE = int(os.environ.get("BENCH_RAW_WRITE", 256 << 10))  # bytes per write of the raw stream
 
 
 def _rss_mib() -> float:
@@ -40,7 +42,7 @@ async def _serve(path: str) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.host import make_host
-    from diffuse.data.files import CHUNK, PROTOCOL_ID, FileServer
+    from diffuse.data.files import PROTOCOL_ID, FileServer
 
     host = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     server = FileServer()
@@ -51,7 +53,7 @@ async def _serve(path: str) -> None:
 
     async def raw(stream) -> None:
         with open(path, "rb") as f:
-            while block := f.read(CHUNK):
+            while block := f.read(RAW_WRITE):
                 await stream.write(block)
         await stream.close()
 
@@ -90,11 +92,14 @@ async def _fetch(addrs: list[str], sha: str, size: int, dest: str, raw: bool) ->
             async def open_stream(peer: str):
                 return await host.new_stream(infos[peer].peer_id, [PROTOCOL_ID])
 
-            await Fetcher(open_stream).fetch(sha, size, Path(dest), list(infos), "the file")
+            fetcher = Fetcher(open_stream)
+            await fetcher.fetch(sha, size, Path(dest), list(infos), "the file")
+            await fetcher.close()
+            kept = fetcher.width
         took = time.perf_counter() - start
     if os.path.getsize(dest) != size:
         raise SystemExit(f"fetched {os.path.getsize(dest)} bytes of {size}")
-    return {"mbps": size / took / 1e6, "rss_mib": _rss_mib()}
+    return {"mbps": size / took / 1e6, "rss_mib": _rss_mib(), "kept": 1 if raw else kept}
 
 
 def _child(*args: str) -> subprocess.Popen:
@@ -115,7 +120,7 @@ def _cp(src: Path, dest: Path) -> dict:
     dest.unlink(missing_ok=True)
     start = time.perf_counter()
     subprocess.run(["cp", str(src), str(dest)], check=True)
-    return {"mbps": src.stat().st_size / (time.perf_counter() - start) / 1e6, "rss_mib": float("nan")}
+    return {"mbps": src.stat().st_size / (time.perf_counter() - start) / 1e6, "rss_mib": float("nan"), "kept": 0}
 
 
 def main() -> None:
@@ -166,12 +171,12 @@ def main() -> None:
     raw = med("raw libp2p stream, 1 source", "mbps")
     print(f"\n{args.mib} MiB over loopback, sources in processes of their own; median of {args.repeats} alternated "
           f"repeats; {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| case | MB/s | vs raw stream | peak RSS MiB |")
-    print("|---|---|---|---|")
+    print("| case | MB/s | vs raw stream | peak RSS MiB | sources at work at the end, per repeat |")
+    print("|---|---|---|---|---|")
     for name in runs:
-        rss = med(name, "rss_mib")
+        rss, kept = med(name, "rss_mib"), ", ".join(str(run["kept"]) for run in runs[name])
         print(f"| {name} | {med(name, 'mbps'):.1f} | {med(name, 'mbps') / raw:.2f}x | "
-              f"{'-' if rss != rss else f'{rss:.0f}'} |")
+              f"{'-' if rss != rss else f'{rss:.0f}'} | {kept if name.startswith('fetcher') else '-'} |")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def test_messages_round_trip_through_split_reads():
 def test_get_layout_is_as_specified():
     sha = bytes.fromhex("ab" * 32)
     wire = F.encode(F.Get(sha, 1, 2))
-    assert wire == struct.pack(">I", 54) + b"DF\x01\x01\x01\x00" + sha + (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
+    assert wire == struct.pack(">I", 54) + b"DF\x01\x02\x01\x00" + sha + (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
 
 
 @pytest.mark.parametrize("body, why", [
@@ -72,7 +72,7 @@ def test_unknown_extensions_are_ignored():
 
 def test_another_major_version_is_named():
     body = b"DF\x02\x05\x01\x00" + bytes(60)
-    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.1") as e:
+    with pytest.raises(F.FrameError, match="peer speaks files protocol 2.5, this peer speaks 1.2") as e:
         frames(struct.pack(">I", len(body)) + body)
     assert e.value.status == F.Status.UNSUPPORTED_VERSION
 
@@ -104,7 +104,7 @@ def served(tmp_path):
     blob = bytes(range(256)) * 5000 + b"tail"  # 1.28 MB: several DATA frames
     path = tmp_path / "blob.bin"
     path.write_bytes(blob)
-    server = F.FileServer(max_range=300_000)
+    server = F.FileServer(max_range=300_000, chunk=100_000, request_timeout=1.0)  # an answered stream waits for more
     sha, size = server.add(path)
     assert (sha, size) == (hashlib.sha256(blob).hexdigest(), len(blob))
     return server, path, blob, sha

@@ -1,11 +1,12 @@
 """Files from several peers at once over the files protocol (protocols/files.md), checked by hash.
 
 A file (named by its SHA-256 and size, which the caller trusts: a manifest it checked) is cut
-into pieces, as long as they can be while every worker gets one (a request opens a stream, which
-costs); a couple of workers per source take the next piece left and stream it straight to its
-place in a temporary file, so memory stays at a few frames per worker whatever the file's size,
-and the hash is computed over the prefix received while the rest arrives. A source that fails
-(dies, stalls, refuses) loses its workers after a few strikes, and the bytes it did deliver stay:
+into pieces, a few per worker; a couple of workers per source take the next piece left, each on
+a stream it keeps (files 1.2), and write it straight to its place in a temporary file, so memory
+stays at a read or two per worker whatever the file's size; a task of its own hashes the prefix
+received while the rest arrives. Which sources work at once is steered by the rate they add
+(data/crew.py). A source that fails (dies, stalls, refuses) loses its workers after a few strikes
+and is replaced from the reserve at once, and the bytes it did deliver stay:
 its unfinished piece is asked of the others from where it stopped. A piece must be through within
 max(30 s, its bytes at 1 MiB/s) (files.transfer_limit): a slower source, which a stall timer never
 catches if it sends a frame now and then, is dropped for this file (not banned) and the rest of
@@ -39,14 +40,15 @@ from pathlib import Path
 
 import trio
 
-from diffuse.data.files import MIN_RATE, MIN_TRANSFER_S, STALL_TIMEOUT_S, Busy, Slow, Smaller, get_range, \
-    sha256_file, transfer_limit
+from diffuse.data.files import MIN_RATE, MIN_TRANSFER_S, STALL_TIMEOUT_S, Busy, Held, Slow, Smaller, \
+    get_range, sha256_file, transfer_limit
+from diffuse.data.crew import START_WIDTH, Crew
 from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
 
 log = logging.getLogger(__name__)
 PIECE = 4 << 20  # bytes asked per request, at least
-MAX_PIECE = 64 << 20  # and at most (files.MAX_RANGE is what a server must serve)
+MAX_PIECE = 16 << 20  # and at most (files.MAX_RANGE, 64 MiB, is what a server must serve)
 PER_SOURCE = 2  # requests in flight per source (a reference server serves 2 per peer)
 STRIKES = 3  # failed requests in a row before a source is dropped for this file
 BUSY_WAIT_S, BUSY_WAITS = 1.0, 60  # a BUSY source is asked again after a second, at most this often
@@ -94,6 +96,8 @@ class Fetcher:
         self.stall_timeout, self.on_bytes = stall_timeout, on_bytes
         self.banned: dict[str, str] = {}
         self.stats = Stats()
+        self.spare: dict[str, list[Held]] = {}  # streams kept between files, by peer (files.Held)
+        self.width, self.rates = START_WIDTH, {}  # sources at once, and each one's bytes/s (data/crew.py)
 
     async def fetch(self, sha256: str, size: int, dest: Path, sources: Sequence[str], what: str = "") -> Path:
         """The file with this hash and size at `dest` (atomically), from `sources`; FetchError
@@ -128,6 +132,22 @@ class Fetcher:
         self.stats.files += 1
         return dest
 
+    def lend(self, peer: str) -> Held:
+        """A holder for a worker's stream to `peer`: one with a stream an earlier file left, if any."""
+        spare = self.spare.get(peer)
+        return spare.pop() if spare else Held()
+
+    def give_back(self, peer: str, held: Held) -> None:
+        if held.stream is not None:
+            self.spare.setdefault(peer, []).append(held)
+
+    async def close(self) -> None:
+        """Close the streams kept for later files (closing the host closes them too)."""
+        for spare in self.spare.values():
+            for held in spare:
+                await held.close()
+        self.spare.clear()
+
     def ban(self, peer: str, why: str) -> None:
         if peer not in self.banned:
             log.warning("banned peer %s: %s", peer, why)
@@ -138,9 +158,10 @@ EARLIER = ""  # the sender of bytes an earlier run left: refetched if the hash i
 
 
 def _piece(least: int, size: int, lanes: int) -> int:
-    """Bytes per request: enough requests to keep every lane busy, each as long as may be (a stream
-    per request costs its set-up), between `least` and MAX_PIECE."""
-    return max(least, min(MAX_PIECE, -(-size // max(lanes, 1))))
+    """Bytes per request: a few requests per lane, so that the hash follows the bytes closely and
+    work moves between sources, each as long as may be (a request costs a round trip on a kept
+    stream, a stream's set-up on a server before 1.2), between `least` and MAX_PIECE."""
+    return max(least, min(MAX_PIECE, -(-size // max(2 * lanes, 1))))
 
 
 def _claim(part: Path) -> tuple[Path, int]:
@@ -177,6 +198,86 @@ def _gaps(sent: dict[int, tuple[int, str]], size: int) -> list[tuple[int, int]]:
     return out + ([(at, size)] if at < size else [])
 
 
+class _Fill:
+    """One fill of a file's ranges: the pieces left and in flight, each source's strikes, the
+    workers alive per source, and the crew (data/crew.py) that says which sources work."""
+
+    def __init__(self, job: "_Job", todo: list[tuple[int, int]], live: list[str]) -> None:
+        self.job, self.f = job, job.f
+        self.todo, self.busy = list(todo), []
+        self.strikes, self.waits = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
+        self.alive: dict[str, int] = {}
+        self.crew: Crew
+        self.nursery: trio.Nursery
+        self.steering, self.hashing = trio.CancelScope(), False
+
+    async def hash_ahead(self) -> None:
+        try:
+            while await self.job.hash_ahead():
+                pass
+        finally:
+            self.hashing = False
+
+    async def steer(self) -> None:
+        with self.steering:
+            await self.crew.steer(lambda: self.f.stats.received, self.f.stats.by_peer,
+                                  lambda: sum(n for _, n in self.todo))
+
+    async def worker(self, peer: str) -> None:
+        held = self.f.lend(peer)
+        try:
+            while (self.todo or self.busy) and self.strikes[peer] < STRIKES and peer in self.crew.working:
+                if not self.todo:  # others' pieces in flight: one may come back unfinished
+                    await trio.sleep(0.05)
+                    continue
+                await self.piece(peer, held)
+                if self.strikes[peer]:
+                    await trio.sleep(0.2 * self.strikes[peer])
+                elif not self.hashing:  # the hash follows the bytes in a task of its own
+                    self.hashing = True
+                    self.nursery.start_soon(self.hash_ahead)
+        finally:
+            self.f.give_back(peer, held)
+            self.alive[peer] -= 1
+            if not any(self.alive.values()):
+                self.steering.cancel()
+
+    async def piece(self, peer: str, held: Held) -> None:
+        """The next piece from `peer`; what it did not send goes back, from the byte it stopped at."""
+        job = self.job
+        offset, length = self.todo.pop(0)
+        self.busy.append(offset)
+        out, began, wait = _At(job.fd, offset, self.f.stats, peer), trio.current_time(), 0.0
+        try:
+            await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(job.sha), offset, length, job.size,
+                            out, _NoDigest(), self.f.stall_timeout,
+                            transfer_limit(length, self.f.min_rate, self.f.min_piece_s), held)
+            self.strikes[peer] = 0
+            rate = length / max(trio.current_time() - began, 1e-9)
+            self.f.rates[peer] = (self.f.rates[peer] + rate) / 2 if peer in self.f.rates else rate
+        except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
+            self.waits[peer] += 1
+            self.strikes[peer] += int(self.waits[peer] >= BUSY_WAITS)  # busy for good: a failure after all
+            job.errors[peer] = str(e)
+            self.crew.call_up()  # one from the reserve meanwhile
+            wait = BUSY_WAIT_S
+        except Slow as e:  # dropped for this file, its piece's rest to the others
+            log.info("%s: %s; dropped for this file", job.what, e)
+            self.strikes[peer], job.errors[peer] = STRIKES, f"{e}: too slow, dropped"
+        except (FetchError, Smaller) as e:
+            self.strikes[peer] += 1
+            job.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
+            log.warning("%s: %s (strike %d of %d)", job.what, job.errors[peer], self.strikes[peer], STRIKES)
+        finally:
+            if length > out.count:  # the rest, from where it stopped, for whoever is free
+                self.todo.append((offset + out.count, length - out.count))
+            if self.strikes[peer] >= STRIKES:
+                self.crew.drop(peer)
+            self.busy.remove(offset)
+            job.received(offset, out.count, peer)
+        await trio.sleep(wait)  # a BUSY source's piece is the others' meanwhile
+
+
 class _Job:
     """One file: its pieces, who sent each byte range (`sent`, noted in `notes` as it grows, so a
     later run can resume), the workers."""
@@ -206,66 +307,48 @@ class _Job:
     async def fill(self, todo: list[tuple[int, int]], sources: Sequence[str]) -> None:
         """Receive the ranges `todo` from `sources` (not banned); FetchError if some stay missing."""
         live = [p for p in dict.fromkeys(sources) if p not in self.f.banned]
-        strikes, waits = dict.fromkeys(live, 0), dict.fromkeys(live, 0)
-        todo, busy = list(todo), []
-
-        async def worker(peer: str) -> None:
-            while (todo or busy) and strikes[peer] < STRIKES:
-                if not todo:  # others' pieces in flight: one may come back unfinished
-                    await trio.sleep(0.05)
-                    continue
-                offset, length = todo.pop(0)
-                busy.append(offset)
-                out = _At(self.fd, offset, self.f.stats, peer)
-                try:
-                    await get_range(lambda: self.f.open_stream(peer), peer, bytes.fromhex(self.sha), offset,
-                                    length, self.size, out, _NoDigest(), self.f.stall_timeout,
-                                    transfer_limit(length, self.f.min_rate, self.f.min_piece_s))
-                    strikes[peer] = 0
-                except Busy as e:  # not a failure: wait, and leave the piece to whoever is free
-                    waits[peer] += 1
-                    strikes[peer] += int(waits[peer] >= BUSY_WAITS)  # busy for good: a failure after all
-                    self.errors[peer] = str(e)
-                    todo.append((offset + out.count, length - out.count))
-                    await trio.sleep(BUSY_WAIT_S)
-                except Slow as e:  # dropped for this file, its piece's rest to the others
-                    log.info("%s: %s; dropped for this file", self.what, e)
-                    strikes[peer], self.errors[peer] = STRIKES, f"{e}: too slow, dropped"
-                    todo.append((offset + out.count, length - out.count))
-                except (FetchError, Smaller) as e:
-                    strikes[peer] += 1
-                    self.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
-                    log.warning("%s: %s (strike %d of %d)", self.what, self.errors[peer], strikes[peer], STRIKES)
-                    if length > out.count:  # the rest, from where it stopped, for whoever is free
-                        todo.append((offset + out.count, length - out.count))
-                finally:
-                    busy.remove(offset)
-                    self.received(offset, out.count, peer)
-                await (trio.sleep(0.2 * strikes[peer]) if strikes[peer] else self.hash_ahead())
-
+        run = _Fill(self, todo, live)
         async with trio.open_nursery() as nursery:
-            for peer in live:
-                for _ in range(self.f.per_source):
-                    nursery.start_soon(worker, peer)
-        if todo:
+            run.nursery = nursery
+
+            def start(peer: str) -> None:
+                for _ in range(self.f.per_source - run.alive.get(peer, 0)):
+                    run.alive[peer] = run.alive.get(peer, 0) + 1
+                    nursery.start_soon(run.worker, peer)
+
+            run.crew = Crew(live, self.f.width, self.f.rates, start)
+            run.crew.begin()
+            if run.alive:
+                nursery.start_soon(run.steer)
+        self.f.width = max(1, len(run.crew.working))
+        if run.todo:
             why = "; ".join(f"{p}: {e}" for p, e in self.errors.items()) or "no source offers it"
-            raise FetchError(f"{self.what}: {sum(n for _, n in todo)} of {self.size} bytes could not be fetched "
+            raise FetchError(f"{self.what}: {sum(n for _, n in run.todo)} of {self.size} bytes could not be fetched "
                              f"({len(live)} source(s) tried; {why})")
 
-    async def hash_ahead(self) -> None:
+    async def hash_ahead(self) -> bool:
         """Hash the bytes received in one run from the start on, while the rest still arrives (the
-        check at the end then reads only what is left)."""
+        check at the end then reads only what is left); False if there was nothing new."""
         async with self.hashing:
             end = self.hashed
             for o, (n, _) in sorted(self.sent.items()):
                 if o > end:
                     break
                 end = max(end, o + n)
-            while self.hashed < end:
-                n = min(end - self.hashed, 1 << 20)
-                data = await trio.to_thread.run_sync(os.pread, self.fd, n, self.hashed)
-                await trio.to_thread.run_sync(self.digest.update, data)
-                self.hashed += len(data)
+            if end <= self.hashed:
+                return False
+            await trio.to_thread.run_sync(self._hash, end)  # one hop: hashlib lets go of the GIL
+            return True
+
+    def _hash(self, end: int) -> None:
+        """Hash [hashed, end) of the file (in a thread), a MiB at a time into one buffer."""
+        view = memoryview(bytearray(1 << 20))
+        while self.hashed < end:
+            n = os.preadv(self.fd, [view[:min(len(view), end - self.hashed)]], self.hashed)
+            if n <= 0:
+                break
+            self.digest.update(view[:n])
+            self.hashed += n
 
     async def check(self, sources: Sequence[str], tmp: Path) -> None:
         """Size, then hash; on a wrong hash find the sender that lied, ban it, refetch its ranges."""

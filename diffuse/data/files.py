@@ -2,12 +2,13 @@
 
 A client asks for a byte range of the file whose SHA-256 it names; the server answers with one
 RESPONSE (a status, the file's size, the range it sends) and the bytes in DATA frames of at most
-1 MiB. The content hash is the file's only name, so the receiver checks it over the whole file
-before anything uses it, and a peer can serve whatever the swarm announces by hash (a draft
-head now; blocks' weights later, which the manifest already names by hash).
+1 MiB; since 1.2 the stream then takes the next GET, so a receiver keeps it (`Held`). The content
+hash is the file's only name, so the receiver checks it over the whole file before anything uses
+it, and a peer can serve whatever the swarm announces by hash (draft heads, a model's blocks).
 
-The codec (`encode`, `decode_body`, `Decoder`, `resolve`) does no I/O; `FileServer.handle`
-and `fetch` run it over libp2p streams. Metadata is packed with `struct`, never pickle.
+The codec (`encode`, `decode_body`, `Decoder`, `AnswerDecoder`, `resolve`) does no I/O;
+`FileServer.serve` and `get_range` run it over libp2p streams. Metadata is packed with `struct`,
+never pickle.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ log = logging.getLogger(__name__)
 PROTOCOL_ID = "/diffuse/files/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 1  # 1.1: blocks served under their weight commitments (section 9)
+VERSION_MINOR = 2  # 1.1: blocks under their weight commitments (section 9); 1.2: GETs in turn on a stream
 MAX_REQUEST_FRAME = 4096  # a GET is 54 bytes; the rest is room for extensions
 MAX_CHUNK = 1 << 20  # bytes of one DATA frame, at most
-CHUNK = 256 << 10  # what the reference server puts in one DATA frame
-READ_AHEAD = 4 * CHUNK  # what it reads from disk at once (each read is a hop to a thread)
+CHUNK = MAX_CHUNK  # what the reference server puts in one DATA frame, read from disk at once (a hop to a thread)
 MAX_RANGE = 64 << 20  # every server serves a range this long; a client asks for no more at once
 MAX_MESSAGE = 1024  # bytes of utf-8 in a RESPONSE's message
 REQUEST_TIMEOUT_S = 10.0  # a stream that sends no GET in this long is answered TIMEOUT
@@ -159,19 +159,25 @@ def encode(msg: Message) -> bytes:
     return b"".join((_U32.pack(len(header) + len(payload)), header, payload))  # one copy of the payload
 
 
-def decode_body(body: bytes | memoryview) -> Message:
-    """The message in one frame body; FrameError names what is wrong."""
-    if len(body) < 4 or bytes(body[:2]) != MAGIC:
+def _kind(body: bytes | memoryview, size: int) -> int:
+    """The message type in the first bytes of a body of `size` bytes, its header checked in the
+    order section 3.3 gives (DATA: its payload's size too)."""
+    if size < 4 or bytes(body[:2]) != MAGIC:
         raise FrameError("bad magic: not a files-protocol frame")
     if body[2] != VERSION_MAJOR:
         raise FrameError(f"peer speaks files protocol {body[2]}.{body[3]}, this peer speaks "
                          f"{VERSION_MAJOR}.{VERSION_MINOR}", Status.UNSUPPORTED_VERSION)
-    if len(body) < HEADER_SIZE:
+    if size < HEADER_SIZE:
         raise FrameError("truncated header")
-    kind, payload = body[4], memoryview(body)[HEADER_SIZE:]
+    if body[4] == MsgType.DATA and not 0 < size - HEADER_SIZE <= MAX_CHUNK:
+        raise FrameError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {size - HEADER_SIZE}")
+    return body[4]
+
+
+def decode_body(body: bytes | memoryview) -> Message:
+    """The message in one frame body; FrameError names what is wrong."""
+    kind, payload = _kind(body, len(body)), memoryview(body)[HEADER_SIZE:]
     if kind == MsgType.DATA:
-        if not 0 < len(payload) <= MAX_CHUNK:
-            raise FrameError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {len(payload)}")
         return Data(bytes(payload))
     if kind == MsgType.GET:
         if len(payload) < _GET.size:
@@ -240,6 +246,69 @@ class Decoder:
         return out
 
 
+class AnswerDecoder:
+    """A server's answer as reads bring it: RESPONSE frames decoded whole, and each DATA frame's
+    payload handed on as views of the bytes read, as they come (no copy), so a range goes from
+    the socket to its file without being gathered first. The length prefix is checked against
+    `max_frame`, and the header and DATA size as `decode_body` does, before any of the payload is
+    passed on. After a FrameError every call raises."""
+
+    def __init__(self, max_frame: int = HEADER_SIZE + MAX_CHUNK) -> None:
+        self.max_frame = max_frame
+        self._start = bytearray()  # the start of a frame that reads split
+        self._left = 0  # bytes still to come of the current DATA payload
+        self.minor = 0  # the minor version the last RESPONSE came in
+        self.failed: FrameError | None = None
+
+    def feed(self, data: bytes) -> list[Message | memoryview]:
+        if self.failed is not None:
+            raise FrameError(f"stream unusable after an earlier error: {self.failed}", self.failed.status)
+        out: list[Message | memoryview] = []
+        view = memoryview(data)
+        try:
+            while view:
+                if self._left:  # payload: passed on as it is
+                    n = min(self._left, len(view))
+                    out.append(view[:n])
+                    view, self._left = view[n:], self._left - n
+                elif not self._start and len(view) >= (need := self._need(view)):
+                    self._frame(view[:need], out)  # a frame start whole in this read: no copy
+                    view = view[need:]
+                else:  # gather a split frame start, then decode it
+                    while len(self._start) < (need := self._need(self._start)) and view:
+                        take = need - len(self._start)
+                        self._start += view[:take]
+                        view = view[take:]
+                    if len(self._start) < need:
+                        break
+                    start, self._start = self._start, bytearray()
+                    self._frame(memoryview(start), out)
+        except FrameError as e:
+            self.failed, self._start, self._left = e, bytearray(), 0
+            raise
+        return out
+
+    def _need(self, start: bytes | memoryview) -> int:
+        """Bytes of a frame's start to gather before it can be decoded: its length prefix, then
+        its header, then (a DATA frame) nothing more, or (any other) the whole frame."""
+        if len(start) < 4:
+            return 4
+        (n,) = _U32.unpack_from(start)
+        if n > self.max_frame:
+            raise FrameError(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+        if len(start) < 4 + min(n, HEADER_SIZE):
+            return 4 + min(n, HEADER_SIZE)
+        return 4 + HEADER_SIZE if n > HEADER_SIZE and start[8] == MsgType.DATA else 4 + n
+
+    def _frame(self, start: memoryview, out: list[Message | memoryview]) -> None:
+        (n,) = _U32.unpack_from(start)
+        if _kind(start[4:], n) == MsgType.DATA:
+            self._left = n - HEADER_SIZE
+        else:
+            out.append(decode_body(start[4:4 + n]))
+            self.minor = start[7]
+
+
 def resolve(get: Get, size: int | None, max_range: int = MAX_RANGE) -> Response:
     """The RESPONSE to `get` for a file of `size` bytes here (None: no such file)."""
     if size is None:
@@ -274,7 +343,10 @@ class FileServer:
 
     def __init__(self, *, max_transfers: int = 4, max_per_peer: int = 2, max_range: int = MAX_RANGE,
                  request_timeout: float = REQUEST_TIMEOUT_S, stall_timeout: float = STALL_TIMEOUT_S,
-                 min_rate: float = MIN_RATE, min_transfer_s: float = MIN_TRANSFER_S) -> None:
+                 min_rate: float = MIN_RATE, min_transfer_s: float = MIN_TRANSFER_S, chunk: int = CHUNK) -> None:
+        if not 0 < chunk <= MAX_CHUNK:
+            raise ValueError(f"a DATA frame carries 1..{MAX_CHUNK} bytes, not {chunk}")
+        self.chunk = chunk
         self.files: dict[str, tuple[Path | Composite, int]] = {}  # hex sha256 -> (file, size when hashed)
         self.max_transfers, self.max_per_peer, self.max_range = max_transfers, max_per_peer, max_range
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
@@ -298,12 +370,17 @@ class FileServer:
         return whole.size
 
     async def serve(self, stream: ByteStream, remote: str) -> None:
-        """Answer one GET on `stream` from peer `remote` (its id bounds its share of transfers), then
-        close it; never raises for anything the peer did."""
+        """Answer the GETs on `stream` from peer `remote` (its id bounds its share of transfers) in
+        turn, each after the last has gone out whole (1.2: a stream carries several), then close
+        it: after any answer but a whole range, the end of the stream, or no next GET within the
+        request timeout. Never raises for anything the peer did."""
+        decoder, queued = Decoder(MAX_REQUEST_FRAME), []
         try:
-            get = await self._request(stream)
-            if get is not None:
-                await self._answer(stream, get, remote)
+            first = True
+            while (get := await self._request(stream, decoder, queued, first)) is not None:
+                if not await self._answer(stream, get, remote):
+                    break
+                first = False
         except FrameError as e:
             await self._reply(stream, Response(e.status, message=str(e)))
         except trio.TooSlowError:
@@ -318,25 +395,29 @@ class FileServer:
         finally:
             await close_quietly(stream)
 
-    async def _request(self, stream: ByteStream) -> Get | None:
-        """The stream's GET; None if it ends before one."""
-        decoder = Decoder(MAX_REQUEST_FRAME)
+    async def _request(self, stream: ByteStream, decoder: Decoder, queued: list[Message], first: bool) -> Get | None:
+        """The stream's next GET (`queued`: messages a read brought with an earlier one); None if the
+        stream ends before one, or a later one does not come within the request timeout."""
         with trio.move_on_after(self.request_timeout):
-            while True:
+            while not queued:
                 data = await _read(stream)
                 if not data:
                     return None
-                if msgs := decoder.feed(data):
-                    if not isinstance(msgs[0], Get):
-                        raise FrameError(f"expected a GET, got {type(msgs[0]).__name__.upper()}")
-                    return msgs[0]
+                queued += decoder.feed(data)
+            msg = queued.pop(0)
+            if not isinstance(msg, Get):
+                raise FrameError(f"expected a GET, got {type(msg).__name__.upper()}")
+            return msg
+        if not first:  # an idle reused stream: closed without a word (the receiver opens another)
+            return None
         raise FrameError(f"no GET within {self.request_timeout:g} s", Status.TIMEOUT)
 
-    async def _answer(self, stream: ByteStream, get: Get, remote: str) -> None:
+    async def _answer(self, stream: ByteStream, get: Get, remote: str) -> bool:
+        """Answer `get`; True once a whole range went out (the stream may carry another GET)."""
         if sum(self.active.values()) >= self.max_transfers or self.active[remote] >= self.max_per_peer:
             await self._reply(stream, Response(Status.BUSY, message=f"{sum(self.active.values())} transfers "
                                                                     "in progress: try later or another peer"))
-            return
+            return False
         entry = self.files.get(get.sha256.hex())
         try:
             f = (entry[0].open() if isinstance(entry[0], Composite) else open(entry[0], "rb")) if entry else None
@@ -344,7 +425,7 @@ class FileServer:
             f = None
         if f is None:
             await self._reply(stream, resolve(get, None))
-            return
+            return False
         self.active[remote] += 1
         try:
             with f:
@@ -353,16 +434,17 @@ class FileServer:
                     log.warning("%s changed on disk since it was hashed: no longer served", entry[0])
                     await self._reply(stream, Response(Status.NOT_FOUND, message=f"file {get.sha256.hex()} "
                                                                                  "changed since it was announced"))
-                    return
+                    return False
                 answer = resolve(get, size, self.max_range)
                 await self._send(stream, answer)
-                if answer.status == Status.OK:
-                    limit = transfer_limit(answer.length, self.min_rate, self.min_transfer_s)
-                    with trio.move_on_after(limit) as slow:
-                        await self._copy(f, stream, answer.offset, answer.length)
-                    if slow.cancelled_caught:  # its slot is freed; the stream is closed by serve
-                        log.info("files stream to %s took over %g s for %d bytes: closed", remote, limit,
-                                 answer.length)
+                if answer.status != Status.OK:
+                    return False
+                limit = transfer_limit(answer.length, self.min_rate, self.min_transfer_s)
+                with trio.move_on_after(limit) as slow:
+                    await self._copy(f, stream, answer.offset, answer.length)
+                if slow.cancelled_caught:  # its slot is freed; the stream is closed by serve
+                    log.info("files stream to %s took over %g s for %d bytes: closed", remote, limit, answer.length)
+                return not slow.cancelled_caught
         finally:
             self.active[remote] -= 1
             if not self.active[remote]:
@@ -370,15 +452,20 @@ class FileServer:
 
     async def _copy(self, f: BinaryIO | _Reader, stream: ByteStream, offset: int, length: int) -> None:
         f.seek(offset)
-        while length:  # a read per READ_AHEAD off the event loop, sent in frames of CHUNK
-            block = await trio.to_thread.run_sync(f.read, min(READ_AHEAD, length))
-            if not block:  # truncated while we sent it: break off; the receiver sees a short range
-                raise OSError(f"{f.name} shrank while it was being sent")
-            for at in range(0, len(block), CHUNK):
-                await self._send(stream, Data(block[at:at + CHUNK]))
-            length -= len(block)
+        frame = bytearray(4 + HEADER_SIZE + min(self.chunk, length))  # one DATA frame, reused: a write
+        while length:  # has copied it by the time it returns; each read, off the event loop, lands in it
+            n = min(self.chunk, length)
+            if n < len(frame) - 4 - HEADER_SIZE:
+                frame = frame[:4 + HEADER_SIZE + n]
+            _U32.pack_into(frame, 0, HEADER_SIZE + n)
+            _HEADER.pack_into(frame, 4, MAGIC, VERSION_MAJOR, VERSION_MINOR, MsgType.DATA, 0)
+            if await trio.to_thread.run_sync(_fill, f, memoryview(frame)[4 + HEADER_SIZE:]) < n:
+                raise OSError(f"{f.name} shrank while it was being sent")  # the receiver sees a short range
+            with trio.fail_after(self.stall_timeout):
+                await stream.write(frame)
+            length -= n
             if self.send_rate:
-                await trio.sleep(len(block) / self.send_rate)
+                await trio.sleep(n / self.send_rate)
 
     async def _send(self, stream: ByteStream, msg: Message) -> None:
         with trio.fail_after(self.stall_timeout):
@@ -390,6 +477,14 @@ class FileServer:
             await self._send(stream, msg)
         except Exception as e:  # noqa: BLE001 - nobody left to tell
             log.debug("could not send %s: %s", Status(msg.status).name, e)
+
+
+def _fill(f: BinaryIO | _Reader, view: memoryview) -> int:
+    """Read into `view` until it is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(view) and (n := f.readinto(view[got:])):
+        got += n
+    return got
 
 
 Part = Union[bytes, tuple[Path, int, int]]
@@ -409,7 +504,7 @@ class Composite:
 
 class _Reader:
     """A Composite's reader with the calls `FileServer` makes of a file: `size` (its size, or -1
-    once a file under it changed size: not served), `seek`, `read`."""
+    once a file under it changed size: not served), `seek`, `readinto`."""
 
     def __init__(self, whole: Composite) -> None:
         self.whole, self.pos, self.name = whole, 0, "a composite file"
@@ -422,23 +517,29 @@ class _Reader:
     def seek(self, offset: int) -> None:
         self.pos = offset
 
-    def read(self, n: int) -> bytes:
-        out, at, end = bytearray(), 0, self.pos + n
+    def readinto(self, view: memoryview) -> int:
+        """Fill `view` from the current position; the bytes read (fewer only where a file under it
+        came up short)."""
+        at, end, got = 0, self.pos + len(view), 0
         for part in self.whole.parts:
             length = len(part) if isinstance(part, bytes) else part[2]
             lo, hi = max(self.pos, at), min(end, at + length)
             if lo < hi:
                 if isinstance(part, bytes):
-                    out += part[lo - at:hi - at]
+                    view[got:got + hi - lo] = part[lo - at:hi - at]
+                    got += hi - lo
                 else:
                     f = self.handles[part[0]]
                     f.seek(part[1] + lo - at)
-                    out += f.read(hi - lo)
+                    n = _fill(f, view[got:got + hi - lo])
+                    got += n
+                    if n < hi - lo:
+                        break
             at += length
             if at >= end:
                 break
-        self.pos += len(out)
-        return bytes(out)
+        self.pos += got
+        return got
 
     def __enter__(self) -> "_Reader":
         return self
@@ -475,7 +576,7 @@ async def fetch(host: Any, peer_id: str, sha256: str, expected_size: int, dest: 
 
 async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size: int, dest: Path, limit: int,
                      *, max_range: int = MAX_RANGE, stall_timeout: float = STALL_TIMEOUT_S) -> Path:
-    """`fetch` over streams from `open_stream`, one per range."""
+    """`fetch` over streams from `open_stream`: one, where the server takes several GETs on it."""
     try:
         want = bytes.fromhex(sha256)
     except ValueError:
@@ -488,6 +589,7 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
     tmp = Path(tmp_name)
+    held = Held()
     try:
         digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
@@ -496,7 +598,7 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
                 length = min(max_range, expected_size - offset)
                 try:
                     offset += await get_range(open_stream, peer, want, offset, length, expected_size, out, digest,
-                                               stall_timeout)
+                                              stall_timeout, held=held)
                 except Smaller as e:  # the peer sends less per request, and said how much
                     if not 0 < e.length < length:
                         raise FetchError(f"peer {peer} refused {length} bytes as too large without naming "
@@ -509,6 +611,8 @@ async def fetch_with(open_stream: Opener, peer: str, sha256: str, expected_size:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        await held.close()
     return dest
 
 
@@ -528,30 +632,87 @@ class Smaller(Exception):
         self.length = length
 
 
+class Held:
+    """The stream a receiver keeps to one peer between GETs (a 1.2 server answers several on one),
+    for at most `idle_s` unused: the server lets an idle stream go after its request timeout."""
+
+    def __init__(self, idle_s: float = REQUEST_TIMEOUT_S / 2) -> None:
+        self.stream: ByteStream | None = None
+        self.since, self.idle_s = 0.0, idle_s
+
+    async def take(self) -> ByteStream | None:
+        """The kept stream, if it is fresh enough (a stale one is closed); None: open a new one."""
+        stream, self.stream = self.stream, None
+        if stream is not None and trio.current_time() - self.since > self.idle_s:
+            await close_quietly(stream)
+            stream = None
+        return stream
+
+    def keep(self, stream: ByteStream) -> None:
+        self.stream, self.since = stream, trio.current_time()
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await close_quietly(self.stream)
+            self.stream = None
+
+
+class _Gone(FetchError):
+    """The stream ended before any answer: on a kept stream, the server let it go (no one's fault)."""
+
+
 async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, length: int, total: int,
-                     out: BinaryIO, digest: Any, stall_timeout: float, deadline_s: float = math.inf) -> int:
+                    out: BinaryIO, digest: Any, stall_timeout: float, deadline_s: float = math.inf,
+                    held: Held | None = None) -> int:
     """Receive [offset, offset + length) into `out` and `digest` within `deadline_s` (else Slow);
-    returns `length`."""
-    stream = await open_stream()
+    returns `length`. On the stream `held` keeps, if any (one that ended unanswered is replaced by
+    a new one, nobody blamed); the stream is kept there after a whole range from a server of
+    minor version 2 or later, else closed."""
+    held = held or Held()
+    stream, kept = await held.take(), True
+    if stream is None:
+        stream, kept = await open_stream(), False
+    reusable = False
     try:
         try:
-            await stream.write(encode(Get(sha, offset, length)))
-        except Exception as e:  # noqa: BLE001 - a reset stream, in py-libp2p's types
-            raise FetchError(f"peer {peer} closed the files stream before the request: {e}") from None
-        decoder = Decoder(HEADER_SIZE + MAX_CHUNK)
-        head: Response | None = None
-        received = 0
-        with trio.move_on_after(deadline_s) as late:
+            received, reusable = await _receive(stream, peer, sha, offset, length, total, out, digest,
+                                                stall_timeout, deadline_s)
+        except _Gone:
+            if not kept:
+                raise
+            await close_quietly(stream)
+            stream = await open_stream()
+            received, reusable = await _receive(stream, peer, sha, offset, length, total, out, digest,
+                                                stall_timeout, deadline_s)
+        return received
+    finally:
+        if reusable:
+            held.keep(stream)
+        else:
+            await close_quietly(stream)
+
+
+async def _receive(stream: ByteStream, peer: str, sha: bytes, offset: int, length: int, total: int, out: BinaryIO,
+                   digest: Any, stall_timeout: float, deadline_s: float) -> tuple[int, bool]:
+    """One GET and its answer on `stream`: the bytes received, and whether the server takes
+    another GET on the stream (it speaks 1.2 or later)."""
+    try:
+        await stream.write(encode(Get(sha, offset, length)))
+    except Exception as e:  # noqa: BLE001 - a reset stream, in py-libp2p's types
+        raise _Gone(f"peer {peer} closed the files stream before the request: {e}") from None
+    decoder = AnswerDecoder()
+    head: Response | None = None
+    received = 0
+    with trio.move_on_after(deadline_s) as late:
+        idle = trio.CancelScope()  # one scope for the whole range, its deadline moved per read
+        with idle:
             while head is None or received < length:
-                with trio.move_on_after(stall_timeout) as idle:
-                    data = await _read(stream)
-                if idle.cancelled_caught:
-                    raise FetchError(f"peer {peer} sent nothing for {stall_timeout:g} s "
-                                     f"({received} of {length} bytes from {offset} received)")
+                idle.deadline = trio.current_time() + stall_timeout
+                data = await _read(stream, MAX_CHUNK)
                 if not data:
-                    what = "before answering" if head is None else \
-                        f"after {received} of {length} bytes from {offset}"
-                    raise FetchError(f"peer {peer} ended the transfer {what}")
+                    if head is None:
+                        raise _Gone(f"peer {peer} ended the transfer before answering")
+                    raise FetchError(f"peer {peer} ended the transfer after {received} of {length} bytes from {offset}")
                 try:
                     messages = decoder.feed(data)
                 except FrameError as e:
@@ -559,26 +720,27 @@ async def get_range(open_stream: Opener, peer: str, sha: bytes, offset: int, len
                 for msg in messages:
                     if head is None:
                         head = _check_head(msg, peer, offset, length, total)
-                    elif isinstance(msg, Data) and received + len(msg.data) <= length:
-                        out.write(msg.data)
-                        digest.update(msg.data)
-                        received += len(msg.data)
+                    elif isinstance(msg, memoryview) and received + len(msg) <= length:
+                        out.write(msg)
+                        digest.update(msg)
+                        received += len(msg)
                     elif isinstance(msg, Response):
-                        raise FetchError(f"peer {peer} broke off the transfer after {received} of {length} bytes: "
-                                         f"{status_name(msg.status)}: {msg.message}")
+                        raise FetchError(f"peer {peer} broke off the transfer after {received} of {length} "
+                                         f"bytes: {status_name(msg.status)}: {msg.message}")
                     else:
                         raise FetchError(f"peer {peer} sent more than the {length} bytes asked from {offset}")
-        if late.cancelled_caught:
-            raise Slow(f"peer {peer} sent {received} of {length} bytes from {offset} in {deadline_s:g} s")
-        return received
-    finally:
-        await close_quietly(stream)
+        if idle.cancelled_caught:
+            raise FetchError(f"peer {peer} sent nothing for {stall_timeout:g} s "
+                             f"({received} of {length} bytes from {offset} received)")
+    if late.cancelled_caught:
+        raise Slow(f"peer {peer} sent {received} of {length} bytes from {offset} in {deadline_s:g} s")
+    return received, decoder.minor >= 2
 
 
-async def _read(stream: ByteStream) -> bytes:
-    """The next bytes; b"" at the end of the stream, however py-libp2p reports it."""
+async def _read(stream: ByteStream, n: int = READ_CHUNK) -> bytes:
+    """The next bytes (at most `n`); b"" at the end of the stream, however py-libp2p reports it."""
     try:
-        return await stream.read(READ_CHUNK)
+        return await stream.read(n)
     except EOFError:
         return b""
     except Exception as e:  # noqa: BLE001 - a reset, in py-libp2p's own types
@@ -587,9 +749,10 @@ async def _read(stream: ByteStream) -> bytes:
         raise
 
 
-def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -> Response:
+def _check_head(msg: Message | memoryview, peer: str, offset: int, length: int, total: int) -> Response:
     if not isinstance(msg, Response):
-        raise FetchError(f"peer {peer} sent {type(msg).__name__.upper()} before its RESPONSE")
+        kind = "DATA" if isinstance(msg, memoryview) else type(msg).__name__.upper()
+        raise FetchError(f"peer {peer} sent {kind} before its RESPONSE")
     if msg.status == Status.TOO_LARGE:
         raise Smaller(msg.length)
     if msg.status != Status.OK:
@@ -603,6 +766,6 @@ def _check_head(msg: Message, peer: str, offset: int, length: int, total: int) -
     return msg
 
 
-__all__ = ["PROTOCOL_ID", "Busy", "Composite", "Data", "Decoder", "FileServer", "FrameError", "Get", "Response",
-           "Slow", "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range", "resolve",
-           "sha256_file", "status_name", "transfer_limit"]
+__all__ = ["PROTOCOL_ID", "AnswerDecoder", "Busy", "Composite", "Data", "Decoder", "FileServer", "FrameError", "Get",
+           "Held", "Response", "Slow", "Smaller", "Status", "decode_body", "encode", "fetch", "fetch_with", "get_range",
+           "resolve", "sha256_file", "status_name", "transfer_limit"]

@@ -1,0 +1,114 @@
+"""Which sources a fetch draws on at once, let go of and called up by the rate they add.
+
+More sources are not always faster: where the receiver's CPU, not the sources' links, bounds a
+fetch (a fast link, or sources on the receiver's own machine), each further source only adds
+streams to juggle and the fetch slows down. So a fetch (data/fetcher.py) starts from the best
+sources it knows (fastest on earlier files; those not yet tried first, in the order given), as
+many as served best on the last file (two at first), and compares the rate they deliver together
+over short windows: it lets the slowest go while that costs less than LOSS of the rate; if none
+could go, it calls one more up while that adds at least GAIN (if one could, the sources do not
+bound the fetch, and more would not help); then it keeps what it has. A trial waits out one window
+before its own (streams opening, pieces in flight finishing). Only a file with enough left to
+tell is steered. A source that fails, is dropped or answers BUSY is replaced from the reserve at
+once, whatever the windows say; one let go finishes the piece it has. The count and each
+source's rate carry over to the next file of the same fetcher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import trio
+
+WINDOW_S = 0.15  # one measurement
+LOSS, GAIN = 0.95, 1.10  # a source is let go if the rate keeps above LOSS without it; kept if it adds GAIN
+START_WIDTH = 2  # sources at work at once on a fetcher's first file
+
+
+class Crew:
+    """The sources of one fill: `working` (their workers take pieces) and `reserve`."""
+
+    def __init__(self, live: list[str], width: int, rates: dict[str, float], start: Callable[[str], None]) -> None:
+        order = sorted(live, key=lambda p: -rates.get(p, math.inf))  # stable: the untried first, as given
+        n = max(1, min(width, len(order)))
+        self.working, self.reserve, self.start = order[:n], order[n:], start
+
+    def begin(self) -> None:
+        for peer in self.working:
+            self.start(peer)
+
+    def call_up(self) -> str | None:
+        """Put the first of the reserve to work; None if none is left."""
+        if not self.reserve:
+            return None
+        peer = self.reserve.pop(0)
+        self.working.append(peer)
+        self.start(peer)
+        return peer
+
+    def drop(self, peer: str) -> None:
+        """`peer` failed, was dropped, or is busy: another from the reserve takes its place."""
+        if peer in self.working:
+            self.working.remove(peer)
+            self.call_up()
+
+    def let_go(self, peer: str) -> None:
+        if peer in self.working:
+            self.working.remove(peer)
+            self.reserve.insert(0, peer)
+
+    def restore(self, peer: str) -> None:
+        """Put a source let go back to work."""
+        if peer in self.reserve:
+            self.reserve.remove(peer)
+            self.working.append(peer)
+            self.start(peer)
+
+    async def steer(self, received: Callable[[], int], by_peer: dict[str, int], left: Callable[[], int]) -> None:
+        """Let sources go, then call them up, while the rate says so; until there is too little left
+        to tell (the caller cancels it when the fill ends)."""
+        await _window(received)  # the start: streams opening
+        rate, per = await _rates(received, by_peer)
+        going, shed = "down", False
+        while going and rate and left() > rate * 3 * WINDOW_S:
+            if going == "down" and len(self.working) > 1:
+                slowest = min(self.working, key=lambda p: per.get(p, 0))
+                self.let_go(slowest)
+                without, after = await _trial(received, by_peer)
+                if without >= rate * LOSS:
+                    rate, per, shed = without, after, True
+                    continue
+                self.restore(slowest)
+                going = "" if shed else "up"
+            elif going == "down":  # one could go: sources do not bound this fetch, more would not help
+                going = "" if shed else "up"
+            elif (trial := self.call_up()) is not None:
+                with_it, after = await _trial(received, by_peer)
+                if with_it >= rate * GAIN:
+                    rate, per = with_it, after
+                    continue
+                self.let_go(trial)
+                going = ""
+            else:
+                going = ""
+
+
+async def _window(received: Callable[[], int]) -> float:
+    """Bytes per second over one window."""
+    start, at = received(), trio.current_time()
+    await trio.sleep(WINDOW_S)
+    return (received() - start) / max(trio.current_time() - at, 1e-9)
+
+
+async def _trial(received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
+    """The rates one window after a change, once the window it takes to settle has passed."""
+    await _window(received)
+    return await _rates(received, by_peer)
+
+
+async def _rates(received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
+    """The rate over one window, and each peer's bytes in it."""
+    before = dict(by_peer)
+    rate = await _window(received)
+    return rate, {p: n - before.get(p, 0) for p, n in by_peer.items()}
