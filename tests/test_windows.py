@@ -88,17 +88,22 @@ def test_readers_estimate_a_window_from_independent_samples():
     seen = set().union(*answers) - protected
     assert abs(len(seen) * s.weight - 2000) / 2000 < 0.15
     small = [protected | {"s1", "s2"}, protected]
-    assert sample_of(small) == WindowSample(frozenset(protected | {"s1", "s2"}))  # nobody full: exact
-    assert sample_of([]) == WindowSample(frozenset())
+    everyone = frozenset(protected | {"s1", "s2"})
+    assert sample_of(small) == WindowSample(everyone, everyone)  # nobody full: exact
+    assert sample_of([]) == WindowSample(frozenset(), frozenset())
 
 
 def test_estimated_replicas_weigh_sampled_peers_per_window():
-    kps = [create_new_key_pair() for _ in range(3)]
-    recs = [record(kps[0], 0, 10), record(kps[1], 4, 12), record(kps[2], 8, 9)]
-    samples = {0: WindowSample(frozenset({recs[0].peer_id, recs[1].peer_id})),
-               1: WindowSample(frozenset({recs[0].peer_id}), weight=4.0)}
+    kps = [create_new_key_pair() for _ in range(4)]
+    recs = [record(kps[0], 0, 10), record(kps[1], 4, 12), record(kps[2], 8, 9), record(kps[3], 7, 9)]
+    a, b, c, d = (r.peer_id for r in recs)
+    samples = {0: WindowSample(frozenset({a, b, d}), frozenset({a, b, d})),
+               1: WindowSample(frozenset({a, b, c}), frozenset({a}), weight=4.0)}
     counts = estimate_replicas(recs, BLOCKS, samples)
-    assert counts[0] == 1 and counts[4] == 2 and counts[8] == 1 + 4 + 4 and counts[10] == 4 and counts[12] == 0
+    assert counts[0] == 1 and counts[4] == 2 and counts[7] == 3
+    assert counts[8] == 1 + 4 + 4  # d, seen only through window 0, is one of those the weight stands for
+    assert counts[10] == 4 and counts[12] == 0
+    assert estimate_replicas(recs, BLOCKS, {})[8] == 4  # no samples: the peers known
 
 
 def test_a_client_finds_peers_through_the_window_keys():

@@ -35,9 +35,11 @@ READS_AT_ONCE = 4  # window keys read concurrently: each read is a lookup plus k
 
 @dataclass(frozen=True)
 class WindowSample:
-    """What a reader saw of one window: `sure` peers (held by every node that answered, or every
-    peer when no node was full) count once; each other peer seen counts `weight` times."""
+    """What a reader saw of one window's key: the peers `seen` in any answer, of which the `sure`
+    ones (held by every node that answered, or all when no node was full) stand for themselves
+    and each other one for `weight` peers."""
 
+    seen: frozenset[str]
     sure: frozenset[str]
     weight: float = 1.0
 
@@ -50,16 +52,16 @@ def sample_of(answers: Sequence[Iterable[str]], capacity: int = MAX_SET_RECORDS)
     """The sample that the answers (owners held, one collection per DHT node) make up."""
     sets = [set(a) for a in answers if a]
     if not sets:
-        return WindowSample(frozenset())
-    seen = set().union(*sets)
+        return WindowSample(frozenset(), frozenset())
+    seen = frozenset(set().union(*sets))
     if all(len(s) < capacity for s in sets):
-        return WindowSample(frozenset(seen))
-    sure = set.intersection(*sets)
+        return WindowSample(seen, seen)
+    sure = frozenset(set.intersection(*sets))
     rest = [len(s - sure) for s in sets]
     distinct = len(seen - sure)
     if distinct == 0:
-        return WindowSample(frozenset(sure))
-    return WindowSample(frozenset(sure), _population(rest, distinct) / distinct)
+        return WindowSample(seen, sure)
+    return WindowSample(seen, sure, _population(rest, distinct) / distinct)
 
 
 def _population(sizes: Sequence[int], distinct: int) -> float:
@@ -79,14 +81,18 @@ def _population(sizes: Sequence[int], distinct: int) -> float:
 
 def estimate_replicas(records: Iterable[PeerRecord], num_blocks: int,
                       samples: Mapping[int, WindowSample]) -> list[float]:
-    """Per block, the number of peers serving it that the samples imply (`records`: the peers a
-    coverage judged valid). Without a window's sample its peers count once each."""
-    counts = [0.0] * num_blocks
+    """Per block, how many peers serve it: the peers a coverage judged valid (`records`, which a
+    reader may also know from other windows' keys), or, where more, what the block's window
+    sample implies (sure peers once, other sampled peers `weight` times each)."""
+    known = [0.0] * num_blocks
+    implied = [0.0] * num_blocks
     for r in records:
         for b in range(r.start, min(r.end, num_blocks)):
+            known[b] += 1.0
             s = samples.get(b // WINDOW_BLOCKS)
-            counts[b] += 1.0 if s is None or r.peer_id in s.sure else s.weight
-    return counts
+            if s is not None and r.peer_id in s.seen:
+                implied[b] += 1.0 if r.peer_id in s.sure else s.weight
+    return [max(k, i) for k, i in zip(known, implied)]
 
 
 def model_windows(num_blocks: int) -> range:
