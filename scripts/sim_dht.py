@@ -250,7 +250,9 @@ def announce_round(sw: Swarm, t0: float, writers: list[tuple[float, int, records
         for layout in (LEGACY, WINDOWS):
             for key in layout_keys(layout, sr.record.start, sr.record.end):
                 kb, value = key.encode(), records.encode_set([sr])
-                for node in targets.setdefault(key, sw.closest_live(key)):
+                if key not in targets:
+                    targets[key] = sw.closest_live(key)
+                for node in targets[key]:
                     store_at(sw, layout, key, node).put_record(kb, Record(key=kb, value=value))
 
 
@@ -339,12 +341,13 @@ def truth(sw: Swarm, extra_spans=()) -> list[int]:
 
 
 def route_gone(sw: Swarm, view: dict) -> tuple[int, int]:
-    """(routes planned, routes whose chosen hops include a peer that has left)."""
+    """(1, 0) when a route exists and its hops are all up, (1, 1) when one of them has left, (0, 0)
+    when the view holds no route at all."""
     gone = {sw.ids[i].to_base58() for i in sw.listed_gone}
     try:
         hops = plan_route(view.values(), 0, BLOCKS, now=sw.now)
     except NoRoute:
-        return 1, 1
+        return 0, 0
     return 1, int(any(h.peer_id in gone for h in hops))
 
 
@@ -405,7 +408,7 @@ async def client_views(sw: Swarm, layout: str, who: list[int], true: list[int], 
         hidden += sum(1 for b in range(BLOCKS) if honest[b] == 0 and true[b] > 0)
         a, g = route_gone(sw, {p: r for p, r in view.items() if p not in flooded})
         routes, gone = routes + a, gone + g
-    return {"layout": layout, **_quantiles("hops", [lk.hops for lk in lookups]),
+    return {"layout": layout, "noroute": 1 - routes / len(who), **_quantiles("hops", [lk.hops for lk in lookups]),
             **_quantiles("msgs", [lk.msgs for lk in lookups]), **_quantiles("KB", [lk.bytes / 1024 for lk in lookups]),
             **_quantiles("s", [lk.secs for lk in lookups]), "read_s": statistics.median(s for s, _ in reads),
             "read_KB": statistics.median(b for _, b in reads) / 1024, "right": statistics.mean(right),
@@ -436,13 +439,13 @@ async def flood(sw: Swarm, rng: random.Random, hostile: int, who: list[int], row
     flooded = frozenset(peer_id_of(kp).to_base58() for kp in keys)
     for row in list(rows):
         got = await client_views(sw, row["layout"], who[: max(3, len(who) // 2)], truth(sw, spans), flooded)
-        row.update({f"flood_{k}": v for k, v in got.items() if k in ("right", "hidden", "gone", "read_KB")})
+        row.update({f"flood_{k}": v for k, v in got.items() if k in ("right", "hidden", "gone", "noroute")})
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'peers':>6} {'layout':<9} {'hops p50/p90':>12} {'msgs p50/p90':>13} {'KB p50/p90':>13} "
             f"{'time s p50/p90':>14} {'read KB':>8} {'read s':>7} {'announce B/min':>15} {'right':>6} "
-            f"{'gone':>6} | flood: {'right':>6} {'hidden':>6} {'gone':>6}")
+            f"{'gone':>6} {'noroute':>7} | flood: {'right':>6} {'hidden':>6} {'gone':>6} {'noroute':>7}")
     lines = [head]
     for r in rows:
         ann = f"{r['announce_B_min']:.0f}" + (f" ({r['announce_B_min_transition']:.0f})"
@@ -451,9 +454,9 @@ def table(rows: list[dict]) -> str:
             f"{r['peers']:>6} {r['layout']:<9} {r['hops_p50']:>5}/{r['hops_p90']:<6} "
             f"{r['msgs_p50']:>6}/{r['msgs_p90']:<6} "
             f"{r['KB_p50']:>6.0f}/{r['KB_p90']:<6.0f} {r['s_p50']:>6.2f}/{r['s_p90']:<7.2f} {r['read_KB']:>8.0f} "
-            f"{r['read_s']:>7.2f} {ann:>15} {r['right']:>6.0%} {r['gone']:>6.1%} | {'':>6} "
+            f"{r['read_s']:>7.2f} {ann:>15} {r['right']:>6.0%} {r['gone']:>6.1%} {r['noroute']:>7.0%} | {'':>6} "
             f"{r.get('flood_right', float('nan')):>6.0%} {r.get('flood_hidden', float('nan')):>6.1f} "
-            f"{r.get('flood_gone', float('nan')):>6.1%}")
+            f"{r.get('flood_gone', float('nan')):>6.1%} {r.get('flood_noroute', float('nan')):>7.0%}")
     return "\n".join(lines)
 
 
@@ -476,8 +479,8 @@ def main() -> None:
     print(f"# wall {time.perf_counter() - t0:.0f} s; per lookup: FIND_NODE rounds to the closest node (hops), "
           "FIND_NODE + GET_VALUE messages, bytes, simulated time; read: a client's whole model read; announce: "
           "median peer, in parentheses while it also writes layout 1's key; right: blocks whose replica count is "
-          "within 10% of the truth; gone: routes through a peer that has left; hidden: blocks with no honest "
-          "peer in view, per client", file=sys.stderr)
+          "within 10% of the truth; gone: routes through a peer that has left; noroute: clients whose view "
+          "holds no route; hidden: blocks with no honest peer in view, per client", file=sys.stderr)
 
 
 if __name__ == "__main__":

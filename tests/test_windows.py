@@ -93,16 +93,17 @@ def test_readers_estimate_a_window_from_independent_samples():
     assert sample_of([]) == WindowSample(frozenset(), frozenset())
 
 
-def test_estimated_replicas_weigh_sampled_peers_per_window():
+def test_estimated_replicas_add_the_peers_a_sample_implies_and_the_reader_does_not_know():
     kps = [create_new_key_pair() for _ in range(4)]
     recs = [record(kps[0], 0, 10), record(kps[1], 4, 12), record(kps[2], 8, 9), record(kps[3], 7, 9)]
     a, b, c, d = (r.peer_id for r in recs)
+    # Window 1: a is sure; b and c were sampled, standing for 2 x 4 = 8 peers, of which the reader
+    # knows b, c and d (d through window 0): 5 unknown, spread as b and c serve blocks 8-15.
     samples = {0: WindowSample(frozenset({a, b, d}), frozenset({a, b, d})),
                1: WindowSample(frozenset({a, b, c}), frozenset({a}), weight=4.0)}
     counts = estimate_replicas(recs, BLOCKS, samples)
-    assert counts[0] == 1 and counts[4] == 2 and counts[7] == 3
-    assert counts[8] == 1 + 4 + 4  # d, seen only through window 0, is one of those the weight stands for
-    assert counts[10] == 4 and counts[12] == 0
+    assert counts[0] == 1 and counts[4] == 2 and counts[7] == 3  # window 0: exact
+    assert counts[8] == 4 + 5 and counts[10] == 1 + 2.5 and counts[12] == 0
     assert estimate_replicas(recs, BLOCKS, {})[8] == 4  # no samples: the peers known
 
 

@@ -52,7 +52,7 @@ from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
 from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, peer_key, relays_key
-from diffuse.control.windows import WindowSample, read_model
+from diffuse.control.windows import WindowSample, read_model, with_estimates
 from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
 
@@ -396,7 +396,8 @@ class Node:
         """The block map of `model`, judged against its manifest (block count and hashes), so
         records that claim another model shape or other weights cannot distort it."""
         self.num_blocks[model] = num_blocks
-        return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+        cov = coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+        return with_estimates(cov, self.samples.get(model, {}))
 
     async def reach_peers(self, records: Sequence[PeerRecord],
                           timeout: float = REACH_TIMEOUT_S) -> dict[str, dict[str, Any]]:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
 
+from diffuse.control.coverage import Coverage
 from diffuse.control.dht import fetch_answers
 from diffuse.control.records import (
     MAX_SET_RECORDS,
@@ -82,17 +83,30 @@ def _population(sizes: Sequence[int], distinct: int) -> float:
 def estimate_replicas(records: Iterable[PeerRecord], num_blocks: int,
                       samples: Mapping[int, WindowSample]) -> list[float]:
     """Per block, how many peers serve it: the peers a coverage judged valid (`records`, which a
-    reader may also know from other windows' keys), or, where more, what the block's window
-    sample implies (sure peers once, other sampled peers `weight` times each)."""
-    known = [0.0] * num_blocks
-    implied = [0.0] * num_blocks
-    for r in records:
+    reader may also know from other windows' keys), plus the peers its window's sample implies
+    that the reader does not know, spread over the window's blocks as the sampled peers are."""
+    recs = list(records)
+    counts = [0.0] * num_blocks
+    for r in recs:
         for b in range(r.start, min(r.end, num_blocks)):
-            known[b] += 1.0
-            s = samples.get(b // WINDOW_BLOCKS)
-            if s is not None and r.peer_id in s.seen:
-                implied[b] += 1.0 if r.peer_id in s.sure else s.weight
-    return [max(k, i) for k, i in zip(known, implied)]
+            counts[b] += 1.0
+    for w, s in samples.items():
+        lo, hi = w * WINDOW_BLOCKS, min((w + 1) * WINDOW_BLOCKS, num_blocks)
+        touching = [r for r in recs if r.start < hi and r.end > lo and r.peer_id not in s.sure]
+        sampled = [r for r in touching if r.peer_id in s.seen]
+        unseen = s.weight * len(s.seen - s.sure) - len(touching)
+        if not s.sampled or not sampled or unseen <= 0:
+            continue
+        for b in range(lo, hi):
+            counts[b] += unseen * sum(r.serves(b) for r in sampled) / len(sampled)
+    return counts
+
+
+def with_estimates(cov: Coverage, samples: Mapping[int, WindowSample]) -> Coverage:
+    """`cov` with its estimated replica counts, where the nodes kept samples of its windows."""
+    if not any(s.sampled for s in samples.values()):
+        return cov
+    return replace(cov, estimated=estimate_replicas(cov.peers.values(), cov.num_blocks, samples))
 
 
 def model_windows(num_blocks: int) -> range:
