@@ -463,7 +463,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default="100,1000,10000", help="comma-separated swarm sizes")
-    ap.add_argument("--clients", type=int, default=20, help="clients reading the model per size")
+    ap.add_argument("--clients", type=int, default=10, help="clients reading the model per size")
     ap.add_argument("--hostile", type=int, default=1000, help="valid hostile records in the flood (0: none)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")

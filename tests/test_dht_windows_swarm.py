@@ -24,8 +24,9 @@ from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model.weights import load_manifest
+from diffuse.trust import reputation
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1200)]
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
 ANNOUNCERS = [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "support" / "announcers.py")]
@@ -54,7 +55,7 @@ def test_forty_nodes_find_the_true_coverage_and_a_route_through_window_keys(tmp_
         groups = [procs.start("--bootstrap", boot, "--model-dir", str(model_dir), "--spans",
                               ",".join(f"{s}:{e}" for s, e in spans[i::4]), program=ANNOUNCERS) for i in range(4)]
         for g in groups:
-            assert g.read_until("ready", timeout=180)[-1] == "ready", g.stderr[-20:]
+            assert g.read_until("ready", timeout=300)[-1] == "ready", g.stderr[-20:]
         serving = {parse_peer_addr(j.read_until("serving", timeout=300)[0]).peer_id.to_base58()
                    for j in joins.values()}
         truth = [sum(s <= b < e for s, e in [*spans, *JOINS.values()]) for b in range(n)]
@@ -63,8 +64,8 @@ def test_forty_nodes_find_the_true_coverage_and_a_route_through_window_keys(tmp_
 
 async def _client(boot: str, model_dir: Path, manifest, truth: list[int], serving: set[str]) -> None:
     config = NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False, swarm_key=swarm_key())
-    async with open_node(create_new_key_pair(), config) as node:
-        with trio.fail_after(120):
+    async with open_node(create_new_key_pair(), config, codecs=reputation.swarm_codecs()) as node:
+        with trio.fail_after(180):
             while True:
                 cov = await node.coverage(manifest.model_id, manifest.num_layers, manifest.block_hashes)
                 if len(cov.peers) == 38:

@@ -31,14 +31,20 @@ async def main(args: argparse.Namespace) -> None:
     manifest = load_manifest(Path(args.model_dir))
     key = read_key(Path(os.environ[KEY_ENV]))
     spans = [tuple(int(x) for x in s.split(":")) for s in args.spans.split(",")]
+    config = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[args.bootstrap], swarm_key=key,
+                        heartbeat=args.heartbeat, ttl=args.ttl)
+
+    async def one(start: int, end: int, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        node = await nursery.start(Node(create_new_key_pair(), config).run)
+        await node.serve(Serving(manifest.model_id, manifest.num_layers, start, end,
+                                 manifest.block_hashes[start:end], manifest.dtype))
+        print(f"announcing {node.record.peer_id} {start}:{end}", flush=True)
+        task_status.started()
+
     async with trio.open_nursery() as nursery:
-        for start, end in spans:
-            config = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[args.bootstrap], swarm_key=key,
-                                heartbeat=args.heartbeat)
-            node = await nursery.start(Node(create_new_key_pair(), config).run)
-            await node.serve(Serving(manifest.model_id, manifest.num_layers, start, end,
-                                     manifest.block_hashes[start:end], manifest.dtype))
-            print(f"announcing {node.record.peer_id} {start}:{end}", flush=True)
+        async with trio.open_nursery() as starting:  # all at once: a slow bootstrap holds no other node back
+            for start, end in spans:
+                starting.start_soon(nursery.start, one, start, end)
         print("ready", flush=True)
 
 
@@ -48,4 +54,5 @@ if __name__ == "__main__":
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--spans", required=True, help="comma-separated start:end spans, one node each")
     ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument("--ttl", type=float, default=60.0)
     trio.run(main, ap.parse_args())
