@@ -397,11 +397,13 @@ async def measure(n: int, clients: int, hostile: int, seed: int) -> list[dict]:
 
 async def client_views(sw: Swarm, layout: str, who: list[int], true: list[int], flooded=frozenset()) -> dict:
     lookups: list[Lookup] = []
-    reads, right, routes, gone, hidden = [], [], 0, 0, 0
+    reads, right, routes, gone, hidden, stale = [], [], 0, 0, 0, []
+    left = {sw.ids[i].to_base58() for i in sw.listed_gone}
     for c in who:
         found, samples, secs, nbytes = await read_model(sw, c, layout, lookups)
         reads.append((secs, nbytes))
         view = judged(sw, found)
+        stale.append(len(left & set(view)) / max(1, len(view)))
         est = counts(view, layout, samples)
         right.append(sum(abs(e - t) <= 0.1 * t for e, t in zip(est, true)) / BLOCKS)
         honest = [sum(r.serves(b) for p, r in view.items() if p not in flooded) for b in range(BLOCKS)]
@@ -412,7 +414,7 @@ async def client_views(sw: Swarm, layout: str, who: list[int], true: list[int], 
             **_quantiles("msgs", [lk.msgs for lk in lookups]), **_quantiles("KB", [lk.bytes / 1024 for lk in lookups]),
             **_quantiles("s", [lk.secs for lk in lookups]), "read_s": statistics.median(s for s, _ in reads),
             "read_KB": statistics.median(b for _, b in reads) / 1024, "right": statistics.mean(right),
-            "gone": gone / max(1, routes), "hidden": hidden / len(who)}
+            "gone": gone / max(1, routes), "stale": statistics.mean(stale), "hidden": hidden / len(who)}
 
 
 def _quantiles(name: str, xs: list[float]) -> dict:
@@ -445,7 +447,7 @@ async def flood(sw: Swarm, rng: random.Random, hostile: int, who: list[int], row
 def table(rows: list[dict]) -> str:
     head = (f"{'peers':>6} {'layout':<9} {'hops p50/p90':>12} {'msgs p50/p90':>13} {'KB p50/p90':>13} "
             f"{'time s p50/p90':>14} {'read KB':>8} {'read s':>7} {'announce B/min':>15} {'right':>6} "
-            f"{'gone':>6} {'noroute':>7} | flood: {'right':>6} {'hidden':>6} {'gone':>6} {'noroute':>7}")
+            f"{'stale':>6} {'gone':>6} {'noroute':>7} | flood: {'right':>6} {'hidden':>6} {'gone':>6} {'noroute':>7}")
     lines = [head]
     for r in rows:
         ann = f"{r['announce_B_min']:.0f}" + (f" ({r['announce_B_min_transition']:.0f})"
@@ -454,7 +456,8 @@ def table(rows: list[dict]) -> str:
             f"{r['peers']:>6} {r['layout']:<9} {r['hops_p50']:>5}/{r['hops_p90']:<6} "
             f"{r['msgs_p50']:>6}/{r['msgs_p90']:<6} "
             f"{r['KB_p50']:>6.0f}/{r['KB_p90']:<6.0f} {r['s_p50']:>6.2f}/{r['s_p90']:<7.2f} {r['read_KB']:>8.0f} "
-            f"{r['read_s']:>7.2f} {ann:>15} {r['right']:>6.0%} {r['gone']:>6.1%} {r['noroute']:>7.0%} | {'':>6} "
+            f"{r['read_s']:>7.2f} {ann:>15} {r['right']:>6.0%} {r['stale']:>6.2%} {r['gone']:>6.1%} "
+            f"{r['noroute']:>7.0%} | {'':>6} "
             f"{r.get('flood_right', float('nan')):>6.0%} {r.get('flood_hidden', float('nan')):>6.1f} "
             f"{r.get('flood_gone', float('nan')):>6.1%} {r.get('flood_noroute', float('nan')):>7.0%}")
     return "\n".join(lines)
@@ -479,7 +482,8 @@ def main() -> None:
     print(f"# wall {time.perf_counter() - t0:.0f} s; per lookup: FIND_NODE rounds to the closest node (hops), "
           "FIND_NODE + GET_VALUE messages, bytes, simulated time; read: a client's whole model read; announce: "
           "median peer, in parentheses while it also writes layout 1's key; right: blocks whose replica count is "
-          "within 10% of the truth; gone: routes through a peer that has left; noroute: clients whose view "
+          "within 10% of the truth; stale: peers in view that have left; "
+          "gone: routes through a peer that has left; noroute: clients whose view "
           "holds no route; hidden: blocks with no honest peer in view, per client", file=sys.stderr)
 
 
