@@ -200,3 +200,48 @@ def test_a_failed_source_is_replaced_from_the_reserve_at_once():
     assert started == ["a"]
     crew.drop("a")
     assert crew.working == ["c"] and started == ["a", "c"] and crew.reserve == ["b"]
+
+
+def test_a_source_let_go_whose_piece_fails_is_not_called_up_again():
+    started: list[str] = []
+    crew = C.Crew(["a", "b", "c"], 2, {}, started.append)
+    crew.begin()
+    crew.let_go("b")  # on trial without it, b's last piece fails: b is done for this file
+    crew.drop("b")
+    crew.drop("a")  # then a fails: the healthy c takes its place, not b
+    assert crew.working == ["c"] and crew.reserve == [] and started == ["a", "b", "c"]
+
+
+def test_steering_waits_for_the_first_bytes_however_long_they_take():
+    late = lambda k: 10e6 * k if trio.current_time() > 0.5 else 0.0  # noqa: E731 - a stream and GET round trip
+    assert sorted(steer(late, ["a", "b", "c", "d"])) == ["a", "b", "c", "d"]
+
+
+def test_two_capped_sources_that_each_add_their_rate_both_stay_at_work(tmp_path):
+    """Each server sends at most `cap` per transfer: two give twice one's rate. A trial without one
+    must not count the bytes of the piece it still finishes (that made the rate look unchanged)."""
+    blob, cap = os.urandom(32 << 20), 4e6
+    sha, servers = hashlib.sha256(blob).hexdigest(), {}
+    for name in ("p", "q"):
+        (tmp_path / name).mkdir()
+        servers[name] = served(tmp_path / name, blob, chunk=65536)
+        servers[name].send_rate = cap
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                nursery.start_soon(servers[peer].serve, MemStream(b), "me")
+                return MemStream(a)
+
+            fetcher = Fetcher(open_stream)
+            with trio.fail_after(60):
+                try:
+                    assert (await fetcher.fetch(sha, len(blob), tmp_path / "out", ["p", "q"])).read_bytes() == blob
+                finally:
+                    await fetcher.close()
+            return fetcher
+
+    fetcher = trio.run(main)
+    assert fetcher.width == 2  # carried to the next file
+    assert min(fetcher.stats.by_peer.values()) >= 0.35 * len(blob), fetcher.stats.by_peer
