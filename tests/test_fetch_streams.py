@@ -246,3 +246,38 @@ def test_two_capped_sources_that_each_add_their_rate_both_stay_at_work(tmp_path)
     fetcher = trio.run(main)
     assert fetcher.width == 2  # carried to the next file
     assert min(fetcher.stats.by_peer.values()) >= 0.35 * len(blob), fetcher.stats.by_peer
+
+
+def test_a_banned_source_s_kept_streams_are_closed(tmp_path):
+    blob = os.urandom(4 * 65536)
+    sha, honest, liar = hashlib.sha256(blob).hexdigest(), served(tmp_path, blob), F.FileServer()
+    liar.add_composite(sha, [os.urandom(len(blob))])  # other bytes under the hash
+    opened: dict[str, list] = {"liar": [], "honest": []}
+
+    class Closing(MemStream):
+        closed = False
+
+        async def close(self) -> None:
+            self.closed = True
+            await super().close()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                nursery.start_soon({"liar": liar, "honest": honest}[peer].serve, MemStream(b), "me")
+                opened[peer].append(Closing(a))
+                return opened[peer][-1]
+
+            fetcher = Fetcher(open_stream, piece=65536, stall_timeout=5)
+            with trio.fail_after(30):
+                try:
+                    path = await fetcher.fetch(sha, len(blob), tmp_path / "out", ["liar", "honest"])
+                    assert path.read_bytes() == blob
+                    assert list(fetcher.banned) == ["liar"] and "liar" not in fetcher.spare and opened["liar"]
+                    assert all(s.closed for s in opened["liar"])  # none left open to a peer never asked again
+                    assert not all(s.closed for s in opened["honest"])  # kept for a next file
+                finally:
+                    await fetcher.close()
+
+    trio.run(main)
