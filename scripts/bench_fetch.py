@@ -6,7 +6,9 @@ of the same bytes and one raw libp2p stream moving them, in the same run.
 
 Each source is a process with a libp2p host (`make_host`: Noise, yamux, as every Diffuse node)
 serving one random file with the reference FileServer, and a raw protocol that writes the file's
-bytes down one stream with no framing (the baseline: what the transport alone moves). Each fetch
+bytes down one stream with no framing (the baseline: what the transport alone moves), in writes
+as long as the server's DATA frames (files.CHUNK, 1 MiB; $BENCH_RAW_WRITE to change), so the
+ratio compares the same writes and only the protocol differs. Each fetch
 runs in a fresh process, so its peak RSS (ru_maxrss) is its own: the fetcher's should not grow
 with the file (pieces go straight to disk), and the raw stream's process, which does the same
 without the files protocol, is the floor. MB/s is the file's bytes over the fetch's wall time,
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 RAW = "/diffuse/bench-raw/1"
-RAW_WRITE = int(os.environ.get("BENCH_RAW_WRITE", 256 << 10))  # bytes per write of the raw stream
+RAW_WRITE = "BENCH_RAW_WRITE"  # bytes per write of the raw stream (unset: the server's DATA frame, files.CHUNK)
 
 
 def _rss_mib() -> float:
@@ -42,8 +44,9 @@ async def _serve(path: str) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.host import make_host
-    from diffuse.data.files import PROTOCOL_ID, FileServer
+    from diffuse.data.files import CHUNK, PROTOCOL_ID, FileServer
 
+    write = int(os.environ.get(RAW_WRITE) or CHUNK)
     host = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     server = FileServer()
     sha, size = server.add(Path(path))
@@ -53,7 +56,7 @@ async def _serve(path: str) -> None:
 
     async def raw(stream) -> None:
         with open(path, "rb") as f:
-            while block := f.read(RAW_WRITE):
+            while block := f.read(write):
                 await stream.write(block)
         await stream.close()
 
@@ -132,6 +135,8 @@ def main() -> None:
     args = ap.parse_args()
     import trio
 
+    from diffuse.data.files import CHUNK
+
     if args.serve:
         trio.run(_serve, args.serve)
         return
@@ -170,7 +175,8 @@ def main() -> None:
 
     raw = med("raw libp2p stream, 1 source", "mbps")
     print(f"\n{args.mib} MiB over loopback, sources in processes of their own; median of {args.repeats} alternated "
-          f"repeats; {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+          f"repeats; raw stream written {int(os.environ.get(RAW_WRITE) or CHUNK) >> 10} KiB at a time; "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | MB/s | vs raw stream | peak RSS MiB | sources at work at the end, per repeat |")
     print("|---|---|---|---|---|")
     for name in runs:
