@@ -218,6 +218,7 @@ def test_steering_waits_for_the_first_bytes_however_long_they_take():
     assert sorted(steer(late, ["a", "b", "c", "d"])) == ["a", "b", "c", "d"]
 
 
+@pytest.mark.alone  # the crew's verdict rests on rates over 0.15 s windows: nothing beside it
 def test_two_capped_sources_that_each_add_their_rate_both_stay_at_work(tmp_path):
     """Each server sends at most `cap` per transfer: two give twice one's rate. A trial without one
     must not count the bytes of the piece it still finishes (that made the rate look unchanged)."""
