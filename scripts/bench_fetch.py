@@ -6,7 +6,10 @@ of the same bytes and one raw libp2p stream moving them, in the same run.
 
 Each source is a process with a libp2p host (`make_host`: Noise, yamux, as every Diffuse node)
 serving one random file with the reference FileServer, and a raw protocol that writes the file's
-bytes down one stream with no framing (the baseline: what the transport alone moves). Each fetch
+bytes down one stream with no framing (the baseline: what the transport alone moves), in writes
+as long as the server's DATA frames (files.CHUNK, 1 MiB), so the ratio compares the same writes
+and only the protocol differs; a second raw row writes 256 KiB at a time (the server's frames
+before files 1.2), to show what the write size alone is worth. Each fetch
 runs in a fresh process, so its peak RSS (ru_maxrss) is its own: the fetcher's should not grow
 with the file (pieces go straight to disk), and the raw stream's process, which does the same
 without the files protocol, is the floor. MB/s is the file's bytes over the fetch's wall time,
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 RAW = "/diffuse/bench-raw/1"
-RAW_WRITE = int(os.environ.get("BENCH_RAW_WRITE", 256 << 10))  # bytes per write of the raw stream
+SMALL_WRITE = 256 << 10  # the raw stream's writes in the second raw row
 
 
 def _rss_mib() -> float:
@@ -42,7 +45,7 @@ async def _serve(path: str) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from diffuse.control.host import make_host
-    from diffuse.data.files import PROTOCOL_ID, FileServer
+    from diffuse.data.files import CHUNK, PROTOCOL_ID, FileServer
 
     host = make_host(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
     server = FileServer()
@@ -51,20 +54,24 @@ async def _serve(path: str) -> None:
     async def files(stream) -> None:
         await server.serve(stream, str(stream.muxed_conn.peer_id))
 
-    async def raw(stream) -> None:
-        with open(path, "rb") as f:
-            while block := f.read(RAW_WRITE):
-                await stream.write(block)
-        await stream.close()
+    def raw(write: int):
+        async def handle(stream) -> None:
+            with open(path, "rb") as f:
+                while block := f.read(write):
+                    await stream.write(block)
+            await stream.close()
+        return handle
 
     host.set_stream_handler(PROTOCOL_ID, files)
-    host.set_stream_handler(RAW, raw)
+    for write in (CHUNK, SMALL_WRITE):
+        host.set_stream_handler(f"{RAW}/{write}", raw(write))
     async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         print(json.dumps({"addr": f"{host.get_addrs()[0]}", "sha": sha, "size": size}), flush=True)
         await trio.sleep_forever()
 
 
-async def _fetch(addrs: list[str], sha: str, size: int, dest: str, raw: bool) -> dict:
+async def _fetch(addrs: list[str], sha: str, size: int, dest: str, raw: int) -> dict:
+    """The fetcher's run, or with `raw` (bytes per write) the raw stream's."""
     import multiaddr
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.network.stream.exceptions import StreamEOF
@@ -81,7 +88,7 @@ async def _fetch(addrs: list[str], sha: str, size: int, dest: str, raw: bool) ->
         start = time.perf_counter()
         if raw:
             (info,) = infos.values()
-            stream = await host.new_stream(info.peer_id, [RAW])
+            stream = await host.new_stream(info.peer_id, [f"{RAW}/{raw}"])
             with open(dest, "wb") as out:
                 try:
                     while data := await stream.read(1 << 20):
@@ -107,7 +114,7 @@ def _child(*args: str) -> subprocess.Popen:
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
 
 
-def _run_fetch(addrs: list[str], sha: str, size: int, dest: Path, raw: bool) -> dict:
+def _run_fetch(addrs: list[str], sha: str, size: int, dest: Path, raw: int) -> dict:
     dest.unlink(missing_ok=True)
     p = _child("--fetch", json.dumps({"addrs": addrs, "sha": sha, "size": size, "dest": str(dest), "raw": raw}))
     out, _ = p.communicate(timeout=600)
@@ -132,6 +139,8 @@ def main() -> None:
     args = ap.parse_args()
     import trio
 
+    from diffuse.data.files import CHUNK
+
     if args.serve:
         trio.run(_serve, args.serve)
         return
@@ -150,9 +159,10 @@ def main() -> None:
         info = [json.loads(p.stdout.readline()) for p in sources]
         addrs, sha, size = [i["addr"] for i in info], info[0]["sha"], info[0]["size"]
         cases = {"cp": lambda: _cp(src, tmp / "out"),
-                 "raw libp2p stream, 1 source": lambda: _run_fetch(addrs[:1], sha, size, tmp / "out", True)}
+                 "raw libp2p stream, 1 source": lambda: _run_fetch(addrs[:1], sha, size, tmp / "out", CHUNK),
+                 "raw stream, 256 KiB writes": lambda: _run_fetch(addrs[:1], sha, size, tmp / "out", SMALL_WRITE)}
         cases |= {f"fetcher, {n} source{'s' if n > 1 else ''}": (lambda n=n: _run_fetch(addrs[:n], sha, size,
-                                                                                       tmp / "out", False))
+                                                                                       tmp / "out", 0))
                   for n in (1, 2, 4)}
         runs: dict[str, list[dict]] = {name: [] for name in cases}
         for r in range(args.repeats):
@@ -170,7 +180,8 @@ def main() -> None:
 
     raw = med("raw libp2p stream, 1 source", "mbps")
     print(f"\n{args.mib} MiB over loopback, sources in processes of their own; median of {args.repeats} alternated "
-          f"repeats; {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+          f"repeats; the raw stream written {CHUNK >> 10} KiB at a time (as the server's frames); "
+          f"{os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     print("| case | MB/s | vs raw stream | peak RSS MiB | sources at work at the end, per repeat |")
     print("|---|---|---|---|---|")
     for name in runs:

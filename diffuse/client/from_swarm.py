@@ -80,26 +80,30 @@ async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say
         records = await _records(node, want)
         progress = Progress(say, want.json_progress)
         fetcher = Fetcher(_opener(node, records), on_bytes=progress.add)
-        model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
-        sources = [r.peer_id for r in records if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
-        await _files(fetcher, model_dir, manifest, sources)
-        if want.local is not None:
-            front, back = want.local
-            span, blocks = (0, 0), [*range(min(front, manifest.num_layers)),
-                                    *range(max(front, manifest.num_layers - back), manifest.num_layers)]
-        else:
-            span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory,
-                                            ModelConfig.load(model_dir), manifest.dtype)
-            span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
-                                                expected_hashes=manifest.block_hashes).replicas, length)
-            blocks = list(range(*span))
-        await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
-        progress.finish()
-        by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
-        held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
-        say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
-            f"{' from ' + by if by else ''}{_banned(fetcher)})")
-        return model_dir.name, span
+        try:
+            model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
+            sources = [r.peer_id for r in records
+                       if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
+            await _files(fetcher, model_dir, manifest, sources)
+            if want.local is not None:
+                front, back = want.local
+                span, blocks = (0, 0), [*range(min(front, manifest.num_layers)),
+                                        *range(max(front, manifest.num_layers - back), manifest.num_layers)]
+            else:
+                span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory,
+                                                ModelConfig.load(model_dir), manifest.dtype)
+                span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
+                                                    expected_hashes=manifest.block_hashes).replicas, length)
+                blocks = list(range(*span))
+            await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
+            progress.finish()
+            by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
+            held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
+            say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
+                f"{' from ' + by if by else ''}{_banned(fetcher)})")
+            return model_dir.name, span
+        finally:
+            await fetcher.close()  # the streams kept between files
 
 
 def for_join(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> dict:

@@ -7,11 +7,14 @@ sources it knows (fastest on earlier files; those not yet tried first, in the or
 many as served best on the last file (two at first), and compares the rate they deliver together
 over short windows: it lets the slowest go while that costs less than LOSS of the rate; if none
 could go, it calls one more up while that adds at least GAIN (if one could, the sources do not
-bound the fetch, and more would not help); then it keeps what it has. A trial waits out one window
-before its own (streams opening, pieces in flight finishing). Only a file with enough left to
-tell is steered. A source that fails, is dropped or answers BUSY is replaced from the reserve at
-once, whatever the windows say; one let go finishes the piece it has. The count and each
-source's rate carry over to the next file of the same fetcher.
+bound the fetch, and more would not help); then it keeps what it has. Steering waits until bytes
+flow (streams opening, a GET's round trip, may take longer than a window), and a trial waits out
+one window before its own (pieces in flight finishing). A rate counts the bytes of the sources at
+work alone: one let go finishes the piece it has, and its bytes would make the rate without it
+look unchanged. Only a file with enough left to tell is steered. A source that fails, is dropped
+or answers BUSY is replaced from the reserve at once, whatever the windows say; one that failed
+is never called up again for the file. The count and each source's rate carry over to the next
+file of the same fetcher.
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ class Crew:
         return peer
 
     def drop(self, peer: str) -> None:
-        """`peer` failed, was dropped, or is busy: another from the reserve takes its place."""
+        """`peer` failed, was dropped, or is busy: another from the reserve takes its place (one let
+        go whose last piece failed leaves the reserve: it is never called up again)."""
+        if peer in self.reserve:
+            self.reserve.remove(peer)
         if peer in self.working:
             self.working.remove(peer)
             self.call_up()
@@ -68,14 +74,19 @@ class Crew:
     async def steer(self, received: Callable[[], int], by_peer: dict[str, int], left: Callable[[], int]) -> None:
         """Let sources go, then call them up, while the rate says so; until there is too little left
         to tell (the caller cancels it when the fill ends)."""
-        await _window(received)  # the start: streams opening
-        rate, per = await _rates(received, by_peer)
+        first = received()
+        while received() == first:  # nothing yet: streams opening, a GET's round trip
+            await trio.sleep(WINDOW_S)
+        await _window(received)  # the first bytes: requests starting up
+        rate, per = 0.0, {}
+        while not rate:
+            rate, per = await self._rates(received, by_peer)
         going, shed = "down", False
         while going and rate and left() > rate * 3 * WINDOW_S:
             if going == "down" and len(self.working) > 1:
                 slowest = min(self.working, key=lambda p: per.get(p, 0))
                 self.let_go(slowest)
-                without, after = await _trial(received, by_peer)
+                without, after = await self._trial(received, by_peer)
                 if without >= rate * LOSS:
                     rate, per, shed = without, after, True
                     continue
@@ -84,7 +95,7 @@ class Crew:
             elif going == "down":  # one could go: sources do not bound this fetch, more would not help
                 going = "" if shed else "up"
             elif (trial := self.call_up()) is not None:
-                with_it, after = await _trial(received, by_peer)
+                with_it, after = await self._trial(received, by_peer)
                 if with_it >= rate * GAIN:
                     rate, per = with_it, after
                     continue
@@ -94,21 +105,24 @@ class Crew:
                 going = ""
 
 
+    async def _trial(self, received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
+        """The rates one window after a change, once the window it takes to settle has passed."""
+        await _window(received)
+        return await self._rates(received, by_peer)
+
+    async def _rates(self, received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
+        """The rate of the sources at work over one window (the bytes of one let go, still on its
+        piece, are not theirs), and each peer's bytes in it."""
+        received()  # brings `by_peer` up to date where it is computed on demand
+        before, at = dict(by_peer), trio.current_time()
+        await trio.sleep(WINDOW_S)
+        received()
+        per = {p: n - before.get(p, 0) for p, n in by_peer.items()}
+        return sum(per.get(p, 0) for p in self.working) / max(trio.current_time() - at, 1e-9), per
+
+
 async def _window(received: Callable[[], int]) -> float:
     """Bytes per second over one window."""
     start, at = received(), trio.current_time()
     await trio.sleep(WINDOW_S)
     return (received() - start) / max(trio.current_time() - at, 1e-9)
-
-
-async def _trial(received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
-    """The rates one window after a change, once the window it takes to settle has passed."""
-    await _window(received)
-    return await _rates(received, by_peer)
-
-
-async def _rates(received: Callable[[], int], by_peer: dict[str, int]) -> tuple[float, dict[str, int]]:
-    """The rate over one window, and each peer's bytes in it."""
-    before = dict(by_peer)
-    rate = await _window(received)
-    return rate, {p: n - before.get(p, 0) for p, n in by_peer.items()}

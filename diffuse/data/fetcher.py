@@ -148,10 +148,13 @@ class Fetcher:
                 await held.close()
         self.spare.clear()
 
-    def ban(self, peer: str, why: str) -> None:
+    async def ban(self, peer: str, why: str) -> None:
+        """Never ask `peer` again; the streams kept to it are closed."""
         if peer not in self.banned:
             log.warning("banned peer %s: %s", peer, why)
         self.banned[peer] = why
+        for held in self.spare.pop(peer, []):
+            await held.close()
 
 
 EARLIER = ""  # the sender of bytes an earlier run left: refetched if the hash is wrong, nobody banned
@@ -209,7 +212,7 @@ class _Fill:
         self.alive: dict[str, int] = {}
         self.crew: Crew
         self.nursery: trio.Nursery
-        self.steering, self.hashing = trio.CancelScope(), False
+        self.steering, self.hashing = trio.CancelScope(), False  # a hash_ahead task runs
 
     async def hash_ahead(self) -> None:
         try:
@@ -288,7 +291,7 @@ class _Job:
         self.sent, self.notes = sent, notes  # offset -> (length, sender)
         self.errors: dict[str, str] = {}
         self.hopeless = False  # every sender's bytes replaced and the hash still wrong: none worth keeping
-        self.digest, self.hashed, self.hashing = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
+        self.digest, self.hashed, self.hash_lock = hashlib.sha256(), 0, trio.Lock()  # the hash of [0, hashed)
 
     def note(self) -> None:
         tmp = self.notes.with_name(self.notes.name + ".tmp")
@@ -329,7 +332,7 @@ class _Job:
     async def hash_ahead(self) -> bool:
         """Hash the bytes received in one run from the start on, while the rest still arrives (the
         check at the end then reads only what is left); False if there was nothing new."""
-        async with self.hashing:
+        async with self.hash_lock:
             end = self.hashed
             for o, (n, _) in sorted(self.sent.items()):
                 if o > end:
@@ -369,7 +372,7 @@ class _Job:
             suspect = senders[0]
             tried.add(suspect)
             if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
-                self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
+                await self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
             ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
             for o, _ in ranges:
                 del self.sent[o]
@@ -382,5 +385,6 @@ class _Job:
                                  f"and no other source could send them ({e})") from None
             if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:
                 if suspect != EARLIER:
-                    self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, and theirs hash right")
+                    await self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, "
+                                              "and theirs hash right")
                 return
