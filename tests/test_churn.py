@@ -176,8 +176,9 @@ def test_a_peer_that_died_while_idle_is_noticed_when_a_session_opens(home, swarm
 
 
 def test_a_peer_frozen_while_idle_is_noticed_when_a_session_opens(home, swarm, reference):
-    """Frozen between two sessions: its connection to the client still stands, but it opens no
-    stream on it; the dial gives up ("timeout") and the session opens on its replica."""
+    """Frozen between two sessions: its connection to the client may still stand, but it opens no
+    stream on it; the dial gives up ("timeout", or "unreachable" once that connection closed) and
+    the session opens on its replica."""
     frozen: list[str] = []
 
     async def body(client: SwarmClient, prompt: list[int]) -> dict:
@@ -195,7 +196,10 @@ def test_a_peer_frozen_while_idle_is_noticed_when_a_session_opens(home, swarm, r
             swarm.proc[name].signal(signal.SIGCONT)
     assert got["tokens"] == reference
     first = got["failovers"][0]
-    assert (first["peer"], first["during"], first["cause"]) == (got["victim"], "open", "timeout"), got["failovers"]
+    # "timeout" while its connection stands; "unreachable" once a write to it past the connection's
+    # write timeout has closed that connection and the redial finds nobody answering
+    assert (first["peer"], first["during"]) == (got["victim"], "open"), got["failovers"]
+    assert first["cause"] in ("timeout", "unreachable"), got["failovers"]
 
 
 def test_blocks_with_no_live_replica_are_computed_here_or_waited_for(home, swarm, reference):

@@ -108,8 +108,12 @@ def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
     async def dial(peer_id, addrs):
         raise ConnectionRefusedError("[Errno 111] Connection refused: 10.0.0.7:22")
 
+    async def run():
+        async with trio.open_nursery() as nursery:
+            return await open_link(dial, Downstream("QmNext", ("/ip4/10.0.0.7/tcp/22",), b"\x01" * 16), nursery)
+
     with caplog.at_level(logging.INFO, logger="diffuse.data.chain"):
-        link, why = trio.run(open_link, dial, Downstream("QmNext", ("/ip4/10.0.0.7/tcp/22",), b"\x01" * 16))
+        link, why = trio.run(run)
     assert link is None and why == UNREACHABLE
     assert "Connection refused" in caplog.text  # the detail stays in this peer's log
 
