@@ -212,7 +212,7 @@ def test_status_counts_the_peers_of_variants_it_accepts(home, smollm2, monkeypat
 
     recs = [rec("QmPlain", 0, 15, manifest.block_hashes, "none"), rec("QmFour", 15, 30, int4, "int4"),
             rec("QmLiar", 15, 30, manifest.block_hashes, "int4")]  # int4 announced, the full weights' hashes
-    node = NS(records=lambda model: _value(recs))
+    node = NS(records=lambda model: _value(recs), num_blocks={})
 
     def survey(accept, sources=None):
         return trio.run(Variants(stored(home, []) if sources is None else sources, accept).coverage,

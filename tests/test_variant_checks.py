@@ -147,7 +147,8 @@ def test_status_counts_the_variants_the_store_holds_and_makes_only_those_asked_f
         return recs
 
     def survey(make=()):
-        return trio.run(Variants({manifest.model_hash: model}, SCHEMES, make).coverage, NS(records=records), manifest)
+        node = NS(records=records, num_blocks={})
+        return trio.run(Variants({manifest.model_hash: model}, SCHEMES, make).coverage, node, manifest)
 
     plain = survey()
     assert set(plain.peers) == {"QmPlain"} and not variants.variant_dir(model, "int4").exists()
