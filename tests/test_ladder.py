@@ -10,9 +10,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from diffuse.control.identity import peer_id
 from diffuse.control.ladder import Hosting, Offer, choose, filled, ladder
-from diffuse.control.placement import PlacementError
 from diffuse.control.records import PeerRecord
 from diffuse.control.windows import WindowSample
+from diffuse.control.placement import PlacementError
 
 MiB = 2**20
 SMALL = Offer("small", 30, 10 * MiB, 300 * MiB, ())
