@@ -18,14 +18,6 @@ k = 20 random live-or-departed peers per shared-prefix length, inserted through 
 routing tables hold DEAD_SHARE of departed peers, and a departed peer's record stays readable
 until it expires (records are read a ttl after they were written at most).
 
-Idealisations, which make the figures a best case for both layouts:
-- writes go to an oracle's exact k closest live nodes (no lookup before a PUT, no missed node);
-- no node joins during a run (peers only leave);
-- the reader is a copy of `windows.read_model` without the reader's own store as an answer and
-  without the layout-1 blocks-key read (its `sample_of` and `estimate_replicas` are the real ones);
-- the flood uses only records with valid hashes (all of one window); floods that coverage rejects
-  are covered by tests/test_windows.py.
-
 Layouts compared in one run, on the same peers and routing tables:
 - layout 1: one key per model; DHT nodes sample overflowing values at random (the previous
   admission rule, reproduced in `RandomAdmission`), readers count what they see;
