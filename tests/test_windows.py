@@ -21,7 +21,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from control_helpers import fake_hashes
 from diffuse.control import announce
 from diffuse.control.announce import Serving
-from diffuse.control.dht import RANK_EPOCH_S, MergingValueStore
+from diffuse.control.dht import MergingValueStore
 from diffuse.control.identity import peer_id
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import (
@@ -35,8 +35,8 @@ MODEL, BLOCKS = "win-model", 80
 LISTEN = ["/ip4/127.0.0.1/tcp/0"]
 
 
-def record(kp, start: int, end: int, now: float | None = None) -> PeerRecord:
-    now = time.time() if now is None else now
+def record(kp, start: int, end: int) -> PeerRecord:
+    now = time.time()
     return PeerRecord(peer_id=peer_id(kp).to_base58(), model=MODEL, num_blocks=BLOCKS, start=start, end=end,
                       block_hashes=tuple(fake_hashes(BLOCKS)[start:end]), dtype="bfloat16", throughput=10.0,
                       cache_tokens=4096, addrs=("/ip4/10.0.0.1/tcp/4001",), timestamp=now, expires=now + 60,
@@ -221,27 +221,3 @@ def test_nodes_refusing_window_keys_cause_no_lookups_and_no_rebootstrap(monkeypa
 
     assert trio.run(beats) == [3] * 5  # on_lonely (re-bootstrap) runs only on 0
     assert len(lookups) == len(set(lookups))  # each key looked up once, not every beat
-
-
-def test_a_nodes_sample_is_drawn_again_each_epoch():
-    """A peer left out of a node's sample while a flood lasts draws again the next hour."""
-    key = window_key(MODEL, 0)
-    now = [(time.time() // RANK_EPOCH_S + 1) * RANK_EPOCH_S - 10.0]  # 10 s before the next hour
-    store = MergingValueStore(None, None, SetCodecs(), clock=lambda: now[0])
-    keys = [create_new_key_pair() for _ in range(200)]
-
-    def beat() -> set[str]:
-        kb = key.encode()
-        for kp in keys:
-            store.put_record(kb, Record(key=kb, value=encode_set([sign(record(kp, 0, 8, now[0]), kp)])))
-        return {sr.peer_id for sr in store.records(kb)}
-
-    held = beat()
-    now[0] += 5
-    assert beat() == held  # same hour: stable
-    now[0] += 10
-    again = beat()
-    # One clock reading for the whole first beat: the longest-held half is the lowest owners.
-    early = set(sorted(peer_id(kp).to_base58() for kp in keys)[:MAX_SET_RECORDS // 2])
-    assert early <= again and again != held  # the longest-held half stays, the sample is redrawn
-    assert store.secret != MergingValueStore(None, None, SetCodecs()).secret

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +41,6 @@ from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
 
-RANK_EPOCH_S = 3600.0  # how long a node's sample ranks its owners alike (MergingValueStore.rank)
 QUERY_TIMEOUT_S = 5.0  # per remote GET/PUT; a dead peer on a LAN fails faster than this
 PREFIX = f"/{NAMESPACE}/".encode()
 
@@ -64,8 +62,8 @@ class MergingValueStore(ValueStore):
     half of the items this node has held longest (by its own clock, not by any claim in the
     records) stay, and the rest are the others whose owners rank first under a hash keyed by this
     node's secret: peers that were here before a flood keep their place in every node's copy, and
-    the other half is a uniform sample that a refresh does not reshuffle within the hour and that
-    no one can aim at, drawn independently on each node, so readers can estimate what the nodes did not keep
+    the other half is a uniform sample that a refresh does not reshuffle and that no one can aim
+    at, drawn independently on each node, so readers can estimate what the nodes did not keep
     (see "Flooding" and "Layout 2" in protocols/dht-records.md).
 
     Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
@@ -76,8 +74,7 @@ class MergingValueStore(ValueStore):
                  rng: random.Random | None = None) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
         self.codecs, self.clock, self.rng = codecs, clock, rng or random.Random()
-        # Keys this node's sample (`rank`): unguessable, unless a seeded `rng` (a simulation) asks otherwise.
-        self.secret = rng.randbytes(16) if rng is not None else secrets.token_bytes(16)
+        self.secret = self.rng.randbytes(16)  # keys this node's sample (`rank`)
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
         self._first_seen: dict[bytes, dict[str, float]] = {}  # key -> owner -> when this node first held it
 
@@ -125,10 +122,8 @@ class MergingValueStore(ValueStore):
         return items
 
     def rank(self, owner: str) -> bytes:
-        """Where `owner` stands in this node's sample: a hash keyed by the node's secret and salted
-        with the hour (`RANK_EPOCH_S`), so a peer left out during a flood draws again each hour."""
-        epoch = int(self.clock() // RANK_EPOCH_S).to_bytes(8, "big")
-        return hashlib.blake2b(owner.encode(), key=self.secret, salt=epoch, digest_size=8).digest()
+        """Where `owner` stands in this node's sample: a hash keyed by the node's secret."""
+        return hashlib.blake2b(owner.encode(), key=self.secret, digest_size=8).digest()
 
     def get(self, key: bytes) -> Record | None:
         rec = super().get(key)
