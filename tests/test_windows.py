@@ -196,28 +196,3 @@ def test_throwaway_records_stating_a_small_block_count_hide_no_window(monkeypatc
                 assert {peer.record.peer_id, peer_id(far).to_base58()} <= found
 
     trio.run(scenario)
-
-
-def test_nodes_refusing_window_keys_cause_no_lookups_and_no_rebootstrap(monkeypatch):
-    """Nodes of layout 1 refuse window keys but answer: not churn (no lookup every beat), and
-    the peer key, which they accept, is what says whether the DHT is reached at all."""
-    lookups: list[str] = []
-
-    async def closest(dht, key):
-        lookups.append(key)
-        return ["n1", "n2", "n3"]
-
-    async def store_set(dht, key, records, targets):
-        return (0, len(targets)) if key.startswith("/diffuse/window/") else (len(targets), 0)
-
-    monkeypatch.setattr(announce, "closest", closest)
-    monkeypatch.setattr(announce, "store_set", store_set)
-    kp = create_new_key_pair()
-    a = announce.Announcer(None, kp, Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"),
-                           lambda: ["/ip4/10.0.0.1/tcp/4001"])
-
-    async def beats() -> list[int]:
-        return [await a.publish() for _ in range(5)]
-
-    assert trio.run(beats) == [3] * 5  # on_lonely (re-bootstrap) runs only on 0
-    assert len(lookups) == len(set(lookups))  # each key looked up once, not every beat

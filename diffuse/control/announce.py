@@ -22,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 
 from diffuse import __version__
-from diffuse.control.dht import closest, store_set
+from diffuse.control.dht import closest, put_set
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.records import (
     MAX_TTL_S,
@@ -141,7 +141,7 @@ class Announcer:
         )
 
     async def publish(self) -> int:
-        """Sign a fresh record and store it under its keys; returns the peer key's remote acks.
+        """Sign a fresh record and store it under both keys; returns remote acks.
         After `withdraw` this does nothing: a withdrawn peer stays withdrawn."""
         if self.withdrawn:
             return 0
@@ -176,14 +176,13 @@ class Announcer:
             if left <= 0 or not targets:
                 targets = await closest(self.dht, key)
                 left = LOOKUP_EVERY
-            acks[i], refused = await store_set(self.dht, key, [signed], targets)
-            # A node that answers "no" (an older layout's, for a window key) is no sign of churn.
-            self._targets[key] = (left - 1 if acks[i] + refused == len(targets) else 0, targets)
+            acks[i] = await put_set(self.dht, key, [signed], targets)
+            self._targets[key] = (left - 1 if acks[i] == len(targets) else 0, targets)
 
         async with trio.open_nursery() as nursery:
             for i, key in enumerate(keys):
                 nursery.start_soon(put, i, key)
-        return acks[0]  # the peer key, which every layout's node accepts
+        return min(acks)
 
     async def run(self, *, on_lonely: Callable[[], Any] | None = None,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

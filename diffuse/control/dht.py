@@ -192,31 +192,21 @@ async def put_set(dht: KadDHT, key: str, records: Sequence,
     """Store `records` (or evidence, under an evidence key) under `key` here and at `targets`
     (default: a fresh lookup of the k closest nodes); returns how many remote nodes accepted
     them. A node that already holds them refuses a replay, which is fine."""
-    return (await store_set(dht, key, records, targets))[0]
-
-
-async def store_set(dht: KadDHT, key: str, records: Sequence,
-                    targets: Sequence[ID] | None = None) -> tuple[int, int]:
-    """`put_set`, telling apart the nodes that accepted and those that refused while staying
-    connected (a node of an older layout refusing a key it does not know) from the silent ones
-    (gone, or timed out), which are the ones that call for a new lookup."""
     value = _codecs(dht).for_key(key).encode(list(records))
     dht.validator.validate(key, value)  # never publish what others would refuse
     kb = key.encode()
     dht.value_store.put_record(kb, Record(key=kb, value=value))
     peers = list(targets) if targets is not None else await closest(dht, key)
-    acks = refused = 0
+    acks = 0
 
     async def store(peer: ID) -> None:
-        nonlocal acks, refused
+        nonlocal acks
         with trio.move_on_after(QUERY_TIMEOUT_S):
             if await dht.value_store._store_at_peer(peer, kb, value, record=Record(key=kb, value=value)):
                 acks += 1
-            elif peer in dht.host.get_connected_peers():
-                refused += 1
 
     await _gather(store, peers)
-    return acks, refused
+    return acks
 
 
 async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
