@@ -27,10 +27,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import trio
 from libp2p.abc import IHost
-from libp2p.kad_dht.common import ALPHA, BUCKET_SIZE, format_time_rfc3339
+from libp2p.kad_dht.common import ALPHA, format_time_rfc3339
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
-from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -221,16 +220,13 @@ async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
 
 
 async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
-    """The valid items under `key` as each of the k closest nodes hold them, this node included
-    only when it is one of them (a node farther away holds at least its own record there, which
-    is no sample of the key), one list per answer (unmerged: readers estimate from them)."""
+    """The valid items under `key` as this node and each of the k closest nodes hold them, one
+    list per answer (unmerged: what each node kept is what readers estimate from)."""
     kb = key.encode()
     codecs = _codecs(dht)
     codec = codecs.for_key(key)
+    answers: list[list] = [list(dht.value_store.records(kb))]
     peers = await closest(dht, key)
-    me = dht.host.get_id()
-    near = len(peers) < BUCKET_SIZE or sort_peer_ids_by_distance(kb, [*peers, me]).index(me) < BUCKET_SIZE
-    answers: list[list] = [list(dht.value_store.records(kb))] if near else []
 
     async def ask(peer: ID) -> None:
         with trio.move_on_after(QUERY_TIMEOUT_S):

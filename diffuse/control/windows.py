@@ -33,14 +33,13 @@ from diffuse.control.records import (
 )
 
 READS_AT_ONCE = 4  # window keys read concurrently: each read is a lookup plus k GETs
-MIN_SAMPLED = 8  # valid sampled peers a window needs before a reader scales them up: fewer are noise
 
 
 @dataclass(frozen=True)
 class WindowSample:
     """What a reader saw of one window's key: the peers `seen` in any answer, of which the `sure`
-    ones (held by most nodes that answered, or all when no node was full) stand for themselves
-    and the others together for `weight` times as many peers."""
+    ones (held by every node that answered, or all when no node was full) stand for themselves
+    and each other one for `weight` peers."""
 
     seen: frozenset[str]
     sure: frozenset[str]
@@ -57,16 +56,14 @@ def sample_of(answers: Sequence[Iterable[str]], capacity: int = MAX_SET_RECORDS)
     if not sets:
         return WindowSample(frozenset(), frozenset())
     seen = frozenset(set().union(*sets))
-    full = [s for s in sets if len(s) >= capacity]  # only a full node's copy is a sample
-    if not full:
+    if all(len(s) < capacity for s in sets):
         return WindowSample(seen, seen)
-    held = Counter(o for s in sets for o in s)
-    sure = frozenset(o for o, n in held.items() if 2 * n > len(sets))  # one odd answer moves nothing
-    distinct = len(set().union(*full) - sure)
+    sure = frozenset(set.intersection(*sets))
+    rest = [len(s - sure) for s in sets]
+    distinct = len(seen - sure)
     if distinct == 0:
         return WindowSample(seen, sure)
-    population = max(_population([len(s - sure) for s in full], distinct), len(seen - sure))
-    return WindowSample(seen, sure, population / len(seen - sure))
+    return WindowSample(seen, sure, _population(rest, distinct) / distinct)
 
 
 def _population(sizes: Sequence[int], distinct: int) -> float:
@@ -75,10 +72,8 @@ def _population(sizes: Sequence[int], distinct: int) -> float:
     def expected(m: float) -> float:
         return m * (1.0 - math.prod(max(0.0, 1.0 - n / m) for n in sizes))
 
-    # Samples that barely overlap say only "at least the population at which one overlap is
-    # expected" (the birthday bound), never an unbounded count.
-    lo, hi = float(distinct), max(float(distinct), sum(sizes) ** 2 / 2.0)
-    if expected(hi) < distinct:
+    lo, hi = float(distinct), float(distinct) * 1000.0
+    if expected(hi) < distinct:  # (almost) no overlap between the samples: bounded, and said so by a large weight
         return hi
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -89,10 +84,8 @@ def _population(sizes: Sequence[int], distinct: int) -> float:
 def estimate_replicas(records: Iterable[PeerRecord], num_blocks: int,
                       samples: Mapping[int, WindowSample]) -> list[float]:
     """Per block, how many peers serve it: the peers a coverage judged valid (`records`, which a
-    reader may also know from other windows' keys), plus the valid peers its window's sample
-    implies that the reader does not know, spread over the window's blocks as the sampled valid
-    peers are. Only valid sampled peers are scaled up (a flood of rejected records inflates
-    nothing), and a window with fewer than `MIN_SAMPLED` of them is left at what is known."""
+    reader may also know from other windows' keys), plus the peers its window's sample implies
+    that the reader does not know, spread over the window's blocks as the sampled peers are."""
     recs = list(records)
     counts = [0.0] * num_blocks
     for r in recs:
@@ -102,8 +95,8 @@ def estimate_replicas(records: Iterable[PeerRecord], num_blocks: int,
         lo, hi = w * WINDOW_BLOCKS, min((w + 1) * WINDOW_BLOCKS, num_blocks)
         touching = [r for r in recs if r.start < hi and r.end > lo and r.peer_id not in s.sure]
         sampled = [r for r in touching if r.peer_id in s.seen]
-        unseen = s.weight * len(sampled) - len(touching)
-        if not s.sampled or len(sampled) < MIN_SAMPLED or unseen <= 0:
+        unseen = s.weight * len(s.seen - s.sure) - len(touching)
+        if not s.sampled or not sampled or unseen <= 0:
             continue
         for b in range(lo, hi):
             counts[b] += unseen * sum(r.serves(b) for r in sampled) / len(sampled)
