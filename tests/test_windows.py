@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 
@@ -19,7 +18,6 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
 from control_helpers import fake_hashes
-from diffuse.control import announce
 from diffuse.control.announce import Serving
 from diffuse.control.dht import MergingValueStore
 from diffuse.control.identity import peer_id
@@ -126,33 +124,5 @@ def test_a_client_finds_peers_through_the_window_keys():
                 samples = client.samples[MODEL]
                 assert set(samples) == set(range(10))  # every window of the model was read
                 assert [set(samples[w].seen) for w in range(10)] == [{peer.record.peer_id}] * 3 + [set()] * 7
-
-    trio.run(scenario)
-
-
-def test_throwaway_records_stating_a_small_block_count_hide_no_window(monkeypatch):
-    """A reader that does not know the block count reads up to the largest one stated: a majority
-    of records in window 0 claiming 8 blocks cannot stop it reading windows 1-9."""
-    monkeypatch.setattr(announce, "WRITE_LAYOUT_1", False)  # window keys alone
-
-    async def scenario() -> None:
-        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
-            boot = sentinel.full_addrs()
-            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as peer, \
-                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot, server=False)) as client:
-                await peer.serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
-                store = sentinel.dht.value_store
-                far = create_new_key_pair()
-                for w in (6, 7):
-                    _fill(store, window_key(MODEL, w), [sign(record(far, 50, 60), far)])
-                fakes = [create_new_key_pair() for _ in range(40)]
-                _fill(store, window_key(MODEL, 0),
-                      [sign(dataclasses.replace(record(kp, 0, 8), num_blocks=8), kp) for kp in fakes])
-                with trio.fail_after(20):
-                    while peer.record.peer_id not in {sr.peer_id for sr in decode_set(
-                            store.get(window_key(MODEL, 0).encode()).value, window_key(MODEL, 0))}:
-                        await trio.sleep(0.05)
-                found = {r.peer_id for r in await client.records(MODEL)}
-                assert {peer.record.peer_id, peer_id(far).to_base58()} <= found
 
     trio.run(scenario)

@@ -122,8 +122,6 @@ class Hosting:
         self.current: Choice | None = None
 
     async def _records(self) -> dict[str, list]:
-        for o in self.offers:
-            self.node.num_blocks[o.model] = o.num_blocks  # which window keys hold each model
         return {o.model: await self.node.records(o.model) for o in self.offers}
 
     def _replicas(self, records: Mapping[str, list], without: str) -> dict[str, list[float]]:

@@ -22,7 +22,6 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from diffuse.control.coverage import Coverage
 from diffuse.control.dht import fetch_answers
 from diffuse.control.records import (
-    MAX_BLOCKS,
     MAX_SET_RECORDS,
     WINDOW_BLOCKS,
     PeerRecord,
@@ -119,8 +118,7 @@ async def read_model(dht: KadDHT, model: str, num_blocks: int | None
     """Every record of `model` under its window keys and its layout-1 blocks key, merged; per
     peer its support (most DHT answers holding it under any one key); per window its sample.
     Without `num_blocks` (not known yet) window 0 and the blocks key are read first, and the
-    windows of the largest block count their records state follow (all `MAX_BLOCKS` when none
-    does): a vote could be won by throwaway records stating a small count, hiding the rest."""
+    block count most of their records state decides which windows follow."""
     answers: dict[str, list[list[SignedRecord]]] = {}
     limit = trio.CapacityLimiter(READS_AT_ONCE)
 
@@ -131,8 +129,9 @@ async def read_model(dht: KadDHT, model: str, num_blocks: int | None
     first = [blocks_key(model)] + ([window_key(model, 0)] if num_blocks is None else [])
     if num_blocks is None:
         await _all(read, first)
-        num_blocks = max((r.record.num_blocks for a in answers.values() for ans in a for r in ans
-                          if r.record.model == model), default=MAX_BLOCKS)
+        stated = Counter(r.record.num_blocks for a in answers.values() for ans in a for r in ans
+                         if r.record.model == model)
+        num_blocks = stated.most_common(1)[0][0] if stated else 0
     await _all(read, [k for k in [*first, *(window_key(model, w) for w in model_windows(num_blocks))]
                       if k not in answers])
     support: Counter[str] = Counter()

@@ -192,7 +192,6 @@ class Peer:
                 await nursery.start(hosting.run)
                 return
             manifest = self.manifest
-            node.num_blocks[manifest.model_id] = manifest.num_layers  # which window keys hold the model
             start, end = self.span or choose_span(with_estimates(
                 coverage(await node.records(manifest.model_id), manifest.model_id, manifest.num_layers,
                          expected_hashes=manifest.block_hashes, variants={manifest.quant: manifest.block_hashes}),
