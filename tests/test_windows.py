@@ -121,8 +121,6 @@ def test_a_client_finds_peers_through_the_window_keys():
                 assert not stored.records(window_key(MODEL, 3).encode())
                 cov = await client.coverage(MODEL, BLOCKS, fake_hashes(BLOCKS))
                 assert list(cov.peers) == [peer.record.peer_id] and cov.replicas[6:17] == [1] * 11
-                samples = client.samples[MODEL]
-                assert set(samples) == set(range(10))  # every window of the model was read
-                assert [set(samples[w].seen) for w in range(10)] == [{peer.record.peer_id}] * 3 + [set()] * 7
+                assert set(client.samples[MODEL]) == set(range(10))  # every window of the model was read
 
     trio.run(scenario)
