@@ -1,8 +1,7 @@
 """Announcing what a peer serves: publish now, re-publish on a heartbeat, withdraw on stop.
 
 Each heartbeat signs a fresh record (new timestamp, expiry = now + ttl) and stores it under the
-peer's key, the window keys its span touches (layout 2) and, while older readers remain, its
-model's blocks key (layout 1). A peer that dies stops refreshing, so its record expires
+peer's key and its model's blocks key. A peer that dies stops refreshing, so its record expires
 after ttl (a few heartbeats); a peer that stops gracefully publishes a tombstone at once, which
 outranks its online record everywhere it lands.
 """
@@ -33,8 +32,6 @@ from diffuse.control.records import (
     peer_key,
     relays_key,
     sign,
-    window_key,
-    windows_of,
     withdrawn,
 )
 
@@ -43,7 +40,6 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 15.0
 TTL_HEARTBEATS = 3  # a record outlives two missed heartbeats, not three
 LOOKUP_EVERY = 10  # heartbeats between lookups of the k closest nodes (sooner if a store fails)
-WRITE_LAYOUT_1 = True  # also the model's blocks key, for readers of layout 1 (protocols/dht-records.md)
 StatusFn = Callable[[], Mapping[str, Any]]
 
 
@@ -159,14 +155,11 @@ class Announcer:
         return await self._put(tomb)
 
     async def _put(self, signed: SignedRecord) -> int:
-        """Store under the peer key, the window keys and the blocks key at once (and the relays
-        key, for a peer that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
+        """Store under the peer key and the blocks key at once (and the relays key, for a peer
+        that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
         beats, or at once when a store failed (churn): a lookup costs several round trips, more
         than the stores themselves."""
-        rec = signed.record
-        keys = [peer_key(self.peer_id), *(window_key(rec.model, w) for w in windows_of(rec.start, rec.end))]
-        if WRITE_LAYOUT_1:
-            keys.append(blocks_key(rec.model))
+        keys = [peer_key(self.peer_id), blocks_key(signed.record.model)]
         if signed.record.extra.get("relay") is True:
             keys.append(relays_key())
         acks = [0] * len(keys)

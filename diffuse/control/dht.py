@@ -18,7 +18,6 @@ blocks could not even announce them all). See protocols/dht-records.md.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
@@ -59,11 +58,9 @@ class MergingValueStore(ValueStore):
     A value holds at most its codec's `capacity` items, so a flood of valid records from
     throwaway identities cannot grow it past what readers can fetch. When a merge overflows, the
     half of the items this node has held longest (by its own clock, not by any claim in the
-    records) stay, and the rest are the others whose owners rank first under a hash keyed by this
-    node's secret: peers that were here before a flood keep their place in every node's copy, and
-    the other half is a uniform sample that a refresh does not reshuffle and that no one can aim
-    at, drawn independently on each node, so readers can estimate what the nodes did not keep
-    (see "Flooding" and "Layout 2" in protocols/dht-records.md).
+    records) stay, and the rest is a fresh random sample of the others: peers that were here
+    before a flood keep their place in every node's copy, while the flood churns the other half
+    (see "Flooding" in protocols/dht-records.md).
 
     Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
     one signature check for the new record, not one per record already held.
@@ -73,7 +70,6 @@ class MergingValueStore(ValueStore):
                  rng: random.Random | None = None) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
         self.codecs, self.clock, self.rng = codecs, clock, rng or random.Random()
-        self.secret = self.rng.randbytes(16)  # keys this node's sample (`rank`)
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
         self._first_seen: dict[bytes, dict[str, float]] = {}  # key -> owner -> when this node first held it
 
@@ -106,23 +102,18 @@ class MergingValueStore(ValueStore):
         self._set(key, self._admit(key, codec, codec.merge(self.records(key) + new, self.clock())))
 
     def _admit(self, key: bytes, codec: SetCodec, items: list) -> list:
-        """At most `codec.capacity` items: the longest-held half, then the best ranked others."""
+        """At most `codec.capacity` items: the longest-held half, then a random sample."""
         seen, now = self._first_seen.setdefault(key, {}), self.clock()
         for item in items:
             seen.setdefault(codec.owner(item), now)
         if len(items) > codec.capacity:
             ordered = sorted(items, key=lambda it: (seen[codec.owner(it)], codec.owner(it)))
             half = codec.capacity // 2
-            items = ordered[:half] + sorted(ordered[half:], key=lambda it: self.rank(codec.owner(it)))[
-                :codec.capacity - half]
+            items = ordered[:half] + self.rng.sample(ordered[half:], codec.capacity - half)
         held = {codec.owner(item) for item in items}
         for owner in [o for o in seen if o not in held]:
             del seen[owner]
         return items
-
-    def rank(self, owner: str) -> bytes:
-        """Where `owner` stands in this node's sample: a hash keyed by the node's secret."""
-        return hashlib.blake2b(owner.encode(), key=self.secret, digest_size=8).digest()
 
     def get(self, key: bytes) -> Record | None:
         rec = super().get(key)
@@ -213,15 +204,6 @@ async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
     merged, and per owner how many of those answers held it (its support: a peer that announced
     before a flood is in every node's copy, a throwaway record in a few). Includes tombstones
     (OFFLINE records), which callers filter."""
-    codec = _codecs(dht).for_key(key)
-    answers = await fetch_answers(dht, key)
-    support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
-    return codec.merge([item for answer in answers for item in answer], None), support
-
-
-async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
-    """The valid items under `key` as this node and each of the k closest nodes hold them, one
-    list per answer (unmerged: what each node kept is what readers estimate from)."""
     kb = key.encode()
     codecs = _codecs(dht)
     codec = codecs.for_key(key)
@@ -238,7 +220,8 @@ async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
 
     await _gather(ask, peers)
-    return answers
+    support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
+    return codec.merge([item for answer in answers for item in answer], None), support
 
 
 def _codecs(dht: KadDHT) -> SetCodecs:
