@@ -40,7 +40,7 @@ from diffuse.control.announce import Serving  # noqa: E402
 from diffuse.control.dht import put_set  # noqa: E402
 from diffuse.control.identity import peer_id  # noqa: E402
 from diffuse.control.node import Node, NodeConfig  # noqa: E402
-from diffuse.control.records import PeerRecord, blocks_key, encode_set, sign  # noqa: E402
+from diffuse.control.records import PeerRecord, blocks_key, encode_set, sign, window_key, windows_of  # noqa: E402
 from diffuse.control.routing import NoRoute  # noqa: E402
 from diffuse.data.codec import PROTOCOL_ID, FrameDecoder, Ping, Pong, encode  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
@@ -191,9 +191,14 @@ async def flooded(n_honest: int, n_hostile: int) -> dict:
                                              tuple(hashes[start:end]), "bfloat16", 50.0, 65536,
                                              (f"/ip4/127.0.0.1/tcp/{port}",), now, now + 3600, now - 600,
                                              protocols=(PROTOCOL_ID,)), kp))
-            key = blocks_key(manifest.model_id)
-            for i in range(0, len(fakes), 32):  # each PUT within a value's bounds
-                await put_set(attacker.dht, key, fakes[i:i + 32])
+            by_key: dict[str, list] = {}  # layout 1's key and the window keys each fake's span touches
+            for sr in fakes:
+                for key in [blocks_key(manifest.model_id), *(window_key(manifest.model_id, w)
+                                                              for w in windows_of(sr.record.start, sr.record.end))]:
+                    by_key.setdefault(key, []).append(sr)
+            for key, recs in by_key.items():
+                for i in range(0, len(recs), 32):  # each PUT within a value's bounds
+                    await put_set(attacker.dht, key, recs[i:i + 32])
         held = sentinel.dht.value_store.records(blocks_key(manifest.model_id).encode())
         value_bytes = len(encode_set(held))
         b0, t0 = SENT[0], time.perf_counter()

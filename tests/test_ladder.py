@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import time
+from types import SimpleNamespace
 
-from diffuse.control.ladder import Offer, choose, filled, ladder
+import pytest
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from diffuse.control.identity import peer_id
+from diffuse.control.ladder import Hosting, Offer, choose, filled, ladder
 from diffuse.control.placement import PlacementError
+from diffuse.control.records import PeerRecord
+from diffuse.control.windows import WindowSample
 
 MiB = 2**20
 SMALL = Offer("small", 30, 10 * MiB, 300 * MiB, ())
@@ -58,3 +65,24 @@ def test_after_a_death_only_an_earlier_rung_moves_a_peer():
     assert filled(OFFERS, without_s1, 10**12, "small", 0, 30) > new.rung
     without_l1 = {"small": [2.0] * 30, "large": [0.0] * 18}
     assert filled(OFFERS, without_l1, 10**12, "large", 0, 18) == choose(OFFERS, without_l1, 10**12).rung == 1
+
+
+def test_a_hosting_peer_is_not_counted_twice_where_the_window_sampled_it():
+    """The ladder drops its own record and the window's sample still holds it: the estimate
+    scales only the valid peers it knows, so it does not come back as an unknown peer."""
+    hashes = tuple(f"{i:064x}" for i in range(80))
+    now = time.time()
+
+    def rec(start: int, end: int) -> PeerRecord:
+        return PeerRecord(peer_id=peer_id(create_new_key_pair()).to_base58(), model="m", num_blocks=80,
+                          start=start, end=end, block_hashes=hashes[start:end], dtype="bfloat16", throughput=1.0,
+                          cache_tokens=64, addrs=("/ip4/10.0.0.1/tcp/1",), timestamp=now, expires=now + 60,
+                          started=now)
+
+    me, others = rec(8, 12), [rec(8, 12) for _ in range(8)]
+    # Window 1's nodes were full: 9 sampled (me among them), each standing for 2 peers.
+    sample = WindowSample(frozenset({me.peer_id, *(r.peer_id for r in others)}), frozenset(), weight=2.0)
+    node = SimpleNamespace(peer_id=me.peer_id, samples={"m": {1: sample}})
+    hosting = Hosting(node, [Offer("m", 80, 1, 80, hashes)], 80, None, None, 60.0, print)
+    counts = hosting._replicas({"m": [me, *others]}, without=me.peer_id)["m"]
+    assert counts[8:12] == [16.0] * 4  # the 8 others and the 8 they stand for; not me again

@@ -75,6 +75,7 @@ class Variants:
     async def coverage(self, node: Node, m: Manifest) -> Coverage:
         """`m`'s block map; without its weights here (a manifest from the swarm), a quantized peer
         is excluded as one whose hashes are not checked."""
+        node.num_blocks[m.model_id] = m.num_layers  # which window keys hold the model
         records = await node.records(m.model_id)
         source = self.sources.get(m.model_hash)
         if source is None:

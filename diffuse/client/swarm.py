@@ -88,6 +88,7 @@ class SwarmClient:
         self.cfg = ModelConfig.load(self.model_dir)
         self.manifest: Manifest = load_manifest(self.model_dir)
         self.model_id = self.manifest.model_id
+        node.num_blocks[self.model_id] = self.cfg.num_layers  # which window keys hold the model
         front, back = self.opts.local_blocks
         n = self.cfg.num_layers
         if front < 0 or back < 0 or front + back >= n:

@@ -1,7 +1,8 @@
 """Announcing what a peer serves: publish now, re-publish on a heartbeat, withdraw on stop.
 
 Each heartbeat signs a fresh record (new timestamp, expiry = now + ttl) and stores it under the
-peer's key and its model's blocks key. A peer that dies stops refreshing, so its record expires
+peer's key, the window keys its span touches (layout 2) and, while older readers remain, its
+model's blocks key (layout 1). A peer that dies stops refreshing, so its record expires
 after ttl (a few heartbeats); a peer that stops gracefully publishes a tombstone at once, which
 outranks its online record everywhere it lands.
 """
@@ -21,7 +22,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.kad_dht.kad_dht import KadDHT
 
 from diffuse import __version__
-from diffuse.control.dht import closest, put_set
+from diffuse.control.dht import closest, store_set
 from diffuse.control.identity import peer_id as peer_id_of
 from diffuse.control.records import (
     MAX_TTL_S,
@@ -32,6 +33,8 @@ from diffuse.control.records import (
     peer_key,
     relays_key,
     sign,
+    window_key,
+    windows_of,
     withdrawn,
 )
 
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 DEFAULT_HEARTBEAT_S = 15.0
 TTL_HEARTBEATS = 3  # a record outlives two missed heartbeats, not three
 LOOKUP_EVERY = 10  # heartbeats between lookups of the k closest nodes (sooner if a store fails)
+WRITE_LAYOUT_1 = True  # also the model's blocks key, for readers of layout 1 (protocols/dht-records.md)
 StatusFn = Callable[[], Mapping[str, Any]]
 
 
@@ -137,7 +141,7 @@ class Announcer:
         )
 
     async def publish(self) -> int:
-        """Sign a fresh record and store it under both keys; returns remote acks.
+        """Sign a fresh record and store it under its keys; returns the peer key's remote acks.
         After `withdraw` this does nothing: a withdrawn peer stays withdrawn."""
         if self.withdrawn:
             return 0
@@ -155,11 +159,14 @@ class Announcer:
         return await self._put(tomb)
 
     async def _put(self, signed: SignedRecord) -> int:
-        """Store under the peer key and the blocks key at once (and the relays key, for a peer
-        that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
+        """Store under the peer key, the window keys and the blocks key at once (and the relays
+        key, for a peer that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
         beats, or at once when a store failed (churn): a lookup costs several round trips, more
         than the stores themselves."""
-        keys = [peer_key(self.peer_id), blocks_key(signed.record.model)]
+        rec = signed.record
+        keys = [peer_key(self.peer_id), *(window_key(rec.model, w) for w in windows_of(rec.start, rec.end))]
+        if WRITE_LAYOUT_1:
+            keys.append(blocks_key(rec.model))
         if signed.record.extra.get("relay") is True:
             keys.append(relays_key())
         acks = [0] * len(keys)
@@ -169,13 +176,14 @@ class Announcer:
             if left <= 0 or not targets:
                 targets = await closest(self.dht, key)
                 left = LOOKUP_EVERY
-            acks[i] = await put_set(self.dht, key, [signed], targets)
-            self._targets[key] = (left - 1 if acks[i] == len(targets) else 0, targets)
+            acks[i], refused = await store_set(self.dht, key, [signed], targets)
+            # A node that answers "no" (an older layout's, for a window key) is no sign of churn.
+            self._targets[key] = (left - 1 if acks[i] + refused == len(targets) else 0, targets)
 
         async with trio.open_nursery() as nursery:
             for i, key in enumerate(keys):
                 nursery.start_soon(put, i, key)
-        return min(acks)
+        return acks[0]  # the peer key, which every layout's node accepts
 
     async def run(self, *, on_lonely: Callable[[], Any] | None = None,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

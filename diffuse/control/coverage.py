@@ -25,10 +25,16 @@ class Coverage:
     now: float = 0.0
     evidence: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # peer id -> reports against it
     reached: dict[str, dict[str, Any]] = field(default_factory=dict)  # peer id -> how we reached it (reach_peers)
+    estimated: list[float] | None = None  # per block, where the DHT sampled: the peers implied (control/windows.py)
 
     @property
     def replicas(self) -> list[int]:
         return [len(p) for p in self.blocks]
+
+    @property
+    def counts(self) -> list[float]:
+        """Replicas per block: the estimate where the DHT's nodes kept samples, else the peers seen."""
+        return self.estimated if self.estimated is not None else [float(n) for n in self.replicas]
 
     @property
     def missing(self) -> list[int]:
@@ -47,7 +53,9 @@ class Coverage:
             "servable": self.servable,
             "missing": self.missing,
             "min_replicas": min(self.replicas, default=0),
-            "blocks": [{"block": i, "replicas": len(p), "peers": p} for i, p in enumerate(self.blocks)],
+            "blocks": [{"block": i, "replicas": len(p), "peers": p} |
+                       ({"estimated_replicas": round(self.estimated[i], 1)} if self.estimated is not None else {})
+                       for i, p in enumerate(self.blocks)],
             "peers": [_peer_dict(r, self.now) | ({"reached": self.reached[r.peer_id]} if r.peer_id in self.reached
                                                  else {}) for r in sorted(self.peers.values(), key=lambda r: r.start)],
             "excluded": self.excluded,
@@ -145,7 +153,9 @@ def format_text(cov: Coverage) -> str:
     head = (f"model {cov.model}: " + ("servable" if cov.servable else "NOT servable") +
             f" ({cov.num_blocks - len(cov.missing)}/{cov.num_blocks} blocks covered, "
             f"min replicas {min(reps, default=0)}, {len(cov.peers)} peers)")
-    lines = [head, "  blocks      replicas  peers"]
+    lines = [head] + ([f"  the DHT kept samples: about {min(cov.estimated, default=0):.0f} to "
+                       f"{max(cov.estimated, default=0):.0f} replicas per block, estimated"]
+                      if cov.estimated is not None else []) + ["  blocks      replicas  peers"]
     i = 0
     while i < cov.num_blocks:
         j = i

@@ -18,17 +18,20 @@ blocks could not even announce them all). See protocols/dht-records.md.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import trio
 from libp2p.abc import IHost
-from libp2p.kad_dht.common import ALPHA, format_time_rfc3339
+from libp2p.kad_dht.common import ALPHA, BUCKET_SIZE, format_time_rfc3339
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
+from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -39,6 +42,7 @@ from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
 
+RANK_EPOCH_S = 3600.0  # how long a node's sample ranks its owners alike (MergingValueStore.rank)
 QUERY_TIMEOUT_S = 5.0  # per remote GET/PUT; a dead peer on a LAN fails faster than this
 PREFIX = f"/{NAMESPACE}/".encode()
 
@@ -58,9 +62,11 @@ class MergingValueStore(ValueStore):
     A value holds at most its codec's `capacity` items, so a flood of valid records from
     throwaway identities cannot grow it past what readers can fetch. When a merge overflows, the
     half of the items this node has held longest (by its own clock, not by any claim in the
-    records) stay, and the rest is a fresh random sample of the others: peers that were here
-    before a flood keep their place in every node's copy, while the flood churns the other half
-    (see "Flooding" in protocols/dht-records.md).
+    records) stay, and the rest are the others whose owners rank first under a hash keyed by this
+    node's secret: peers that were here before a flood keep their place in every node's copy, and
+    the other half is a uniform sample that a refresh does not reshuffle within the hour and that
+    no one can aim at, drawn independently on each node, so readers can estimate what the nodes did not keep
+    (see "Flooding" and "Layout 2" in protocols/dht-records.md).
 
     Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
     one signature check for the new record, not one per record already held.
@@ -70,6 +76,8 @@ class MergingValueStore(ValueStore):
                  rng: random.Random | None = None) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
         self.codecs, self.clock, self.rng = codecs, clock, rng or random.Random()
+        # Keys this node's sample (`rank`): unguessable, unless a seeded `rng` (a simulation) asks otherwise.
+        self.secret = rng.randbytes(16) if rng is not None else secrets.token_bytes(16)
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
         self._first_seen: dict[bytes, dict[str, float]] = {}  # key -> owner -> when this node first held it
 
@@ -102,18 +110,25 @@ class MergingValueStore(ValueStore):
         self._set(key, self._admit(key, codec, codec.merge(self.records(key) + new, self.clock())))
 
     def _admit(self, key: bytes, codec: SetCodec, items: list) -> list:
-        """At most `codec.capacity` items: the longest-held half, then a random sample."""
+        """At most `codec.capacity` items: the longest-held half, then the best ranked others."""
         seen, now = self._first_seen.setdefault(key, {}), self.clock()
         for item in items:
             seen.setdefault(codec.owner(item), now)
         if len(items) > codec.capacity:
             ordered = sorted(items, key=lambda it: (seen[codec.owner(it)], codec.owner(it)))
             half = codec.capacity // 2
-            items = ordered[:half] + self.rng.sample(ordered[half:], codec.capacity - half)
+            items = ordered[:half] + sorted(ordered[half:], key=lambda it: self.rank(codec.owner(it)))[
+                :codec.capacity - half]
         held = {codec.owner(item) for item in items}
         for owner in [o for o in seen if o not in held]:
             del seen[owner]
         return items
+
+    def rank(self, owner: str) -> bytes:
+        """Where `owner` stands in this node's sample: a hash keyed by the node's secret and salted
+        with the hour (`RANK_EPOCH_S`), so a peer left out during a flood draws again each hour."""
+        epoch = int(self.clock() // RANK_EPOCH_S).to_bytes(8, "big")
+        return hashlib.blake2b(owner.encode(), key=self.secret, salt=epoch, digest_size=8).digest()
 
     def get(self, key: bytes) -> Record | None:
         rec = super().get(key)
@@ -182,21 +197,31 @@ async def put_set(dht: KadDHT, key: str, records: Sequence,
     """Store `records` (or evidence, under an evidence key) under `key` here and at `targets`
     (default: a fresh lookup of the k closest nodes); returns how many remote nodes accepted
     them. A node that already holds them refuses a replay, which is fine."""
+    return (await store_set(dht, key, records, targets))[0]
+
+
+async def store_set(dht: KadDHT, key: str, records: Sequence,
+                    targets: Sequence[ID] | None = None) -> tuple[int, int]:
+    """`put_set`, telling apart the nodes that accepted and those that refused while staying
+    connected (a node of an older layout refusing a key it does not know) from the silent ones
+    (gone, or timed out), which are the ones that call for a new lookup."""
     value = _codecs(dht).for_key(key).encode(list(records))
     dht.validator.validate(key, value)  # never publish what others would refuse
     kb = key.encode()
     dht.value_store.put_record(kb, Record(key=kb, value=value))
     peers = list(targets) if targets is not None else await closest(dht, key)
-    acks = 0
+    acks = refused = 0
 
     async def store(peer: ID) -> None:
-        nonlocal acks
+        nonlocal acks, refused
         with trio.move_on_after(QUERY_TIMEOUT_S):
             if await dht.value_store._store_at_peer(peer, kb, value, record=Record(key=kb, value=value)):
                 acks += 1
+            elif peer in dht.host.get_connected_peers():
+                refused += 1
 
     await _gather(store, peers)
-    return acks
+    return acks, refused
 
 
 async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
@@ -204,11 +229,23 @@ async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
     merged, and per owner how many of those answers held it (its support: a peer that announced
     before a flood is in every node's copy, a throwaway record in a few). Includes tombstones
     (OFFLINE records), which callers filter."""
+    codec = _codecs(dht).for_key(key)
+    answers = await fetch_answers(dht, key)
+    support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
+    return codec.merge([item for answer in answers for item in answer], None), support
+
+
+async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
+    """The valid items under `key` as each of the k closest nodes hold them, this node included
+    only when it is one of them (a node farther away holds at least its own record there, which
+    is no sample of the key), one list per answer (unmerged: readers estimate from them)."""
     kb = key.encode()
     codecs = _codecs(dht)
     codec = codecs.for_key(key)
-    answers: list[list] = [list(dht.value_store.records(kb))]
     peers = await closest(dht, key)
+    me = dht.host.get_id()
+    near = len(peers) < BUCKET_SIZE or sort_peer_ids_by_distance(kb, [*peers, me]).index(me) < BUCKET_SIZE
+    answers: list[list] = [list(dht.value_store.records(kb))] if near else []
 
     async def ask(peer: ID) -> None:
         with trio.move_on_after(QUERY_TIMEOUT_S):
@@ -220,8 +257,7 @@ async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
 
     await _gather(ask, peers)
-    support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
-    return codec.merge([item for answer in answers for item in answer], None), support
+    return answers
 
 
 def _codecs(dht: KadDHT) -> SetCodecs:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from diffuse.control.coverage import coverage
+from diffuse.control.windows import with_estimates
 from diffuse.control.placement import PlacementError, choose_span
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,15 @@ class Hosting:
         self.current: Choice | None = None
 
     async def _records(self) -> dict[str, list]:
+        for o in self.offers:
+            self.node.num_blocks[o.model] = o.num_blocks  # which window keys hold each model
         return {o.model: await self.node.records(o.model) for o in self.offers}
 
     def _replicas(self, records: Mapping[str, list], without: str) -> dict[str, list[float]]:
-        return {o.model: list(coverage([r for r in records[o.model] if r.peer_id != without], o.model, o.num_blocks,
-                                       expected_hashes=o.block_hashes).replicas) for o in self.offers}
+        return {o.model: [float(round(c)) for c in with_estimates(
+                    coverage([r for r in records[o.model] if r.peer_id != without], o.model, o.num_blocks,
+                             expected_hashes=o.block_hashes), self.node.samples.get(o.model, {})).counts]
+                for o in self.offers}
 
     async def better(self) -> tuple[Choice, int] | None:
         """A choice that fills an earlier rung than the current span does, if there is one, and

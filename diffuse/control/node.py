@@ -51,7 +51,8 @@ from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
 from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
-from diffuse.control.records import PeerRecord, SetCodecs, blocks_key, peer_key, relays_key
+from diffuse.control.records import PeerRecord, SetCodecs, peer_key, relays_key
+from diffuse.control.windows import WindowSample, read_model, with_estimates
 from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
 
@@ -111,6 +112,8 @@ class Node:
         self.dht = make_dht(self.host, self.codecs, server=config.server)
         self._reads = SharedReads(self._read_records)
         self.support: dict[str, Counter[str]] = {}  # model -> peer -> DHT answers of the last read holding it
+        self.samples: dict[str, dict[int, WindowSample]] = {}  # model -> window -> what the last read sampled
+        self.num_blocks: dict[str, int] = {}  # model -> its manifest's block count, once a caller said it
         self.lan_peers: list[str] = []  # peers found by mDNS that share our swarm
         self.announcer: Announcer | None = None
         self._announcing = trio.CancelScope()  # the announcer task's
@@ -367,7 +370,7 @@ class Node:
         return [r for r in found if r.peer_id in allowed]
 
     async def _read_records(self, model: str) -> list[PeerRecord]:
-        found, support = await fetch_set(self.dht, blocks_key(model))
+        found, support, self.samples[model] = await read_model(self.dht, model, self.num_blocks.get(model))
         self.support[model] = support
         return [s.record for s in found if s.record.model == model]
 
@@ -392,7 +395,9 @@ class Node:
     async def coverage(self, model: str, num_blocks: int, expected_hashes: Sequence[str]) -> Coverage:
         """The block map of `model`, judged against its manifest (block count and hashes), so
         records that claim another model shape or other weights cannot distort it."""
-        return coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+        self.num_blocks[model] = num_blocks
+        cov = coverage(await self.records(model), model, num_blocks, expected_hashes=expected_hashes)
+        return with_estimates(cov, self.samples.get(model, {}))
 
     async def reach_peers(self, records: Sequence[PeerRecord],
                           timeout: float = REACH_TIMEOUT_S) -> dict[str, dict[str, Any]]:

@@ -38,6 +38,8 @@ NAMESPACE = "diffuse"
 PEER_PREFIX = f"/{NAMESPACE}/peer/"
 BLOCKS_PREFIX = f"/{NAMESPACE}/blocks/"
 RELAYS_PREFIX = f"/{NAMESPACE}/relays/"
+WINDOW_PREFIX = f"/{NAMESPACE}/window/"
+WINDOW_BLOCKS = 8  # blocks per window key (layout 2): a span of L blocks touches at most ceil(L/8)+1 windows
 ONLINE, OFFLINE = "online", "offline"
 
 MAX_CLOCK_SKEW_S = 60.0  # a record issued further in the future is refused
@@ -208,20 +210,33 @@ def blocks_key(model: str) -> str:
     return BLOCKS_PREFIX + tag("model:" + model)
 
 
+def window_key(model: str, window: int) -> str:
+    """Layout 2: the records of every peer whose span touches blocks [8w, 8w+8) of `model`."""
+    return WINDOW_PREFIX + tag(f"window:{model}:{window}")
+
+
+def windows_of(start: int, end: int) -> range:
+    """The windows that blocks [start, end) touch."""
+    return range(start // WINDOW_BLOCKS, (end - 1) // WINDOW_BLOCKS + 1)
+
+
 def relays_key() -> str:
     """Where peers that serve circuit relay hops to the swarm are listed (ext "relay")."""
     return RELAYS_PREFIX + tag("relays")
 
 
 def check_key(key: str, rec: PeerRecord) -> None:
-    """A record may only be stored under its own peer key, its own model's blocks key, or,
-    if it says it serves relay hops, the relays key."""
+    """A record may only be stored under its own peer key, its own model's blocks key, the
+    window keys its span touches, or, if it says it serves relay hops, the relays key."""
     if key.startswith(PEER_PREFIX):
         if key != peer_key(rec.peer_id):
             raise InvalidRecord(f"record of {rec.peer_id} stored under another peer's key")
     elif key.startswith(BLOCKS_PREFIX):
         if key != blocks_key(rec.model):
             raise InvalidRecord(f"record for model {rec.model!r} stored under another model's key")
+    elif key.startswith(WINDOW_PREFIX):
+        if key not in {window_key(rec.model, w) for w in windows_of(rec.start, rec.end)}:
+            raise InvalidRecord(f"record of {rec.peer_id} stored under a window its span does not touch")
     elif key.startswith(RELAYS_PREFIX):
         if key != relays_key() or rec.extra.get("relay") is not True:
             raise InvalidRecord(f"record of {rec.peer_id}, which serves no relay, stored under the relays key")
@@ -317,7 +332,8 @@ class SetCodecs:
 
     def __init__(self, extra: Mapping[str, SetCodec] | None = None) -> None:
         self.by_prefix: dict[str, SetCodec] = {PEER_PREFIX: RECORD_SETS, BLOCKS_PREFIX: RECORD_SETS,
-                                               RELAYS_PREFIX: RECORD_SETS, **(extra or {})}
+                                               WINDOW_PREFIX: RECORD_SETS, RELAYS_PREFIX: RECORD_SETS,
+                                               **(extra or {})}
         self.invalid: tuple[type[Exception], ...] = tuple({c.invalid for c in self.by_prefix.values()})
 
     def allowing(self, allowed: Callable[[], Set[str]]) -> "SetCodecs":

@@ -25,6 +25,7 @@ from diffuse.control.coverage import coverage
 from diffuse.control.identity import KeyPair, peer_id
 from diffuse.control.ladder import Hosting, Offer, choose
 from diffuse.control.node import Node, NodeConfig
+from diffuse.control.windows import with_estimates
 from diffuse.control.placement import DTYPE_BYTES, available_memory, block_bytes, choose_span, parse_size, \
     requested_blocks
 from diffuse.data.serve import contribution
@@ -191,10 +192,11 @@ class Peer:
                 await nursery.start(hosting.run)
                 return
             manifest = self.manifest
-            start, end = self.span or choose_span(
+            node.num_blocks[manifest.model_id] = manifest.num_layers  # which window keys hold the model
+            start, end = self.span or choose_span(with_estimates(
                 coverage(await node.records(manifest.model_id), manifest.model_id, manifest.num_layers,
-                         expected_hashes=manifest.block_hashes,
-                         variants={manifest.quant: manifest.block_hashes}).replicas, self.length)
+                         expected_hashes=manifest.block_hashes, variants={manifest.quant: manifest.block_hashes}),
+                node.samples.get(manifest.model_id, {})).counts, self.length)
             await self._serve(Offer(manifest.model_id, manifest.num_layers, 0, 0, tuple(manifest.block_hashes)),
                               start, end)
 

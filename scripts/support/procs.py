@@ -41,9 +41,10 @@ def free_port() -> int:
 class Proc:
     """A `diffuse ...` child process whose stdout lines arrive through a queue (no blocking reads)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], prefix: Sequence[str] = ()) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], prefix: Sequence[str] = (),
+                 program: Sequence[str] = DIFFUSE) -> None:
         self.args = args
-        self.p = subprocess.Popen([*prefix, *DIFFUSE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.p = subprocess.Popen([*prefix, *program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
@@ -114,9 +115,11 @@ class Procs:
         self.swarm_key = swarm_key()
         self.procs: list[Proc] = []
 
-    def start(self, *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> Proc:
-        """`diffuse ARGS` under a wrapper that execs it (`prefix`, e.g. unshare), in `env` (default: ours)."""
-        proc = Proc(list(args), self.env | (env or {}), prefix)
+    def start(self, *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+              program: Sequence[str] = DIFFUSE) -> Proc:
+        """`diffuse ARGS` (or `program` ARGS) under a wrapper that execs it (`prefix`, e.g. unshare),
+        in `env` (default: ours)."""
+        proc = Proc(list(args), self.env | (env or {}), prefix, program)
         self.procs.append(proc)
         return proc
 
