@@ -20,6 +20,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
 from control_helpers import fake_hashes
 from diffuse.control import announce
+from diffuse.control import dht as dht_module
 from diffuse.control.announce import Serving
 from diffuse.control.dht import RANK_EPOCH_S, MergingValueStore
 from diffuse.control.identity import peer_id
@@ -208,7 +209,7 @@ def test_nodes_refusing_window_keys_cause_no_lookups_and_no_rebootstrap(monkeypa
         return ["n1", "n2", "n3"]
 
     async def store_set(dht, key, records, targets):
-        return (0, len(targets)) if key.startswith("/diffuse/window/") else (len(targets), 0)
+        return (0, []) if key.startswith("/diffuse/window/") else (len(targets), [])
 
     monkeypatch.setattr(announce, "closest", closest)
     monkeypatch.setattr(announce, "store_set", store_set)
@@ -245,3 +246,80 @@ def test_a_nodes_sample_is_drawn_again_each_epoch():
     early = set(sorted(peer_id(kp).to_base58() for kp in keys)[:MAX_SET_RECORDS // 2])
     assert early <= again and again != held  # the longest-held half stays, the sample is redrawn
     assert store.secret != MergingValueStore(None, None, SetCodecs()).secret
+
+
+def test_a_silent_node_is_dropped_until_the_next_lookup(monkeypatch):
+    """A node that stops answering (frozen, gone) is left out of the next beats' stores instead of
+    costing a lookup and a store timeout every beat; a lookup comes once half the nodes went silent."""
+    lookups: list[str] = []
+    asked: list[list[str]] = []
+    silent: set[str] = set()
+
+    async def closest(dht, key):
+        lookups.append(key)
+        return ["n1", "n2", "n3", "n4"]
+
+    async def store_set(dht, key, records, targets):
+        if key.startswith("/diffuse/peer/"):
+            asked.append(list(targets))
+        return len([t for t in targets if t not in silent]), [t for t in targets if t in silent]
+
+    monkeypatch.setattr(announce, "closest", closest)
+    monkeypatch.setattr(announce, "store_set", store_set)
+    kp = create_new_key_pair()
+    a = announce.Announcer(None, kp, Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"),
+                           lambda: ["/ip4/10.0.0.1/tcp/4001"])
+
+    async def beat(*gone: str) -> None:
+        silent.update(gone)
+        await a.publish()
+
+    async def beats() -> None:
+        await beat()
+        await beat("n2")  # n2 freezes: this beat waits for it, the next ones do not ask it
+        await beat()
+        await beat("n3")  # two of four left: still enough
+        await beat()
+        await beat("n4")  # one of four: look the key up again
+        await beat()
+
+    trio.run(beats)
+    assert asked == [["n1", "n2", "n3", "n4"]] * 2 + [["n1", "n3", "n4"]] * 2 + [["n1", "n4"]] * 2 + [
+        ["n1", "n2", "n3", "n4"]]
+    keys = set(lookups)
+    assert len(lookups) == 2 * len(keys)  # each key: looked up at the first beat and after the last
+
+
+def test_one_frozen_node_does_not_hold_a_read_to_the_timeout(monkeypatch):
+    """A node that accepts a GET and never answers: once most nodes answered, the read waits for
+    it only about as long as they took, not `QUERY_TIMEOUT_S` (set here past the test's limit)."""
+    monkeypatch.setattr(dht_module, "QUERY_TIMEOUT_S", 3600.0)
+
+    async def scenario() -> None:
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
+            boot = sentinel.full_addrs()
+            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as peer, \
+                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as other, \
+                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot, server=False)) as client:
+                await peer.serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
+                key = window_key(MODEL, 1)
+                with trio.fail_after(20):
+                    while not (sentinel.dht.value_store.records(key.encode())
+                               and other.dht.value_store.records(key.encode())):
+                        await trio.sleep(0.05)
+                frozen = other.host.get_id()
+                get = client.dht.value_store._get_from_peer
+
+                async def stalls(peer_id, *args, **kwargs):
+                    if peer_id == frozen:
+                        await trio.sleep_forever()
+                    return await get(peer_id, *args, **kwargs)
+
+                monkeypatch.setattr(client.dht.value_store, "_get_from_peer", stalls)
+                with trio.fail_after(60):
+                    answers = await dht_module.fetch_answers(client.dht, key)
+                held = [a for a in answers if a]  # the client's own store is empty
+                assert len(held) == 2  # the sentinel's and the serving peer's, not the frozen node's
+                assert all({sr.peer_id for sr in a} == {peer.record.peer_id} for a in held)
+
+    trio.run(scenario)

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_S = 15.0
 TTL_HEARTBEATS = 3  # a record outlives two missed heartbeats, not three
-LOOKUP_EVERY = 10  # heartbeats between lookups of the k closest nodes (sooner if a store fails)
+LOOKUP_EVERY = 10  # heartbeats between lookups of the k closest nodes (sooner if half go silent)
 WRITE_LAYOUT_1 = True  # also the model's blocks key, for readers of layout 1 (protocols/dht-records.md)
 StatusFn = Callable[[], Mapping[str, Any]]
 
@@ -112,7 +112,7 @@ class Announcer:
         self.started = clock()
         self.current: SignedRecord | None = None
         self.withdrawn = False
-        self._targets: dict[str, tuple[int, list]] = {}  # key -> (beats left, closest nodes)
+        self._targets: dict[str, tuple[int, list, int]] = {}  # key -> (beats left, nodes kept, nodes found)
 
     def build(self, now: float) -> PeerRecord:
         s = self.serving
@@ -160,9 +160,9 @@ class Announcer:
 
     async def _put(self, signed: SignedRecord) -> int:
         """Store under the peer key, the window keys and the blocks key at once (and the relays
-        key, for a peer that serves relay hops). The k closest nodes of each key are looked up every LOOKUP_EVERY
-        beats, or at once when a store failed (churn): a lookup costs several round trips, more
-        than the stores themselves."""
+        key, for a peer that serves relay hops). The k closest nodes of each key are looked up every
+        LOOKUP_EVERY beats, or sooner once half of them went silent (churn): a lookup costs several
+        round trips, more than the stores themselves."""
         rec = signed.record
         keys = [peer_key(self.peer_id), *(window_key(rec.model, w) for w in windows_of(rec.start, rec.end))]
         if WRITE_LAYOUT_1:
@@ -172,13 +172,16 @@ class Announcer:
         acks = [0] * len(keys)
 
         async def put(i: int, key: str) -> None:
-            left, targets = self._targets.get(key, (0, []))
+            left, targets, found = self._targets.get(key, (0, [], 0))
             if left <= 0 or not targets:
                 targets = await closest(self.dht, key)
-                left = LOOKUP_EVERY
-            acks[i], refused = await store_set(self.dht, key, [signed], targets)
-            # A node that answers "no" (an older layout's, for a window key) is no sign of churn.
-            self._targets[key] = (left - 1 if acks[i] + refused == len(targets) else 0, targets)
+                left, found = LOOKUP_EVERY, len(targets)
+            acks[i], silent = await store_set(self.dht, key, [signed], targets)
+            # A silent node is dropped until the next lookup, so it does not hold up every beat; a
+            # lookup comes early once half the nodes found have gone silent. A node that answers
+            # "no" (an older layout's, for a window key) is no sign of churn.
+            kept = [t for t in targets if t not in silent]
+            self._targets[key] = (left - 1 if 2 * len(kept) >= found else 0, kept, found)
 
         async with trio.open_nursery() as nursery:
             for i, key in enumerate(keys):

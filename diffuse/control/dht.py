@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 RANK_EPOCH_S = 3600.0  # how long a node's sample ranks its owners alike (MergingValueStore.rank)
 QUERY_TIMEOUT_S = 5.0  # per remote GET/PUT; a dead peer on a LAN fails faster than this
+STRAGGLER_S = 1.0  # least time a read waits for the last nodes once most answered (fetch_answers)
 PREFIX = f"/{NAMESPACE}/".encode()
 
 
@@ -201,27 +202,29 @@ async def put_set(dht: KadDHT, key: str, records: Sequence,
 
 
 async def store_set(dht: KadDHT, key: str, records: Sequence,
-                    targets: Sequence[ID] | None = None) -> tuple[int, int]:
-    """`put_set`, telling apart the nodes that accepted and those that refused while staying
-    connected (a node of an older layout refusing a key it does not know) from the silent ones
-    (gone, or timed out), which are the ones that call for a new lookup."""
+                    targets: Sequence[ID] | None = None) -> tuple[int, list[ID]]:
+    """`put_set`, also naming the silent nodes (gone, frozen, or past `QUERY_TIMEOUT_S`): those
+    are churn; a node that refuses while staying connected (an older layout's node refusing a key
+    it does not know) is not."""
     value = _codecs(dht).for_key(key).encode(list(records))
     dht.validator.validate(key, value)  # never publish what others would refuse
     kb = key.encode()
     dht.value_store.put_record(kb, Record(key=kb, value=value))
     peers = list(targets) if targets is not None else await closest(dht, key)
-    acks = refused = 0
+    acks, silent = 0, []
 
     async def store(peer: ID) -> None:
-        nonlocal acks, refused
+        nonlocal acks
         with trio.move_on_after(QUERY_TIMEOUT_S):
             if await dht.value_store._store_at_peer(peer, kb, value, record=Record(key=kb, value=value)):
                 acks += 1
-            elif peer in dht.host.get_connected_peers():
-                refused += 1
+                return
+            if peer in dht.host.get_connected_peers():
+                return
+        silent.append(peer)
 
     await _gather(store, peers)
-    return acks, refused
+    return acks, silent
 
 
 async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
@@ -247,7 +250,11 @@ async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
     near = len(peers) < BUCKET_SIZE or sort_peer_ids_by_distance(kb, [*peers, me]).index(me) < BUCKET_SIZE
     answers: list[list] = [list(dht.value_store.records(kb))] if near else []
 
+    began, done = trio.current_time(), 0
+    most = trio.Event()
+
     async def ask(peer: ID) -> None:
+        nonlocal done
         with trio.move_on_after(QUERY_TIMEOUT_S):
             rec = await dht.value_store._get_from_peer(peer, kb, return_record=True)
             if isinstance(rec, Record) and rec.value:
@@ -255,8 +262,22 @@ async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
                     answers.append(codec.decode(rec.value, key, strict=False))
                 except codecs.invalid as e:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
+        done += 1
+        if 2 * done > len(peers):
+            most.set()
 
-    await _gather(ask, peers)
+    async def asked_all(cancel: trio.CancelScope) -> None:
+        await _gather(ask, peers)
+        cancel.cancel()
+
+    # Once most nodes answered, the rest get as long again as that took (at least
+    # `STRAGGLER_S`): one frozen node among the k closest must not hold every read to the timeout.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(asked_all, nursery.cancel_scope)
+        if peers:
+            await most.wait()
+            await trio.sleep(max(STRAGGLER_S, trio.current_time() - began))
+        nursery.cancel_scope.cancel()
     return answers
 
 
