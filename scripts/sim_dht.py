@@ -19,7 +19,9 @@ routing tables hold DEAD_SHARE of departed peers, and a departed peer's record s
 until it expires (records are read a ttl after they were written at most).
 
 Idealisations, which make the figures a best case for both layouts:
-- writes go to an oracle's exact k closest live nodes (no lookup before a PUT, no missed node);
+- writes go to an oracle's exact k closest live nodes (no lookup before a PUT, no missed node),
+  so every node near a window key counts every writer (a real node misses some; readers take
+  the median count);
 - no node joins during a run (peers only leave);
 - the reader is a copy of `windows.read_model` without the reader's own store as an answer and
   without the layout-1 blocks-key read (its `sample_of` and `estimate_replicas` are the real ones);
@@ -30,7 +32,8 @@ Layouts compared in one run, on the same peers and routing tables:
 - layout 1: one key per model; DHT nodes sample overflowing values at random (the previous
   admission rule, reproduced in `RandomAdmission`), readers count what they see;
 - layout 2: one key per window of 8 blocks; nodes keep the longest-held half and a keyed-hash
-  sample; readers estimate each window from the samples (control/windows.py).
+  sample, and count the owners they were sent; readers scale each window's samples by the
+  nodes' median count (control/windows.py).
 
     python scripts/sim_dht.py                         # 100, 1,000, 10,000 peers
     python scripts/sim_dht.py --peers 100,1000 --clients 10
@@ -65,7 +68,7 @@ from multiaddr import Multiaddr  # noqa: E402
 
 import diffuse.control.records as records  # noqa: E402
 from diffuse.control.coverage import coverage  # noqa: E402
-from diffuse.control.dht import MergingValueStore  # noqa: E402
+from diffuse.control.dht import STRAGGLER_S, MergingValueStore  # noqa: E402
 from diffuse.control.identity import peer_id as peer_id_of  # noqa: E402
 from diffuse.control.routing import NoRoute, plan_route  # noqa: E402
 from diffuse.control.windows import estimate_replicas, model_windows, sample_of  # noqa: E402
@@ -278,33 +281,44 @@ class Lookup:
     secs: float
 
 
-async def read_key(sw: Swarm, client: int, layout: str, key: str, out: list) -> list[list]:
-    """py-libp2p's lookup of `key` from `client`, then GET_VALUE at the k closest (ALPHA at a time)."""
+async def read_key(sw: Swarm, client: int, layout: str, key: str, out: list) -> list[tuple[list, int | None]]:
+    """py-libp2p's lookup of `key` from `client`, then GET_VALUE at the k closest (ALPHA at a time),
+    waiting for the last nodes once most answered as `dht.fetch_answers` does (STRAGGLER_S)."""
     cost, t0 = Cost(), trio.current_time()
     routing = SimRouting(sw, client, await sw.table(client), cost)
     closest = await routing.find_closest_peers_network(key.encode())
-    answers: list[list] = []
+    answers: list[tuple[list, int | None]] = []
     limit = trio.CapacityLimiter(ALPHA)
+    began, done, most = trio.current_time(), 0, trio.Event()
 
     async def get(peer) -> None:
+        nonlocal done
         async with limit:
             j = sw.index[peer]
             cost.msgs += 1
             if sw.dead[j]:
                 await trio.sleep(DEAD_DIAL_S)
-                return
-            held = sw.stores.get(key, {}).get(j)
-            rec = held.get(key.encode()) if held is not None else None
-            value = rec.value if rec is not None else b""
-            cost.bytes += FRAMING + _value_msg(Message.MessageType.GET_VALUE, key, b"") + _value_msg(
-                Message.MessageType.GET_VALUE, key, value)
-            await trio.sleep(sw.rtt(client, j))
-            if value:
-                answers.append(records.decode_set(value, key, now=sw.now, strict=False))
+            else:
+                held = sw.stores.get(key, {}).get(j)
+                rec = held.get(key.encode()) if held is not None else None
+                value = rec.value if rec is not None else b""
+                cost.bytes += FRAMING + _value_msg(Message.MessageType.GET_VALUE, key, b"") + _value_msg(
+                    Message.MessageType.GET_VALUE, key, value)
+                await trio.sleep(sw.rtt(client, j))
+                if value:
+                    items = records.decode_set(value, key, now=sw.now, strict=False)
+                    answers.append((items, records.value_count(value)))
+        done += 1
+        if 2 * done > len(closest):
+            most.set()
 
     async with trio.open_nursery() as nursery:
         for peer in closest:
             nursery.start_soon(get, peer)
+        if closest:
+            await most.wait()
+            await trio.sleep(max(STRAGGLER_S, trio.current_time() - began))
+        nursery.cancel_scope.cancel()
     hops = cost.depth.get(closest[0], 0) if closest else 0
     out.append(Lookup(hops, cost.msgs, cost.bytes, trio.current_time() - t0))
     return answers
@@ -314,7 +328,7 @@ async def read_model(sw: Swarm, client: int, layout: str, out: list) -> tuple[li
     """Layout 1: the model's key. Layout 2: every window key, 4 at a time (windows.READS_AT_ONCE)."""
     t0, before = trio.current_time(), len(out)
     keys = layout_keys(layout, 0, BLOCKS)
-    answers: dict[str, list[list]] = {}
+    answers: dict[str, list[tuple[list, int | None]]] = {}
     limit = trio.CapacityLimiter(4)
 
     async def one(key: str) -> None:
@@ -324,8 +338,8 @@ async def read_model(sw: Swarm, client: int, layout: str, out: list) -> tuple[li
     async with trio.open_nursery() as nursery:
         for key in keys:
             nursery.start_soon(one, key)
-    found = records.merge([r for a in answers.values() for ans in a for r in ans], sw.now)
-    samples = ({w: sample_of([[r.peer_id for r in ans] for ans in answers[records.window_key(MODEL, w)]])
+    found = records.merge([r for a in answers.values() for ans, _ in a for r in ans], sw.now)
+    samples = ({w: sample_of([([r.peer_id for r in ans], n) for ans, n in answers[records.window_key(MODEL, w)]])
                 for w in model_windows(BLOCKS)} if layout == WINDOWS else {})
     return found, samples, trio.current_time() - t0, sum(lk.bytes for lk in out[before:])
 

@@ -26,8 +26,8 @@ from diffuse.control.dht import RANK_EPOCH_S, MergingValueStore
 from diffuse.control.identity import peer_id
 from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import (
-    MAX_SET_RECORDS, InvalidRecord, PeerRecord, SetCodecs, check_key, decode_set, encode_set, sign, window_key,
-    windows_of,
+    MAX_SET_RECORDS, InvalidRecord, PeerRecord, SetCodecs, check_key, decode_set, encode_set, sign, value_count,
+    window_key, windows_of, withdrawn,
 )
 from diffuse.control.coverage import coverage
 from diffuse.control.windows import WindowSample, estimate_replicas, sample_of, with_estimates
@@ -82,19 +82,43 @@ def test_a_nodes_sample_is_stable_under_refreshes_and_independent_of_other_nodes
     assert _fill(a, key, again) == held_a  # a refresh does not reshuffle who is held
 
 
-def test_readers_estimate_a_window_from_independent_samples():
+def test_readers_scale_a_windows_samples_by_the_nodes_median_count():
     rng = random.Random(5)
     protected = {f"p{i}" for i in range(32)}
     population = [f"s{i}" for i in range(2000)]
-    answers = [protected | set(rng.sample(population, 32)) for _ in range(20)]
+    answers = [(protected | set(rng.sample(population, 32)), 2032 + rng.randint(-20, 20)) for _ in range(20)]
     s = sample_of(answers)
     assert s.sure == protected and s.sampled
-    seen = set().union(*answers) - protected
-    assert abs(len(seen) * s.weight - 2000) / 2000 < 0.15
-    small = [protected | {"s1", "s2"}, protected]
+    seen = set().union(*(a for a, _ in answers)) - protected
+    assert abs(len(seen) * s.weight - 2000) <= 20
+    liars = [(a, 10**6) for a, _ in answers[:9]] + answers[9:]  # a minority inflating its count
+    assert abs(len(seen) * sample_of(liars).weight - 2000) <= 20
+    silent = [(a, None) for a, _ in answers]  # full nodes that count nothing: no estimate
+    assert not sample_of(silent).sampled
+    small = [(protected | {"s1", "s2"}, 34), (protected, 32)]
     everyone = frozenset(protected | {"s1", "s2"})
     assert sample_of(small) == WindowSample(everyone, everyone)  # nobody full: exact
     assert sample_of([]) == WindowSample(frozenset(), frozenset())
+
+
+def test_a_node_counts_the_owners_it_was_sent_kept_or_not():
+    key, kb = window_key(MODEL, 0), window_key(MODEL, 0).encode()
+    now = [time.time()]
+    store = MergingValueStore(None, None, SetCodecs(), clock=lambda: now[0], rng=random.Random(1))
+    keys = [create_new_key_pair() for _ in range(200)]
+    for kp in keys:
+        store.put_record(kb, Record(key=kb, value=encode_set([sign(record(kp, 0, 8, now[0]), kp)])))
+    value = store.get(kb).value
+    assert value_count(value) == 200 and len(decode_set(value, key)) == MAX_SET_RECORDS
+    gone = sign(withdrawn(record(keys[0], 0, 8, now[0]), now[0] + 1, 60), keys[0])
+    store.put_record(kb, Record(key=kb, value=encode_set([gone])))
+    now[0] += 2  # past the once-a-second recount
+    store.put_record(kb, Record(key=kb, value=encode_set([sign(record(keys[1], 0, 8, now[0]), keys[1])])))
+    assert value_count(store.get(kb).value) == 199  # a tombstone is no longer counted
+    now[0] += 59  # every record has expired but keys[1]'s refresh
+    store.put_record(kb, Record(key=kb, value=encode_set([sign(record(keys[2], 0, 8, now[0]), keys[2])])))
+    assert value_count(store.get(kb).value) == 2
+    assert value_count(encode_set([sign(record(keys[3], 0, 8), keys[3])])) is None  # a peer's PUT: no count
 
 
 def test_estimated_replicas_add_the_valid_peers_a_sample_implies_and_the_reader_does_not_know():
@@ -115,7 +139,7 @@ def test_estimated_replicas_add_the_valid_peers_a_sample_implies_and_the_reader_
 
 
 def test_a_flood_of_records_with_wrong_hashes_inflates_no_estimate():
-    key, kb = window_key(MODEL, 0), window_key(MODEL, 0).encode()
+    kb = window_key(MODEL, 0).encode()
     honest = [create_new_key_pair() for _ in range(21)]
     valid = [sign(dataclasses.replace(record(kp, 0, 8), extra={}), kp) for kp in honest]  # bf16: hashes checked
     wrong = ["0" * 64] * 8
@@ -129,9 +153,10 @@ def test_a_flood_of_records_with_wrong_hashes_inflates_no_estimate():
         for i in range(0, len(flood), 50):
             store.put_record(kb, Record(key=kb, value=encode_set(flood[i:i + 50])))
         store.put_record(kb, Record(key=kb, value=encode_set(valid)))
-        answers.append([sr.record for sr in decode_set(store.get(kb).value, key)])
-    s = sample_of([[r.peer_id for r in a] for a in answers])
-    cov = coverage([r for a in answers for r in a], MODEL, BLOCKS, expected_hashes=fake_hashes(BLOCKS))
+        items, count = store.answer(kb)
+        answers.append(([sr.record for sr in items], count))
+    s = sample_of([([r.peer_id for r in a], n) for a, n in answers])
+    cov = coverage([r for a, _ in answers for r in a], MODEL, BLOCKS, expected_hashes=fake_hashes(BLOCKS))
     assert 0 < len(cov.peers) <= 21 and s.sampled
     # Only the valid share of the sample is scaled up: near the 21, not the flood's thousand.
     assert all(len(cov.peers) <= c <= 2 * 21 for c in with_estimates(cov, {0: s}).counts[:8])
@@ -141,13 +166,13 @@ def test_one_partial_answer_does_not_collapse_the_estimate():
     rng = random.Random(5)
     protected = {f"p{i}" for i in range(32)}
     population = [f"s{i}" for i in range(2000)]
-    answers = [protected | set(rng.sample(population, 32)) for _ in range(20)]
+    answers = [(protected | set(rng.sample(population, 32)), 2032) for _ in range(20)]
     for partial in ({"me"}, set(population[:10])):  # a far node's own record; a node not yet full
-        s = sample_of([partial, *answers])
+        s = sample_of([(partial, len(partial)), *answers])
         assert s.sure == protected and s.sampled
-        assert abs(len(s.seen - s.sure) * s.weight - 2000) / 2000 < 0.15
-    disjoint = sample_of([protected | {f"{i}-{j}" for j in range(32)} for i in range(20)])
-    assert len(disjoint.seen - disjoint.sure) * disjoint.weight <= (20 * 32) ** 2 / 2  # no overlap: bounded
+        assert abs(len(s.seen - s.sure) * s.weight - 2000) <= 1
+    low = [(a, 3) for a, _ in answers]  # counts below what the nodes hold are no counts
+    assert not sample_of(low).sampled
 
 
 def test_a_client_finds_peers_through_the_window_keys():
@@ -318,7 +343,7 @@ def test_one_frozen_node_does_not_hold_a_read_to_the_timeout(monkeypatch):
                 monkeypatch.setattr(client.dht.value_store, "_get_from_peer", stalls)
                 with trio.fail_after(60):
                     answers = await dht_module.fetch_answers(client.dht, key)
-                held = [a for a in answers if a]  # the client's own store is empty
+                held = [a.items for a in answers if a.items]  # the client's own store is empty
                 assert len(held) == 2  # the sentinel's and the serving peer's, not the frozen node's
                 assert all({sr.peer_id for sr in a} == {peer.record.peer_id} for a in held)
 

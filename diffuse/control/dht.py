@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import trio
 from libp2p.abc import IHost
@@ -37,7 +39,16 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from diffuse.control.pnet import NO_HANDSHAKE, dial_failure, speaks_first
-from diffuse.control.records import NAMESPACE, RecordValidator, SetCodec, SetCodecs
+from diffuse.control.records import (
+    MAX_COUNTED,
+    NAMESPACE,
+    WINDOW_PREFIX,
+    RecordValidator,
+    SetCodec,
+    SetCodecs,
+    SignedRecord,
+    value_count,
+)
 from diffuse.errors import DiffuseError
 
 log = logging.getLogger(__name__)
@@ -69,6 +80,10 @@ class MergingValueStore(ValueStore):
     no one can aim at, drawn independently on each node, so readers can estimate what the nodes did not keep
     (see "Flooding" and "Layout 2" in protocols/dht-records.md).
 
+    Under a window key the node also counts the owners whose unexpired records it has been sent,
+    kept or not, and puts that count first in the value it serves: readers scale the samples by
+    it (control/windows.py) instead of guessing the population from how the samples overlap.
+
     Parsed sets are cached next to the raw value (keyed by its bytes), so a heartbeat PUT costs
     one signature check for the new record, not one per record already held.
     """
@@ -81,6 +96,9 @@ class MergingValueStore(ValueStore):
         self.secret = rng.randbytes(16) if rng is not None else secrets.token_bytes(16)
         self._parsed: dict[bytes, tuple[bytes, list]] = {}
         self._first_seen: dict[bytes, dict[str, float]] = {}  # key -> owner -> when this node first held it
+        self._owners: dict[bytes, dict[str, tuple]] = {}  # window key -> owner -> (order, expires, online)
+        self._online: dict[bytes, int] = {}  # window key -> owners whose latest record is online
+        self._swept: dict[bytes, float] = {}  # window key -> when expired owners were last dropped
 
     def records(self, key: bytes) -> list:
         entry = self.store.get(key)
@@ -108,7 +126,43 @@ class MergingValueStore(ValueStore):
             new = codec.decode(record.value, k, now=self.clock(), strict=False)
         except (*self.codecs.invalid, UnicodeDecodeError):
             return
+        if k.startswith(WINDOW_PREFIX):
+            self._count(key, new)
         self._set(key, self._admit(key, codec, codec.merge(self.records(key) + new, self.clock())))
+
+    def _count(self, key: bytes, new: list[SignedRecord]) -> None:
+        """Note each owner's latest record; past `MAX_COUNTED` owners, newcomers go uncounted."""
+        owners = self._owners.setdefault(key, {})
+        for sr in new:
+            had = owners.get(sr.peer_id)
+            if had is not None and had[0] >= sr.order:
+                continue
+            if had is None and len(owners) >= MAX_COUNTED:
+                self._purge(key)
+                if len(owners) >= MAX_COUNTED:
+                    continue
+            owners[sr.peer_id] = (sr.order, sr.record.expires, sr.record.online)
+            self._online[key] = self._online.get(key, 0) + sr.record.online - (had is not None and had[2])
+
+    def counted(self, key: bytes) -> int | None:
+        """Owners with an unexpired online record sent here under window `key` (expiries swept at
+        most once a second: a hot key takes thousands of PUTs a minute)."""
+        if key not in self._owners:
+            return None
+        if abs(self.clock() - self._swept.get(key, -math.inf)) >= 1.0:
+            self._purge(key)
+        return self._online.get(key, 0)
+
+    def _purge(self, key: bytes) -> None:
+        owners, now = self._owners[key], self.clock()
+        for owner in [o for o, (_, expires, _) in owners.items() if expires <= now]:
+            self._online[key] -= owners.pop(owner)[2]
+        self._swept[key] = now
+
+    def answer(self, key: bytes) -> tuple[list, int | None]:
+        """What this node would answer a GET for `key`: its items, and its count if it counts."""
+        rec = self.get(key)
+        return self.records(key), value_count(rec.value) if rec is not None else None
 
     def _admit(self, key: bytes, codec: SetCodec, items: list) -> list:
         """At most `codec.capacity` items: the longest-held half, then the best ranked others."""
@@ -145,10 +199,12 @@ class MergingValueStore(ValueStore):
     def _set(self, key: bytes, recs: list) -> None:
         if not recs:
             self.remove(key)
-            self._parsed.pop(key, None)
-            self._first_seen.pop(key, None)
+            for cache in (self._parsed, self._first_seen, self._owners, self._online, self._swept):
+                cache.pop(key, None)
             return
-        value = self.codecs.for_key(key.decode()).encode(recs)
+        codec = self.codecs.for_key(key.decode())
+        window = key.startswith(WINDOW_PREFIX.encode())
+        value = codec.encode(recs, self.counted(key)) if window else codec.encode(recs)
         # Unsigned at the libp2p layer on purpose: this node assembled the set, and every record
         # in it carries its own peer's signature, which is what readers check.
         rec = Record(key=key, value=value, timeReceived=format_time_rfc3339())
@@ -233,22 +289,29 @@ async def fetch_set(dht: KadDHT, key: str) -> tuple[list, Counter[str]]:
     before a flood is in every node's copy, a throwaway record in a few). Includes tombstones
     (OFFLINE records), which callers filter."""
     codec = _codecs(dht).for_key(key)
-    answers = await fetch_answers(dht, key)
+    answers = [a.items for a in await fetch_answers(dht, key)]
     support = Counter(owner for answer in answers for owner in {codec.owner(item) for item in answer})
     return codec.merge([item for answer in answers for item in answer], None), support
 
 
-async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
+class Answer(NamedTuple):
+    """One DHT node's answer for a key: its valid items, and its owner count (window keys)."""
+
+    items: list
+    count: int | None
+
+
+async def fetch_answers(dht: KadDHT, key: str) -> list[Answer]:
     """The valid items under `key` as each of the k closest nodes hold them, this node included
     only when it is one of them (a node farther away holds at least its own record there, which
-    is no sample of the key), one list per answer (unmerged: readers estimate from them)."""
+    is no sample of the key), one answer per node (unmerged: readers estimate from them)."""
     kb = key.encode()
     codecs = _codecs(dht)
     codec = codecs.for_key(key)
     peers = await closest(dht, key)
     me = dht.host.get_id()
     near = len(peers) < BUCKET_SIZE or sort_peer_ids_by_distance(kb, [*peers, me]).index(me) < BUCKET_SIZE
-    answers: list[list] = [list(dht.value_store.records(kb))] if near else []
+    answers: list[Answer] = [Answer(*dht.value_store.answer(kb))] if near else []
 
     began, done = trio.current_time(), 0
     most = trio.Event()
@@ -259,7 +322,7 @@ async def fetch_answers(dht: KadDHT, key: str) -> list[list]:
             rec = await dht.value_store._get_from_peer(peer, kb, return_record=True)
             if isinstance(rec, Record) and rec.value:
                 try:
-                    answers.append(codec.decode(rec.value, key, strict=False))
+                    answers.append(Answer(codec.decode(rec.value, key, strict=False), value_count(rec.value)))
                 except codecs.invalid as e:
                     log.debug("dropped a bad value for %s from %s: %s", key, peer, e)
         done += 1

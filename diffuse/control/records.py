@@ -47,6 +47,7 @@ MAX_TTL_S = 3600.0  # a record may not claim to live longer than this past its i
 MAX_PAYLOAD_BYTES = 16 * 1024
 MAX_SET_RECORDS = 64  # per stored value: a node keeps a bounded sample (dht.MergingValueStore)
 MAX_VALUE_BYTES = MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES + 128)  # ~1 MiB, under py-libp2p's 4 MiB messages
+MAX_COUNTED = 1 << 15  # owners a node counts per window key (dht.MergingValueStore): past it, it stops counting
 MAX_BLOCKS = 256
 MAX_ADDRS = 16
 MAX_EXTRA = 32
@@ -246,9 +247,22 @@ def check_key(key: str, rec: PeerRecord) -> None:
 
 # ---- record sets (DHT values) ----
 
-def encode_set(records: Iterable[SignedRecord]) -> bytes:
-    return cbor2.dumps([[r.payload, r.signature] for r in sorted(records, key=lambda r: r.peer_id)],
-                       canonical=True)
+def encode_set(records: Iterable[SignedRecord], count: int | None = None) -> bytes:
+    """A DHT value; a node storing a window key puts first its `count` of the owners it holds
+    unexpired records of, kept or not (layout 2, "Counts" in protocols/dht-records.md)."""
+    items: list = [[r.payload, r.signature] for r in sorted(records, key=lambda r: r.peer_id)]
+    return cbor2.dumps(items if count is None else [count, *items], canonical=True)
+
+
+def value_count(value: bytes) -> int | None:
+    """The owner count a node put first in a window key's value, if it did (and it is sane)."""
+    try:
+        items = cbor2.loads(value) if len(value) <= MAX_VALUE_BYTES else None
+    except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes; decode_set names them
+        return None
+    if isinstance(items, list) and items and type(items[0]) is int and 0 <= items[0] <= MAX_COUNTED:
+        return items[0]
+    return None
 
 
 def decode_set(value: bytes, key: str, *, now: float | None = None, strict: bool = True) -> list[SignedRecord]:
@@ -296,7 +310,7 @@ class SetCodec(Generic[Item]):
 
     decode: Callable[..., list[Item]]  # (value, key, *, now=None, strict=True) -> items; raises `invalid`
     merge: Callable[[list[Item], float | None], list[Item]]  # (items, now) -> the set to keep
-    encode: Callable[[list[Item]], bytes]
+    encode: Callable[..., bytes]  # (items) -> value; record sets also take a node's count (encode_set)
     contributes: Callable[[list[Item], list[Item]], bool]  # (new, old): not a replay
     invalid: type[Exception]  # what decode raises for a bad value
     owner: Callable[[Item], str]  # whose item it is: one per owner in a set

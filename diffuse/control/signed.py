@@ -64,6 +64,8 @@ def decode_signed_set(value: Any, check: Callable[[Any, Any], Any], *, max_items
         items = cbor2.loads(value)
     except Exception:  # noqa: BLE001 - cbor2 raises many types on hostile bytes
         raise error(f"{noun} value is not valid CBOR") from None
+    if isinstance(items, list) and items and type(items[0]) is int:  # a node's count (records.value_count)
+        items = items[1:]
     if not isinstance(items, list) or len(items) > max_items or (strict and not items):
         raise error(f"{noun} value is not a list of [payload, signature]")
     out = []

@@ -3,15 +3,16 @@ nodes' bounded copies imply about the peers they did not keep.
 
 Each window's value is capped at `MAX_SET_RECORDS` per DHT node: the longest-held half, which
 every node near the key holds alike, and a sample ranked by a hash keyed by the node's own secret,
-so every node's sample is uniform and independent of the others' (dht.MergingValueStore). A
-reader that merges the k nodes' answers sees the held half exactly and, past capacity, a union of
-independent samples of the rest, from which it estimates how many there are (capture-recapture):
-`WindowSample.weight` is how many peers each sampled peer stands for.
+so every node's sample is uniform and independent of the others' (dht.MergingValueStore). Each
+node also states how many owners it holds unexpired records of. A reader that merges the k
+nodes' answers sees the held half exactly and, past capacity, a union of independent samples of
+the rest, which stand for the median count of those nodes: `WindowSample.weight` is how many
+peers each sampled peer stands for.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ import trio
 from libp2p.kad_dht.kad_dht import KadDHT
 
 from diffuse.control.coverage import Coverage
-from diffuse.control.dht import fetch_answers
+from diffuse.control.dht import Answer, fetch_answers
 from diffuse.control.records import (
     MAX_BLOCKS,
     MAX_SET_RECORDS,
@@ -51,39 +52,25 @@ class WindowSample:
         return self.weight > 1.0
 
 
-def sample_of(answers: Sequence[Iterable[str]], capacity: int = MAX_SET_RECORDS) -> WindowSample:
-    """The sample that the answers (owners held, one collection per DHT node) make up."""
-    sets = [set(a) for a in answers if a]
+def sample_of(answers: Sequence[tuple[Iterable[str], int | None]], capacity: int = MAX_SET_RECORDS) -> WindowSample:
+    """The sample that the answers (owners held and owners counted, one pair per DHT node) make up.
+    A node's count is only its claim: the median of the full nodes' counts is used, so a minority
+    of nodes lying about it moves nothing, and a count below what the node holds is ignored."""
+    sets = [(set(a), n) for a, n in answers]
+    sets = [(a, n) for a, n in sets if a]
     if not sets:
         return WindowSample(frozenset(), frozenset())
-    seen = frozenset(set().union(*sets))
-    full = [s for s in sets if len(s) >= capacity]  # only a full node's copy is a sample
-    if not full:
-        return WindowSample(seen, seen)
-    held = Counter(o for s in sets for o in s)
+    seen = frozenset(set().union(*(a for a, _ in sets)))
+    counts = [n for a, n in sets if len(a) >= capacity and n is not None and n >= len(a)]
+    if len(counts) < len([a for a, _ in sets if len(a) >= capacity]) / 2 or not counts:
+        return WindowSample(seen, seen)  # no node full, or too few counting: what was seen is all
+    held = Counter(o for a, _ in sets for o in a)
     sure = frozenset(o for o, n in held.items() if 2 * n > len(sets))  # one odd answer moves nothing
-    distinct = len(set().union(*full) - sure)
-    if distinct == 0:
+    rest = len(seen - sure)
+    if rest == 0:
         return WindowSample(seen, sure)
-    population = max(_population([len(s - sure) for s in full], distinct), len(seen - sure))
-    return WindowSample(seen, sure, population / len(seen - sure))
-
-
-def _population(sizes: Sequence[int], distinct: int) -> float:
-    """M such that independent uniform samples of `sizes` from M items are expected to show
-    `distinct` different items: M (1 - prod(1 - n/M)) = distinct, by bisection."""
-    def expected(m: float) -> float:
-        return m * (1.0 - math.prod(max(0.0, 1.0 - n / m) for n in sizes))
-
-    # Samples that barely overlap say only "at least the population at which one overlap is
-    # expected" (the birthday bound), never an unbounded count.
-    lo, hi = float(distinct), max(float(distinct), sum(sizes) ** 2 / 2.0)
-    if expected(hi) < distinct:
-        return hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected(mid) < distinct else (lo, mid)
-    return (lo + hi) / 2
+    population = max(statistics.median(counts) - len(sure), rest)
+    return WindowSample(seen, sure, population / rest)
 
 
 def estimate_replicas(records: Iterable[PeerRecord], num_blocks: int,
@@ -128,7 +115,7 @@ async def read_model(dht: KadDHT, model: str, num_blocks: int | None
     Without `num_blocks` (not known yet) window 0 and the blocks key are read first, and the
     windows of the largest block count their records state follow (all `MAX_BLOCKS` when none
     does): a vote could be won by throwaway records stating a small count, hiding the rest."""
-    answers: dict[str, list[list[SignedRecord]]] = {}
+    answers: dict[str, list[Answer]] = {}
     limit = trio.CapacityLimiter(READS_AT_ONCE)
 
     async def read(key: str) -> None:
@@ -138,17 +125,17 @@ async def read_model(dht: KadDHT, model: str, num_blocks: int | None
     first = [blocks_key(model)] + ([window_key(model, 0)] if num_blocks is None else [])
     if num_blocks is None:
         await _all(read, first)
-        num_blocks = max((r.record.num_blocks for a in answers.values() for ans in a for r in ans
+        num_blocks = max((r.record.num_blocks for a in answers.values() for ans in a for r in ans.items
                           if r.record.model == model), default=MAX_BLOCKS)
     await _all(read, [k for k in [*first, *(window_key(model, w) for w in model_windows(num_blocks))]
                       if k not in answers])
     support: Counter[str] = Counter()
     for per_key in answers.values():
-        for owner, n in Counter(r.peer_id for ans in per_key for r in {r.peer_id: r for r in ans}.values()).items():
+        for owner, n in Counter(owner for ans in per_key for owner in {r.peer_id for r in ans.items}).items():
             support[owner] = max(support[owner], n)
-    samples = {w: sample_of([[r.peer_id for r in ans] for ans in answers[window_key(model, w)]])
+    samples = {w: sample_of([([r.peer_id for r in a.items], a.count) for a in answers[window_key(model, w)]])
                for w in model_windows(num_blocks) if window_key(model, w) in answers}
-    found = merge([r for per_key in answers.values() for ans in per_key for r in ans], None)
+    found = merge([r for per_key in answers.values() for ans in per_key for r in ans.items], None)
     return found, support, samples
 
 
