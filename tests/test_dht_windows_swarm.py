@@ -66,19 +66,24 @@ def test_forty_nodes_find_the_true_coverage_and_a_route_through_window_keys(tmp_
 async def _client(boot: str, model_dir: Path, manifest, truth: list[int], serving: set[str]) -> None:
     config = NodeConfig(listen=[LOCAL], bootstrap=[boot], server=False, swarm_key=swarm_key())
     async with open_node(create_new_key_pair(), config, codecs=reputation.swarm_codecs()) as node:
-        with trio.move_on_after(180):  # until every peer is found, and under each window's own key
+        # Until every peer is found, and under each window's own key: a read stops waiting for the
+        # last DHT nodes once most answered, so on a loaded machine one read may miss some.
+        seen: dict[int, set[str]] = {w: set() for w in range(4)}
+        with trio.move_on_after(240):
             while True:
                 cov = await node.coverage(manifest.model_id, manifest.num_layers, manifest.block_hashes)
                 samples = node.samples[manifest.model_id]
+                assert set(samples) == {0, 1, 2, 3} and not any(s.sampled for s in samples.values())
+                for w, s in samples.items():
+                    seen[w] |= s.seen
                 touching = {w: {p for p, r in cov.peers.items() if r.start < (w + 1) * WINDOW_BLOCKS
                                 and r.end > w * WINDOW_BLOCKS} for w in range(4)}
-                if len(cov.peers) == 38 and all(samples.get(w) and samples[w].seen == touching[w] for w in range(4)):
+                if len(cov.peers) == 38 and all(seen[w] == touching[w] for w in range(4)):
                     break
                 await trio.sleep(1.0)
         assert len(cov.peers) == 38 and cov.replicas == truth and not cov.excluded
-        assert set(samples) == {0, 1, 2, 3} and not any(s.sampled for s in samples.values())
-        for w, s in samples.items():  # each window's own key holds exactly the peers touching it
-            assert s.seen == touching[w], w
+        for w in range(4):  # each window's own key holds exactly the peers touching it
+            assert seen[w] == touching[w], w
         client = SwarmClient(node, model_dir)
         with trio.fail_after(120):
             hops = await client.route(*client.remote_range, set())
