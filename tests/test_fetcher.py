@@ -414,19 +414,54 @@ def good_manifest() -> dict:
             "files": {"config.json": [2, "c" * 64]}}
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47]), ("head_hash", "B" * 64),
-    ("head_hash", 7), ("block_sizes", [100, 10 ** 30]), ("block_sizes", [100, "100"]), ("head_size", -1),
-    ("head_size", 1.5), ("num_layers", "2"), ("block_hashes", "a" * 128), ("files", ["config.json"])])
-def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value):
-    from diffuse.client.from_swarm import _checked
+@pytest.mark.parametrize("field,value,format_2", [
+    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47], False), ("head_hash", "B" * 64, False),
+    ("head_hash", 7, False), ("block_sizes", [100, 10 ** 30], True), ("block_sizes", [100, "100"], True),
+    ("head_size", -1, True), ("head_size", 1.5, True), ("num_layers", "2", False), ("block_hashes", "a" * 128, False),
+    ("files", ["config.json"], True), ("files", {"../config.json": [2, "c" * 64]}, True)])
+def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value, format_2):
+    """One check for every manifest from the swarm: `--from-swarm` fetches by all of it; `status`
+    reads coverage alone (hashes and count), so a format-1 manifest or a bad size does not hide a model."""
+    from diffuse.client.manifests import checked
     from diffuse.errors import ModelError
 
     (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
-    assert _checked(tmp_path, "m").block_sizes == [100, 100]
+    assert checked(tmp_path, "m").block_sizes == [100, 100]
     (tmp_path / "manifest.json").write_text(json.dumps(good_manifest() | {field: value}))
     with pytest.raises(ModelError, match=re.escape(field)):
-        _checked(tmp_path, "m")
+        checked(tmp_path, "m")
+    if format_2:
+        assert checked(tmp_path, "m", to_fetch=False).num_layers == 2
+    else:
+        with pytest.raises(ModelError, match=re.escape(field)):
+            checked(tmp_path, "m", to_fetch=False)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "not json", '{"model_id": "m"}',
+                                  json.dumps(good_manifest() | {"quant": "int4"})])
+def test_what_is_no_manifest_of_the_model_is_refused_as_such(tmp_path, text):
+    from diffuse.client.manifests import checked
+    from diffuse.errors import ModelError
+
+    (tmp_path / "manifest.json").write_text(text)
+    for to_fetch in (True, False):
+        with pytest.raises(ModelError, match="malformed|not a manifest"):
+            checked(tmp_path, "m", to_fetch)
+    with pytest.raises(ModelError, match="not a manifest of other"):
+        (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
+        checked(tmp_path, "other", to_fetch=False)
+
+
+@pytest.mark.parametrize("sha,size,ok", [("a" * 64, 10, True), ("A" * 64, 10, False), ("a" * 63, 10, False),
+                                         ("a" * 64, 0, False), ("a" * 64, True, False), ("a" * 64, 2 << 20, False),
+                                         (None, 10, False), ("a" * 64, "10", False)])
+def test_a_record_announces_a_manifest_only_by_a_sha256_and_a_size_in_bounds(sha, size, ok):
+    from types import SimpleNamespace
+
+    from diffuse.client.manifests import MANIFEST_BYTES, MANIFEST_SHA, announced
+
+    record = SimpleNamespace(extra={MANIFEST_SHA: sha, MANIFEST_BYTES: size})
+    assert announced(record) == ((sha, size) if ok else None)
 
 
 @pytest.mark.parametrize("sha,size,why", [("../" + "a" * 61, 10, "not 64 lowercase hex"),
@@ -447,7 +482,7 @@ def test_a_fetch_refuses_a_hash_that_is_no_sha256_or_a_size_out_of_bounds(tmp_pa
 def test_the_manifest_is_served_as_announced_even_once_rewritten_on_disk(tmp_path):
     from tiny import make_tiny
 
-    from diffuse.client.from_swarm import MANIFEST_SHA
+    from diffuse.client.manifests import MANIFEST_SHA
     from diffuse.peer.offer import offer
 
     store = make_tiny(tmp_path / "tiny")

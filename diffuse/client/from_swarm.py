@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from diffuse.control.placement import choose_span, requested_blocks
 from diffuse.control.records import PeerRecord
 from diffuse.data.fetcher import Fetcher
 from diffuse.data.files import PROTOCOL_ID
+from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA, announced, checked
 from diffuse.errors import DiffuseError, FetchError, ModelError
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import blockfiles
@@ -43,16 +43,9 @@ from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
-MAX_MANIFEST = 1 << 20
-MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
-MAX_BLOCK, MAX_LAYERS = 1 << 38, 4096  # canonical bytes of one block or the head; blocks of a model
 # Distinct manifests fetched to compare (the most announced first), and the time for all of them:
 # announcing many manifests, or serving one slowly, cannot hold a join up for long.
 MAX_MANIFESTS, MANIFESTS_TIMEOUT_S = 8, 120.0
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
-BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,7 @@ async def _records(node: Node, want: Wanted) -> list[PeerRecord]:
             found = await node.records(want.model)
         else:
             found = [r for pid in node.known_peers() if (r := await node.peer_record(pid)) is not None]
-        found = [r for r in found if r.online and isinstance(r.extra.get(MANIFEST_SHA), str)]
+        found = [r for r in found if r.online and announced(r) is not None]
         if want.model is None:
             found = [r for r in found if r.model == DEFAULT_MODEL]
         if (found and settled) or trio.current_time() >= deadline:
@@ -180,9 +173,8 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
     groups: dict[tuple[str, int], list[str]] = {}
     trusted = trusted.strip().lower() if trusted else None
     for r in records:
-        sha, size = r.extra.get(MANIFEST_SHA), r.extra.get(MANIFEST_BYTES)
-        if isinstance(sha, str) and _HEX64.fullmatch(sha) and type(size) is int and 0 < size <= MAX_MANIFEST:
-            groups.setdefault((sha, size), []).append(r.peer_id)
+        if (manifest := announced(r)) is not None:
+            groups.setdefault(manifest, []).append(r.peer_id)
     if not groups:
         raise DiffuseError("the peers announce no manifest this node can fetch")
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
@@ -216,7 +208,7 @@ async def _fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[
             where = tmp / sha
             try:
                 await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (_checked(where, model), where)
+                found[sha] = (checked(where, model), where)
             except (FetchError, ModelError) as e:
                 log.warning("manifest %s refused: %s", sha, e)
     if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
@@ -251,46 +243,6 @@ def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int
 def _listing(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]]) -> str:
     return "; ".join(f"{sha} (model hash {found[sha][0].model_hash if sha in found else 'unreadable'}) by "
                      f"{', '.join(peers)}" for (sha, _), peers in groups.items())
-
-
-def _checked(where: Path, model: str) -> Manifest:
-    """A fetched manifest that can say what to fetch: format 2, of `model`, its names safe, every
-    hash 64 lowercase hex digits (one becomes part of a file name), every size an integer in bounds."""
-    m = load_manifest(where)
-    if m.model_id != model or not isinstance(m.model_id, str) or not _NAME.fullmatch(m.model_id) \
-            or m.quant != "none":
-        raise ModelError(f"not a manifest of {model} (format 2 of an unquantized model)")
-    _check_counts(m)
-    hashes = [("head_hash", m.head_hash), *((f"block_hashes[{i}]", h) for i, h in enumerate(m.block_hashes))]
-    for field, value in hashes:
-        if not isinstance(value, str) or not _HEX64.fullmatch(value):
-            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not 64 lowercase hex digits")
-    for field, value, least in [("head_size", m.head_size, 0),
-                                *((f"block_sizes[{i}]", n, 1) for i, n in enumerate(m.block_sizes))]:
-        if type(value) is not int or not least <= value <= MAX_BLOCK:
-            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not an integer "
-                             f"from {least} to {MAX_BLOCK}")
-    for name, entry in m.files.items():
-        if not _NAME.fullmatch(name) or name.endswith(".safetensors") or name in blockfiles.NOT_FILES \
-                or not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int \
-                or not 0 < entry[0] <= MAX_FILE or not isinstance(entry[1], str) or not _HEX64.fullmatch(entry[1]):
-            raise ModelError(f"the manifest lists file {str(name)[:80]!r} as {str(entry)[:200]}")
-    if "config.json" not in m.files:
-        raise ModelError("the manifest lists no config.json")
-    return m
-
-
-def _check_counts(m: Manifest) -> None:
-    """num_layers an integer in bounds, one hash and one size per block, `files` a mapping."""
-    if type(m.num_layers) is not int or not 0 < m.num_layers <= MAX_LAYERS:
-        raise ModelError(f"the manifest's num_layers is {str(m.num_layers)[:80]!r}, not an integer "
-                         f"from 1 to {MAX_LAYERS}")
-    for field in ("block_hashes", "block_sizes"):
-        value = getattr(m, field)
-        if not isinstance(value, list) or len(value) != m.num_layers:
-            raise ModelError(f"the manifest's {field} is not a list of {m.num_layers} entries (one per block)")
-    if not isinstance(m.files, dict):
-        raise ModelError("the manifest's files is not a mapping of names to [size, sha256]")
 
 
 async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources: list[str]) -> None:
