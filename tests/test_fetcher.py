@@ -540,6 +540,24 @@ def test_with_two_liars_the_error_names_as_banned_only_those_banned(tmp_path, bl
     assert sorted(said.split(", ")) == sorted(fetcher.banned) or (said == "none" and not fetcher.banned), str(err)
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_two_liars_cannot_defeat_blame_the_file_comes_right_and_only_they_are_banned(tmp_path, blob, same):
+    """Two liars (serving the same wrong bytes, or each its own) among the first sources at work:
+    replacing one's ranges with the other's cannot find either out, so each source is then asked
+    for the whole file alone; the honest one's hashes right, and both liars, whose ranges differ
+    from it, are banned."""
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["one", "two", "good"])
+    for name, flip in (("one", 1), ("two", 1 if same else 2)):
+        bad = bytearray(blob)
+        for i in range(0, SIZE, PIECE):
+            bad[i] ^= flip
+        (tmp_path / f"{name}.bin").write_bytes(bytes(bad))
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["one", "two", "good"], per_source=1)
+    assert not isinstance(path, Exception), path
+    assert path.read_bytes() == blob and sorted(fetcher.banned) == ["one", "two"], fetcher.banned
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan"])
 def test_a_bad_upload_cap_is_refused_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", value)
