@@ -570,3 +570,31 @@ def test_the_upload_cap_defaults_to_none_and_takes_bytes_per_second(monkeypatch)
     assert F.send_rate_cap() == 0
     monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", str(4 << 20))
     assert F.FileServer().send_rate == 4 << 20
+
+
+def test_json_progress_is_one_object_a_line_with_its_event_and_a_failure_is_told_too(capsys, monkeypatch, tmp_path):
+    """`join / ask --from-swarm --json`: progress at most once a second and once at the end, then
+    `done`; a fetch that fails says why in a `failed` line before the error goes up."""
+    from diffuse.client import from_swarm
+    from diffuse.control.node import NodeConfig
+
+    clock = iter(float(t) for t in range(100, 200))
+    monkeypatch.setattr(from_swarm.time, "monotonic", lambda: next(clock))
+    said: list[str] = []
+    progress = from_swarm.Progress(said.append, as_json=True)
+    progress.event("manifest", model="m", manifest_sha256="a" * 64)
+    progress.expect(300)
+    for _ in range(3):
+        progress.add(100)
+    progress.finish()
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
+    assert [x["event"] for x in lines] == ["manifest", "progress", "progress", "progress", "progress"]
+    assert lines[-1] == {"event": "progress", "fetched_bytes": 300, "of_bytes": 300, "bytes_per_s": 75, "eta_s": 0}
+    assert not said  # no text progress beside the JSON lines
+
+    monkeypatch.undo()
+    want = from_swarm.Wanted(model="nothing-here", wait=0.1, json_progress=True)
+    with pytest.raises(DiffuseError, match="no peer announces nothing-here"):
+        trio.run(from_swarm.from_swarm, tmp_path, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), want, said.append)
+    failed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert failed == [{"event": "failed", "error": failed[0]["error"]}] and "no peer announces" in failed[0]["error"]
