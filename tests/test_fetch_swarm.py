@@ -3,14 +3,16 @@
 A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy too, whose stored
 block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
-stores a block that hashes right; `--model auto` with `--blocks auto` fetches the span it serves;
+stores a block that hashes right (`--json`: the same in JSON lines); a second sentinel pinning
+the manifest's hash is what a join trusts, and one pinning another hash makes it fail naming
+both; `--model auto` with `--blocks auto` fetches the span it serves;
 two peers with empty stores take complementary spans and end with only their span on disk; `src`
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
 block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
 cut range) finishes from another without fetching twice what it had; with no honest source left
-for block 3, a join fails naming the block.
+for block 3, a join fails naming the block (an `error:` line, and `failed` in JSON).
 """
 
 from __future__ import annotations
