@@ -68,8 +68,12 @@ def test_a_public_sentinel_refuses_to_pin():
         SentinelConfig(SwarmAccess(mode="public"), ["/ip4/127.0.0.1/tcp/0"], model_hash=["m=" + SHA])
 
 
-@pytest.mark.timeout(60)
-def test_a_node_reads_the_pins_of_the_sentinel_it_bootstraps_from_over_the_dht():
+@pytest.mark.timeout(90)
+def test_a_node_reads_the_pins_of_the_sentinel_it_bootstraps_from_and_a_restart_without_them_withdraws_them(
+        monkeypatch):
+    """Over a real DHT: a sentinel's pins reach the node that bootstraps from it; restarted with
+    no pins (same key), the sentinel stores an empty map over those a fellow DHT node still holds."""
+    monkeypatch.setattr(pins, "REPUBLISH_S", 0.5)  # stored again soon at the fellow that joined after
     from diffuse.control.node import NodeConfig, open_node
     from diffuse.control.sentinel import run_sentinel
     from diffuse.trust.reputation import swarm_codecs
@@ -78,24 +82,44 @@ def test_a_node_reads_the_pins_of_the_sentinel_it_bootstraps_from_over_the_dht()
     kp = create_new_key_pair()
     me = peer_id(kp).to_base58()
 
-    async def main() -> dict:
-        async with trio.open_nursery() as nursery:
-            ready: list[str] = []
-            nursery.start_soon(lambda: run_sentinel(kp, listen, (), ready.extend, codecs=swarm_codecs(),
-                                                    pins={"m": SHA}))
-            while not ready:
-                await trio.sleep(0.05)
-            config = NodeConfig(listen=listen, bootstrap=ready, server=False)
-            async with open_node(create_new_key_pair(), config, codecs=swarm_codecs()) as node:
-                assert pins.bootstrap_ids(config.bootstrap) == [me]
-                with trio.fail_after(20):
-                    while not (found := await pins.read(node, [me], "m")):
-                        await trio.sleep(0.2)
-                assert await pins.read(node, [me], "other") == {}
-            nursery.cancel_scope.cancel()
-            return found
+    async def sentinel(nursery: trio.Nursery, boot: list[str], given: dict) -> tuple[trio.CancelScope, list[str]]:
+        ready: list[str] = []
+        scope = trio.CancelScope()
 
-    assert trio.run(main) == {me: SHA}
+        async def run() -> None:
+            with scope:
+                await run_sentinel(kp, listen, boot, ready.extend, codecs=swarm_codecs(), pins=given)
+        nursery.start_soon(run)
+        while not ready:
+            await trio.sleep(0.05)
+        return scope, ready
+
+    async def until(node, want: dict) -> None:
+        with trio.fail_after(30):
+            while await pins.read(node, [me], "m") != want:
+                await trio.sleep(0.2)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            first, boot = await sentinel(nursery, [], {"m": SHA})
+            keeper = NodeConfig(listen=listen, bootstrap=boot, server=True)  # a fellow DHT server
+            async with open_node(create_new_key_pair(), keeper, codecs=swarm_codecs()) as fellow:
+                config = NodeConfig(listen=listen, bootstrap=boot, server=False)
+                async with open_node(create_new_key_pair(), config, codecs=swarm_codecs()) as node:
+                    assert pins.bootstrap_ids(config.bootstrap) == [me]
+                    await until(node, {me: SHA})
+                    assert await pins.read(node, [me], "other") == {}
+                with trio.fail_after(30):  # the fellow holds them too
+                    while not fellow.dht.value_store.records(pins.pins_key(me).encode()):
+                        await trio.sleep(0.2)
+                first.cancel()
+                _, again = await sentinel(nursery, fellow.full_addrs(), {})
+                async with open_node(create_new_key_pair(), NodeConfig(listen=listen, bootstrap=again),
+                                     codecs=swarm_codecs()) as node:
+                    await until(node, {})
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
 
 
 def test_the_sentinels_pin_chooses_among_disagreeing_announcers_and_names_both_hashes_when_none_serves_it():

@@ -136,14 +136,30 @@ PIN_SETS: SetCodec[SignedPins] = SetCodec(decode_set, merge_set, encode_set, con
 
 
 async def publish(node: Any, key_pair: KeyPair, pins: Mapping[str, str]) -> None:
-    """A sentinel's loop: its pins, signed anew and stored every REPUBLISH_S, until cancelled."""
-    while True:
+    """A sentinel's loop: its pins, signed anew and stored every REPUBLISH_S, until cancelled.
+    With none, it withdraws what an earlier run of it pinned: an empty map, newer, stored until
+    the old one has expired everywhere."""
+    key, until = pins_key(peer_id(key_pair).to_base58()), float("inf")
+    if not pins:
+        with trio.move_on_after(30.0):
+            until = max((p.expires for p in await _held(node, key) if p.pins), default=0.0)
+        if until == float("inf"):
+            until = time.time() + PIN_TTL_S  # not read in time: withdraw anyway
+    while time.time() < until:
         try:
-            stored = await node.put_set(pins_key(peer_id(key_pair).to_base58()), [sign(pins, key_pair)])
+            stored = await node.put_set(key, [sign(pins, key_pair)])
             log.info("pins of %d model(s) stored at %d node(s)", len(pins), stored)
         except Exception as e:  # noqa: BLE001 - py-libp2p fails stores in types of its own; tried again
             log.warning("pins not stored this time: %s", e)
         await trio.sleep(REPUBLISH_S)
+
+
+async def _held(node: Any, key: str) -> list[SignedPins]:
+    try:
+        return await node.fetch_set(key)
+    except Exception as e:  # noqa: BLE001 - as above
+        log.warning("pins of an earlier run not read: %s", e)
+        return []
 
 
 def bootstrap_ids(bootstrap: Iterable[Any]) -> list[str]:
