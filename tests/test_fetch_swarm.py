@@ -3,21 +3,25 @@
 A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy too, whose stored
 block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
-stores a block that hashes right; `--model auto` with `--blocks auto` fetches the span it serves;
+stores a block that hashes right (`--json`: the same in JSON lines); a second sentinel pinning
+the manifest's hash is what a join trusts, and one pinning another hash makes it fail naming
+both; `--model auto` with `--blocks auto` fetches the span it serves;
 two peers with empty stores take complementary spans and end with only their span on disk; `src`
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
 block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
 cut range) finishes from another without fetching twice what it had; with no honest source left
-for block 3, a join fails naming the block.
+for block 3, a join fails naming the block (an `error:` line, and `failed` in JSON).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -104,6 +108,16 @@ def summary(err: str) -> tuple[float, dict[str, float]]:
     return total, {p: float(n) for p, n in re.findall(r"(\w+): ([\d.]+) MiB", line.split(" from ", 1)[-1])}
 
 
+def failed_with(swarm: Swarm, name: str) -> str:
+    """The error a join that fails says (`error: ...`, not a traceback), once it has exited."""
+    assert swarm.proc[name].wait(timeout=300) != 0
+    deadline = time.monotonic() + 10  # its stderr, read to the end
+    while not any(x.startswith("error: ") for x in swarm.proc[name].stderr) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    err = "\n".join(swarm.proc[name].stderr)
+    return next(x for x in err.splitlines() if x.startswith("error: ")).removeprefix("error: ")
+
+
 def until_said(swarm: Swarm, name: str, text: str, timeout: float = 120) -> None:
     """Wait until the peer's stderr has a line starting with `text`."""
     deadline = time.monotonic() + timeout
@@ -112,14 +126,58 @@ def until_said(swarm: Swarm, name: str, text: str, timeout: float = 120) -> None
         time.sleep(0.05)
 
 
+def json_lines(err: str) -> list[dict]:
+    return [json.loads(x) for x in err.splitlines() if x.startswith('{"event"')]
+
+
 def test_a_source_of_wrong_bytes_is_banned_and_the_block_comes_from_another(swarm, home, tmp_path):
-    join(swarm, "c", "3:4", tmp_path)
+    join(swarm, "c", "3:4", tmp_path, "--json")
     swarm.wait("c")
     err = "\n".join(swarm.proc["c"].stderr)
     assert f"banned {swarm.ids['bad']}" in err, err
+    events = json_lines(err)  # --json: the same story in JSON lines
+    assert [e["event"] for e in events][0] == "manifest" and events[-1]["event"] == "done", err
+    assert events[0]["manifest_sha256"] == hashlib.sha256((models_dir(home) / DEFAULT_MODEL / "manifest.json")
+                                                          .read_bytes()).hexdigest()
+    assert swarm.ids["bad"] in events[-1]["banned"] and events[-1]["blocks"] == [3], events[-1]
+    progress = [e for e in events if e["event"] == "progress"]
+    assert progress and progress[-1]["fetched_bytes"] >= progress[-1]["of_bytes"], progress  # bytes fetched again too
     model_dir = models_dir(swarm.homes["c"]) / DEFAULT_MODEL
     assert list(on_disk(swarm, "c")) == ["block-00003.safetensors"]
     assert block_hash(ModelFiles(model_dir).read_block(3)) == load_manifest(model_dir).block_hashes[3]
+
+
+def pinning_sentinel(swarm: Swarm, name: str, model: str, sha: str):
+    """A second sentinel of the swarm that pins `sha` for `model`: its process and address."""
+    proc = swarm.procs.start("sentinel", "--identity", str(swarm.tmp / f"{name}.key"), "--listen", LOCAL,
+                             "--bootstrap", swarm.boot, "--model-hash", f"{model}={sha}")
+    return proc, proc.readline(timeout=120)
+
+
+def test_a_private_swarm_trusts_the_manifest_its_sentinel_pins_and_refuses_announcers_that_disagree(swarm, home,
+                                                                                                     tmp_path):
+    """The join bootstraps from both sentinels; the pinning one's hash is what it trusts: the right
+    one, and the join says so; a wrong one, and the join fails naming both hashes."""
+    model_dir = models_dir(home) / DEFAULT_MODEL
+    right, wrong = hashlib.sha256((model_dir / "manifest.json").read_bytes()).hexdigest(), "e" * 64
+    model = load_manifest(model_dir).model_id
+    for name, sha in {"p": right, "q": wrong}.items():
+        sentinel, addr = pinning_sentinel(swarm, f"pin-{name}", model, sha)
+        try:
+            join(swarm, name, "4:5", tmp_path / name, "--bootstrap", addr, "--json")
+            if sha == right:
+                swarm.wait(name)
+                manifest = json_lines("\n".join(swarm.proc[name].stderr))[0]
+                assert manifest["manifest_sha256"] == right and addr.rsplit("/", 1)[-1] in manifest["trusted_by"]
+                assert list(on_disk(swarm, name)) == ["block-00004.safetensors"]
+                swarm.kill(name)
+            else:
+                error = failed_with(swarm, name)
+                assert wrong in error and right in error and "sentinel pin" in error, error
+                assert not on_disk(swarm, name)
+        finally:
+            sentinel.signal(signal.SIGKILL)
+            sentinel.wait(timeout=10)
 
 
 def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_path):
@@ -166,8 +224,9 @@ def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local
     empty, reference = tmp_path / "client-home", reference_answer(home)
     answer, err = client_ask(swarm, empty, "--trust", "off")
     assert answer["token_ids"] == reference
-    progress = [json.loads(x) for x in err.splitlines() if x.startswith('{"fetched_bytes"')]  # --json: as JSON
-    assert progress and all(p.keys() == {"fetched_bytes", "of_bytes", "bytes_per_s", "eta_s"} for p in progress), err
+    progress = [e for e in json_lines(err) if e["event"] == "progress"]  # --json: as JSON
+    assert progress and all(p.keys() == {"event", "fetched_bytes", "of_bytes", "bytes_per_s", "eta_s"}
+                            for p in progress), err
     assert set(on_disk_of(empty)) == {"head.safetensors", "block-00000.safetensors"}  # --local-blocks 1,0
     answer, err = client_ask(swarm, empty)
     assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
@@ -197,8 +256,9 @@ def test_a_source_killed_mid_transfer_is_resumed_from_another(swarm, home, tmp_p
 def test_with_no_honest_source_the_join_fails_naming_the_block(swarm, tmp_path):
     for name in ("a", "c"):
         swarm.kill(name)
-    join(swarm, "d", "3:4", tmp_path)
-    assert swarm.proc["d"].wait(timeout=300) != 0
+    join(swarm, "d", "3:4", tmp_path, "--json")
+    error = failed_with(swarm, "d")
+    assert "block 3 of" in error and swarm.ids["bad"] in error, error
     err = "\n".join(swarm.proc["d"].stderr)
-    assert "block 3 of" in err and swarm.ids["bad"] in err, err
+    assert json_lines(err)[-1] == {"event": "failed", "error": error}, err
     assert not on_disk(swarm, "d")

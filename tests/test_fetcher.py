@@ -414,19 +414,54 @@ def good_manifest() -> dict:
             "files": {"config.json": [2, "c" * 64]}}
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47]), ("head_hash", "B" * 64),
-    ("head_hash", 7), ("block_sizes", [100, 10 ** 30]), ("block_sizes", [100, "100"]), ("head_size", -1),
-    ("head_size", 1.5), ("num_layers", "2"), ("block_hashes", "a" * 128), ("files", ["config.json"])])
-def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value):
-    from diffuse.client.from_swarm import _checked
+@pytest.mark.parametrize("field,value,format_2", [
+    ("block_hashes", ["a" * 64, "../../../../tmp/x" + "0" * 47], False), ("head_hash", "B" * 64, False),
+    ("head_hash", 7, False), ("block_sizes", [100, 10 ** 30], True), ("block_sizes", [100, "100"], True),
+    ("head_size", -1, True), ("head_size", 1.5, True), ("num_layers", "2", False), ("block_hashes", "a" * 128, False),
+    ("files", ["config.json"], True), ("files", {"../config.json": [2, "c" * 64]}, True)])
+def test_a_manifest_with_a_bad_hash_or_size_is_refused_naming_the_field(tmp_path, field, value, format_2):
+    """One check for every manifest from the swarm: `--from-swarm` fetches by all of it; `status`
+    reads coverage alone (hashes and count), so a format-1 manifest or a bad size does not hide a model."""
+    from diffuse.client.manifests import checked
     from diffuse.errors import ModelError
 
     (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
-    assert _checked(tmp_path, "m").block_sizes == [100, 100]
+    assert checked(tmp_path, "m").block_sizes == [100, 100]
     (tmp_path / "manifest.json").write_text(json.dumps(good_manifest() | {field: value}))
     with pytest.raises(ModelError, match=re.escape(field)):
-        _checked(tmp_path, "m")
+        checked(tmp_path, "m")
+    if format_2:
+        assert checked(tmp_path, "m", to_fetch=False).num_layers == 2
+    else:
+        with pytest.raises(ModelError, match=re.escape(field)):
+            checked(tmp_path, "m", to_fetch=False)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "not json", '{"model_id": "m"}',
+                                  json.dumps(good_manifest() | {"quant": "int4"})])
+def test_what_is_no_manifest_of_the_model_is_refused_as_such(tmp_path, text):
+    from diffuse.client.manifests import checked
+    from diffuse.errors import ModelError
+
+    (tmp_path / "manifest.json").write_text(text)
+    for to_fetch in (True, False):
+        with pytest.raises(ModelError, match="malformed|not a manifest"):
+            checked(tmp_path, "m", to_fetch)
+    with pytest.raises(ModelError, match="not a manifest of other"):
+        (tmp_path / "manifest.json").write_text(json.dumps(good_manifest()))
+        checked(tmp_path, "other", to_fetch=False)
+
+
+@pytest.mark.parametrize("sha,size,ok", [("a" * 64, 10, True), ("A" * 64, 10, False), ("a" * 63, 10, False),
+                                         ("a" * 64, 0, False), ("a" * 64, True, False), ("a" * 64, 2 << 20, False),
+                                         (None, 10, False), ("a" * 64, "10", False)])
+def test_a_record_announces_a_manifest_only_by_a_sha256_and_a_size_in_bounds(sha, size, ok):
+    from types import SimpleNamespace
+
+    from diffuse.client.manifests import MANIFEST_BYTES, MANIFEST_SHA, announced
+
+    record = SimpleNamespace(extra={MANIFEST_SHA: sha, MANIFEST_BYTES: size})
+    assert announced(record) == ((sha, size) if ok else None)
 
 
 @pytest.mark.parametrize("sha,size,why", [("../" + "a" * 61, 10, "not 64 lowercase hex"),
@@ -447,7 +482,7 @@ def test_a_fetch_refuses_a_hash_that_is_no_sha256_or_a_size_out_of_bounds(tmp_pa
 def test_the_manifest_is_served_as_announced_even_once_rewritten_on_disk(tmp_path):
     from tiny import make_tiny
 
-    from diffuse.client.from_swarm import MANIFEST_SHA
+    from diffuse.client.manifests import MANIFEST_SHA
     from diffuse.peer.offer import offer
 
     store = make_tiny(tmp_path / "tiny")
@@ -505,6 +540,24 @@ def test_with_two_liars_the_error_names_as_banned_only_those_banned(tmp_path, bl
     assert sorted(said.split(", ")) == sorted(fetcher.banned) or (said == "none" and not fetcher.banned), str(err)
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_two_liars_cannot_defeat_blame_the_file_comes_right_and_only_they_are_banned(tmp_path, blob, same):
+    """Two liars (serving the same wrong bytes, or each its own) among the first sources at work:
+    replacing one's ranges with the other's cannot find either out, so each source is then asked
+    for the whole file alone; the honest one's hashes right, and both liars, whose ranges differ
+    from it, are banned."""
+    sha = hashlib.sha256(blob).hexdigest()
+    serving = servers(tmp_path, blob, ["one", "two", "good"])
+    for name, flip in (("one", 1), ("two", 1 if same else 2)):
+        bad = bytearray(blob)
+        for i in range(0, SIZE, PIECE):
+            bad[i] ^= flip
+        (tmp_path / f"{name}.bin").write_bytes(bytes(bad))
+    path, fetcher = run_fetch(tmp_path, serving, sha, ["one", "two", "good"], per_source=1)
+    assert not isinstance(path, Exception), path
+    assert path.read_bytes() == blob and sorted(fetcher.banned) == ["one", "two"], fetcher.banned
+
+
 @pytest.mark.parametrize("value", ["abc", "-1", "inf", "nan"])
 def test_a_bad_upload_cap_is_refused_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", value)
@@ -517,3 +570,31 @@ def test_the_upload_cap_defaults_to_none_and_takes_bytes_per_second(monkeypatch)
     assert F.send_rate_cap() == 0
     monkeypatch.setenv("DIFFUSE_FILES_SEND_RATE", str(4 << 20))
     assert F.FileServer().send_rate == 4 << 20
+
+
+def test_json_progress_is_one_object_a_line_with_its_event_and_a_failure_is_told_too(capsys, monkeypatch, tmp_path):
+    """`join / ask --from-swarm --json`: progress at most once a second and once at the end, then
+    `done`; a fetch that fails says why in a `failed` line before the error goes up."""
+    from diffuse.client import from_swarm
+    from diffuse.control.node import NodeConfig
+
+    clock = iter(float(t) for t in range(100, 200))
+    monkeypatch.setattr(from_swarm.time, "monotonic", lambda: next(clock))
+    said: list[str] = []
+    progress = from_swarm.Progress(said.append, as_json=True)
+    progress.event("manifest", model="m", manifest_sha256="a" * 64)
+    progress.expect(300)
+    for _ in range(3):
+        progress.add(100)
+    progress.finish()
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
+    assert [x["event"] for x in lines] == ["manifest", "progress", "progress", "progress", "progress"]
+    assert lines[-1] == {"event": "progress", "fetched_bytes": 300, "of_bytes": 300, "bytes_per_s": 75, "eta_s": 0}
+    assert not said  # no text progress beside the JSON lines
+
+    monkeypatch.undo()
+    want = from_swarm.Wanted(model="nothing-here", wait=0.1, json_progress=True)
+    with pytest.raises(DiffuseError, match="no peer announces nothing-here"):
+        trio.run(from_swarm.from_swarm, tmp_path, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), want, said.append)
+    failed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert failed == [{"event": "failed", "error": failed[0]["error"]}] and "no peer announces" in failed[0]["error"]

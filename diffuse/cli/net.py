@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sentinel", help="run a DHT bootstrap node that serves no blocks")
     _node_args(p, listen_default="/ip4/0.0.0.0/tcp/31330")
     add_relay_options(p, default=True)
+    p.add_argument("--model-hash", action="append", default=[], metavar="MODEL=SHA256", help="the manifest (or "
+                   "model) hash this private swarm's nodes trust when they fetch MODEL from peers (repeatable)")
     p.set_defaults(func=cmd_sentinel)
     register_join(subparsers.add_parser("join", help="serve blocks of a model and announce them"))
     _register_status(subparsers.add_parser("status", help="which peers serve which blocks, per model"))
@@ -44,6 +46,7 @@ def register_join(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="with --blocks auto: how many blocks to serve")
     p.add_argument("--from-swarm", action="store_true", help="first fetch what the store lacks from peers, by hash")
     p.add_argument("--model-hash", metavar="SHA256", help="with --from-swarm: the manifest (or model) hash to trust")
+    p.add_argument("--json", dest="json_progress", action="store_true", help="with --from-swarm: JSON progress lines")
     p.add_argument("--max-memory", help="with --blocks auto: weight memory budget, e.g. 800MiB, 2GB")
     p.add_argument("--throughput", type=positive, help="tokens/s to announce (default: measured once loaded)")
     p.add_argument("--cache-tokens", type=int, default=65536, help="KV-cache tokens lent to all sessions together")
@@ -105,7 +108,6 @@ def _node_args(p: argparse.ArgumentParser, listen_default: str) -> None:
 
 def cmd_id(args: argparse.Namespace) -> int:
     from diffuse.control.identity import node_key, peer_id
-
     print(peer_id(node_key(args.identity, args.home)).to_base58())
     return 0
 
@@ -115,14 +117,12 @@ def cmd_sentinel(args: argparse.Namespace) -> int:
     from diffuse.control.identity import node_key
     from diffuse.peer.sentinel import SentinelConfig, serve_sentinel
     from diffuse.peer.signals import until_signal
-
     key_pair = node_key(args.identity, args.home, hold=True)
-    listen = _listen(args)
     access = swarm_access(args, create=True)
     if access.created:
         _say(f"no swarm key given: made one for a new private swarm at {access.key_path}; every node that joins "
              "needs a copy (`diffuse swarm new --help` says how to share it), or run --mode public")
-    config = SentinelConfig(access, listen, boot, args.announce, args.relay, bool(args.mdns), args.metrics)
+    config = from_args(SentinelConfig, args, access=access, listen=_listen(args), bootstrap=boot, mdns=bool(args.mdns))
     trio_run(until_signal, lambda: serve_sentinel(key_pair, config, lambda a: print(a, flush=True), _say))
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 import sys
 import tempfile
@@ -29,11 +28,13 @@ from diffuse.control.coverage import coverage
 from diffuse.control.dial import connect, connected, open_stream
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, NodeConfig, open_node
+from diffuse.control import pins
 from diffuse.control.placement import choose_span, requested_blocks
 from diffuse.control.records import PeerRecord
 from diffuse.data.fetcher import Fetcher
 from diffuse.data.files import PROTOCOL_ID
-from diffuse.errors import DiffuseError, FetchError, ModelError
+from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA, announced, checked
+from diffuse.errors import DiffuseError, FetchError, ModelError, first_leaf
 from diffuse.home import DEFAULT_MODEL, models_dir
 from diffuse.model import blockfiles
 from diffuse.model.config import ModelConfig
@@ -43,16 +44,9 @@ from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
-MAX_MANIFEST = 1 << 20
-MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
-MAX_BLOCK, MAX_LAYERS = 1 << 38, 4096  # canonical bytes of one block or the head; blocks of a model
 # Distinct manifests fetched to compare (the most announced first), and the time for all of them:
 # announcing many manifests, or serving one slowly, cannot hold a join up for long.
 MAX_MANIFESTS, MANIFESTS_TIMEOUT_S = 8, 120.0
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py, client/survey.py)
-BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
 
 
 @dataclass(frozen=True)
@@ -73,37 +67,68 @@ class Wanted:
 
 
 async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> tuple[str, tuple[int, int]]:
-    """Fetch what `want` needs into the store; returns the model's store name and its span."""
+    """Fetch what `want` needs into the store; returns the model's store name and its span. With
+    `want.json_progress`, what happens is told in JSON lines too (Progress), a failure included;
+    a DiffuseError comes out of the node's nurseries bare, for the command line to print."""
+    progress = Progress(say, want.json_progress)
+    try:
+        return await _from_swarm(home, node_config, want, progress)
+    except Exception as e:
+        leaf = _leaf(e)
+        progress.event("failed", error=str(leaf))
+        if isinstance(leaf, DiffuseError) and leaf is not e:
+            raise leaf from None
+        raise
+
+
+async def _from_swarm(home: Path, node_config: NodeConfig, want: Wanted,
+                      progress: "Progress") -> tuple[str, tuple[int, int]]:
     config = replace(node_config, listen=["/ip4/0.0.0.0/tcp/0"], server=False, announce_addrs=(), relay=False,
                      upnp=False, reach_check=False)
     async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
         records = await _records(node, want)
-        progress = Progress(say, want.json_progress)
         fetcher = Fetcher(_opener(node, records), on_bytes=progress.add)
         try:
-            model_dir, manifest, sha = await _manifest(home, fetcher, records, want.model_hash, say)
+            trust = await _trusted(node, config, want, records[0].model)
+            model_dir, manifest, sha = await _manifest(home, fetcher, records, trust, progress)
             sources = [r.peer_id for r in records
                        if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
             await _files(fetcher, model_dir, manifest, sources)
-            if want.local is not None:
-                front, back = want.local
-                span, blocks = (0, 0), [*range(min(front, manifest.num_layers)),
-                                        *range(max(front, manifest.num_layers - back), manifest.num_layers)]
-            else:
-                span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory,
-                                                ModelConfig.load(model_dir), manifest.dtype)
-                span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
-                                                    expected_hashes=manifest.block_hashes).replicas, length)
-                blocks = list(range(*span))
+            span, blocks = _span(want, model_dir, manifest, records)
             await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
             progress.finish()
             by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
             held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
-            say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
-                f"{' from ' + by if by else ''}{_banned(fetcher)})")
+            progress.say(f"{model_dir.name}: {held} in the store ({fetcher.stats.received / 2**20:.1f} MiB fetched"
+                         f"{' from ' + by if by else ''}{_banned(fetcher)})")
+            progress.event("done", model=model_dir.name, blocks=blocks, head=want.head,
+                           fetched_bytes=fetcher.stats.received, by_peer=dict(fetcher.stats.by_peer),
+                           banned=dict(fetcher.banned))
             return model_dir.name, span
         finally:
             await fetcher.close()  # the streams kept between files
+
+
+def _span(want: Wanted, model_dir: Path, manifest: Manifest,
+          records: list[PeerRecord]) -> tuple[tuple[int, int], list[int]]:
+    """The span to serve ((0, 0) for a client) and the blocks to hold."""
+    if want.local is not None:
+        front, back = want.local
+        return (0, 0), [*range(min(front, manifest.num_layers)),
+                        *range(max(front, manifest.num_layers - back), manifest.num_layers)]
+    span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory, ModelConfig.load(model_dir),
+                                    manifest.dtype)
+    span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
+                                        expected_hashes=manifest.block_hashes).replicas, length)
+    return span, list(range(*span))
+
+
+def _leaf(e: BaseException) -> BaseException:
+    """The error to tell: the first DiffuseError in a nursery's group, else the first error."""
+    if isinstance(e, BaseExceptionGroup):
+        mine, _ = e.split(DiffuseError)
+        return first_leaf(mine if mine is not None else e)
+    return e
 
 
 def for_join(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> dict:
@@ -139,7 +164,7 @@ async def _records(node: Node, want: Wanted) -> list[PeerRecord]:
             found = await node.records(want.model)
         else:
             found = [r for pid in node.known_peers() if (r := await node.peer_record(pid)) is not None]
-        found = [r for r in found if r.online and isinstance(r.extra.get(MANIFEST_SHA), str)]
+        found = [r for r in found if r.online and announced(r) is not None]
         if want.model is None:
             found = [r for r in found if r.model == DEFAULT_MODEL]
         if (found and settled) or trio.current_time() >= deadline:
@@ -174,21 +199,39 @@ def _opener(node: Node, records: list[PeerRecord]):
     return open_files
 
 
-async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], trusted: str | None,
-                    say: Say) -> tuple[Path, Manifest, str]:
+async def _trusted(node: Node, config: NodeConfig, want: Wanted, model: str) -> tuple[str | None, str]:
+    """The hash to trust and who vouches for it: the operator's (--model-hash); else, in a private
+    swarm, the one its sentinels pin (those it bootstraps from: control/pins.py); else none."""
+    if want.model_hash:
+        return want.model_hash.strip().lower(), "--model-hash"
+    if config.swarm_key is None or not config.bootstrap:
+        return None, ""
+    found = await pins.read(node, pins.bootstrap_ids(config.bootstrap), model)
+    if len(set(found.values())) > 1:
+        raise DiffuseError(f"the sentinels pin different manifests for {model}: "
+                           f"{'; '.join(f'{h} by {s}' for s, h in found.items())}; give the one to trust with "
+                           "--model-hash (and correct the sentinels' --model-hash)")
+    return (next(iter(found.values())), f"the sentinel pin of {', '.join(found)}") if found else (None, "")
+
+
+async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], trust: tuple[str | None, str],
+                    progress: "Progress") -> tuple[Path, Manifest, str]:
     """The manifest to trust (section of the module docstring), in the store; its directory and hash."""
     groups: dict[tuple[str, int], list[str]] = {}
-    trusted = trusted.strip().lower() if trusted else None
+    trusted, by = trust
     for r in records:
-        sha, size = r.extra.get(MANIFEST_SHA), r.extra.get(MANIFEST_BYTES)
-        if isinstance(sha, str) and _HEX64.fullmatch(sha) and type(size) is int and 0 < size <= MAX_MANIFEST:
-            groups.setdefault((sha, size), []).append(r.peer_id)
+        if (manifest := announced(r)) is not None:
+            groups.setdefault(manifest, []).append(r.peer_id)
     if not groups:
         raise DiffuseError("the peers announce no manifest this node can fetch")
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
-        groups = {k: p for k, p in groups.items() if k[0] == trusted} or groups  # the operator's, if announced
+        chosen = {k: p for k, p in groups.items() if k[0] == trusted}  # the trusted one, if announced
+        if chosen and len(chosen) < len(groups):
+            log.warning("peers announcing other manifests than %s (%s) are not used: %s", trusted, by,
+                        _listing({}, {k: p for k, p in groups.items() if k[0] != trusted}))
+        groups = chosen or groups
         found = await _fetch_manifests(fetcher, groups, Path(tmp), records[0].model)
-        sha = _choose(found, groups, trusted)
+        sha = _choose(found, groups, trusted, by)
         manifest, where = found[sha]
         dest = models_dir(home) / manifest.model_id
         if (dest / MANIFEST).is_file():
@@ -200,8 +243,11 @@ async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], tru
             _mkdir(dest)
             shutil.copyfile(where / MANIFEST, dest / f".{MANIFEST}.tmp")
             (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)
-        say(f"{manifest.model_id}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced by "
-            f"{sum(len(p) for (s, _), p in groups.items() if s == sha)} peer(s)")
+        announcers = [p for (s, _), ps in groups.items() if s == sha for p in ps]
+        progress.say(f"{manifest.model_id}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced "
+                     f"by {len(announcers)} peer(s){', trusted by ' + by if by else ''}")
+        progress.event("manifest", model=manifest.model_id, manifest_sha256=sha, model_hash=manifest.model_hash,
+                       announcers=announcers, trusted_by=by or "the announcers' agreement")
         return dest, manifest, sha
 
 
@@ -216,7 +262,7 @@ async def _fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[
             where = tmp / sha
             try:
                 await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (_checked(where, model), where)
+                found[sha] = (checked(where, model), where)
             except (FetchError, ModelError) as e:
                 log.warning("manifest %s refused: %s", sha, e)
     if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
@@ -231,12 +277,14 @@ def _mkdir(path: Path) -> Path:
 
 
 def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]],
-            trusted: str | None) -> str:
-    """The manifest hash to use: the operator's (its SHA-256 or model hash), else the only one."""
+            trusted: str | None, by: str = "--model-hash") -> str:
+    """The manifest hash to use: the trusted one (its SHA-256 or model hash; `by` says whose),
+    else the only one announced."""
     if trusted:
         hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
         if not hit:
-            raise DiffuseError(f"no peer serves a manifest with hash {trusted}; announced: {_listing(found, groups)}")
+            raise DiffuseError(f"no peer serves a manifest with hash {trusted} ({by}); announced: "
+                               f"{_listing(found, groups)}")
         if len(hit) > 1:  # the model hash covers blocks and head only, not config or tokenizer
             hits = {k: p for k, p in groups.items() if k[0] in hit}
             raise DiffuseError(f"{len(hit)} different manifests have model hash {trusted}: {_listing(found, hits)}; "
@@ -251,46 +299,6 @@ def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int
 def _listing(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]]) -> str:
     return "; ".join(f"{sha} (model hash {found[sha][0].model_hash if sha in found else 'unreadable'}) by "
                      f"{', '.join(peers)}" for (sha, _), peers in groups.items())
-
-
-def _checked(where: Path, model: str) -> Manifest:
-    """A fetched manifest that can say what to fetch: format 2, of `model`, its names safe, every
-    hash 64 lowercase hex digits (one becomes part of a file name), every size an integer in bounds."""
-    m = load_manifest(where)
-    if m.model_id != model or not isinstance(m.model_id, str) or not _NAME.fullmatch(m.model_id) \
-            or m.quant != "none":
-        raise ModelError(f"not a manifest of {model} (format 2 of an unquantized model)")
-    _check_counts(m)
-    hashes = [("head_hash", m.head_hash), *((f"block_hashes[{i}]", h) for i, h in enumerate(m.block_hashes))]
-    for field, value in hashes:
-        if not isinstance(value, str) or not _HEX64.fullmatch(value):
-            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not 64 lowercase hex digits")
-    for field, value, least in [("head_size", m.head_size, 0),
-                                *((f"block_sizes[{i}]", n, 1) for i, n in enumerate(m.block_sizes))]:
-        if type(value) is not int or not least <= value <= MAX_BLOCK:
-            raise ModelError(f"the manifest's {field} is {str(value)[:80]!r}, not an integer "
-                             f"from {least} to {MAX_BLOCK}")
-    for name, entry in m.files.items():
-        if not _NAME.fullmatch(name) or name.endswith(".safetensors") or name in blockfiles.NOT_FILES \
-                or not isinstance(entry, list) or len(entry) != 2 or type(entry[0]) is not int \
-                or not 0 < entry[0] <= MAX_FILE or not isinstance(entry[1], str) or not _HEX64.fullmatch(entry[1]):
-            raise ModelError(f"the manifest lists file {str(name)[:80]!r} as {str(entry)[:200]}")
-    if "config.json" not in m.files:
-        raise ModelError("the manifest lists no config.json")
-    return m
-
-
-def _check_counts(m: Manifest) -> None:
-    """num_layers an integer in bounds, one hash and one size per block, `files` a mapping."""
-    if type(m.num_layers) is not int or not 0 < m.num_layers <= MAX_LAYERS:
-        raise ModelError(f"the manifest's num_layers is {str(m.num_layers)[:80]!r}, not an integer "
-                         f"from 1 to {MAX_LAYERS}")
-    for field in ("block_hashes", "block_sizes"):
-        value = getattr(m, field)
-        if not isinstance(value, list) or len(value) != m.num_layers:
-            raise ModelError(f"the manifest's {field} is not a list of {m.num_layers} entries (one per block)")
-    if not isinstance(m.files, dict):
-        raise ModelError("the manifest's files is not a mapping of names to [size, sha256]")
 
 
 async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources: list[str]) -> None:
@@ -328,7 +336,9 @@ async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records
 
 class Progress:
     """Bytes fetched, rate and time left: a bar redrawn on stderr where it is a terminal, else a
-    line on `say` at most once a second, or (`as_json`) a JSON object per line on stderr."""
+    line on `say` at most once a second; or (`as_json`) JSON objects, one per line on stderr, each
+    with its `event`: `manifest` (the one trusted), `progress` (at most once a second, and once
+    at the end), `done` (what came from whom, who was banned), `failed` (why)."""
 
     def __init__(self, say: Say, as_json: bool = False) -> None:
         self.say, self.as_json, self.bar = say, as_json, not as_json and sys.stderr.isatty()
@@ -336,6 +346,11 @@ class Progress:
 
     def expect(self, goal: int) -> None:
         self.base, self.goal, self.start = self.total, self.total + goal, time.monotonic()
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """With `as_json`: {"event": kind, **fields} as a line on stderr."""
+        if self.as_json:
+            print(json.dumps({"event": kind, **fields}), file=sys.stderr, flush=True)
 
     def add(self, n: int) -> None:
         self.total += n
@@ -346,8 +361,8 @@ class Progress:
         rate = (self.total - self.base) / max(now - self.start, 1e-6)
         left = max(self.goal - self.total, 0) / max(rate, 1.0)
         if self.as_json:
-            print(json.dumps({"fetched_bytes": self.total, "of_bytes": self.goal, "bytes_per_s": round(rate),
-                              "eta_s": round(left, 1)}), file=sys.stderr, flush=True)
+            self.event("progress", fetched_bytes=self.total, of_bytes=self.goal, bytes_per_s=round(rate),
+                       eta_s=round(left, 1))
             return
         text = f"{self.total / 2**20:.1f} of {self.goal / 2**20:.1f} MiB, {rate / 2**20:.1f} MiB/s, {left:.0f} s left"
         if self.bar:
@@ -358,9 +373,9 @@ class Progress:
             self.say(f"fetched {text}")
 
     def finish(self) -> None:
-        """The bar's last state, and its line ended."""
-        if self.bar and self.goal and self.last:
+        """The last state: the bar's, its line ended; as JSON, a last progress line."""
+        if (self.bar or self.as_json) and self.goal and self.last:
             self.last = 0.0
             self.add(0)
-            if self.total < self.goal:
+            if self.bar and self.total < self.goal:
                 print(file=sys.stderr)

@@ -8,7 +8,6 @@ running peer, and nothing links two of a user's queries.
 from __future__ import annotations
 
 import logging
-import re
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from typing import Any, Mapping
 
 import trio
 
+from diffuse.client import manifests
 from diffuse.client.accept import NotHere, accepted_hashes, explain
 from diffuse.client.swarm_backend import SwarmConfig
 from diffuse.control.coverage import Coverage, coverage, format_text
@@ -30,9 +30,6 @@ from diffuse.model.weights import MANIFEST, Manifest, load_manifest
 from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
-MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # what peer/offer.py announces
-MAX_MANIFEST = 1 << 20  # bytes: ~10k blocks' hashes
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 MDNS_WAIT_S = 5.0  # with no bootstrap peer: how long the LAN gets to answer
 EVIDENCE_WAIT_S = 5.0  # per peer: how long its published evidence may take to read
@@ -150,26 +147,22 @@ def report(found: Survey, swarm: SwarmConfig) -> tuple[str, dict[str, Any]]:
 
 async def swarm_manifests(node: Node) -> list[Manifest]:
     """With no model at hand: each model the swarm's peers serve, by the manifest their records
-    announce (ext manifest_sha256 / manifest_bytes), fetched from them and checked against that hash."""
+    announce (ext manifest_sha256 / manifest_bytes), fetched from them, checked against that hash
+    and then as `--from-swarm` checks it (client/manifests.py)."""
     found: dict[str, Manifest] = {}
     with tempfile.TemporaryDirectory(prefix="diffuse-manifests-") as tmp:
         for pid in node.known_peers():
             record = await node.peer_record(pid)
-            sha, size = (record.extra.get(MANIFEST_SHA), record.extra.get(MANIFEST_BYTES)) if record else (None, 0)
-            if record is None or record.model in found or not isinstance(sha, str) or not _HEX64.fullmatch(sha) \
-                    or isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_MANIFEST:
+            if record is None or record.model in found or (announce := manifests.announced(record)) is None:
                 continue
+            sha, size = announce
             where = Path(tmp) / sha
             where.mkdir(exist_ok=True)
             try:
-                await files.fetch(node.host, pid, sha, size, where / MANIFEST, MAX_MANIFEST, record.addrs)
-                manifest = load_manifest(where)
-                if manifest.model_id != record.model or len(manifest.block_hashes) != manifest.num_layers:
-                    raise ModelError(f"its manifest is not one of {record.model}")
-            except (FetchError, ModelError, TypeError, ValueError) as e:  # Type/ValueError: a malformed one
+                await files.fetch(node.host, pid, sha, size, where / MANIFEST, manifests.MAX_MANIFEST, record.addrs)
+                found[record.model] = manifests.checked(where, record.model, to_fetch=False)
+            except (FetchError, ModelError) as e:
                 log.warning("no manifest from peer %s: %s", pid, e)
-                continue
-            found[record.model] = manifest
     return list(found.values())
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import trio
 
 from diffuse.data.files import MIN_RATE, MIN_TRANSFER_S, STALL_TIMEOUT_S, Busy, Held, Slow, Smaller, \
-    get_range, sha256_file, transfer_limit
+    get_range, transfer_limit
 from diffuse.data.crew import START_WIDTH, Crew
 from diffuse.data.stream import ByteStream
 from diffuse.errors import FetchError
@@ -121,7 +121,7 @@ class Fetcher:
             job = _Job(self, fd, sha256, size, what, sent, notes)
             piece = _piece(self.piece, size, len(sources) * self.per_source)
             await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
-            await job.check(sources, tmp)
+            await job.check(sources)
             os.replace(tmp, dest)
         finally:
             os.close(fd)
@@ -353,38 +353,108 @@ class _Job:
             self.digest.update(view[:n])
             self.hashed += n
 
-    async def check(self, sources: Sequence[str], tmp: Path) -> None:
-        """Size, then hash; on a wrong hash find the sender that lied, ban it, refetch its ranges."""
+    async def check(self, sources: Sequence[str]) -> None:
+        """Size, then hash. On a wrong hash find who lied and ban them, never an honest sender:
+        first by replacing one sender's ranges at a time with the others' bytes; where that cannot
+        tell (two liars can each spoil the other's replacement), by fetching the whole file from
+        one source alone: a wrong hash then proves that source lied, a right one is the file, and
+        every sender whose ranges differ from it is banned."""
         if os.fstat(self.fd).st_size != self.size or sum(n for n, _ in self.sent.values()) < self.size:
             raise FetchError(f"{self.what}: the transfer ended short of its {self.size} bytes")
         await self.hash_ahead()
-        got = self.digest.hexdigest()
+        if self.digest.hexdigest() == self.sha:
+            return
+        wrong: list[dict[int, tuple[int, str, str]]] = []  # each wrong state's ranges: (length, sender, sha256)
+        if not await self._replace_senders(sources, wrong):
+            await self._one_alone(sources, wrong)
+
+    async def _replace_senders(self, sources: Sequence[str], wrong: list) -> bool:
+        """Replace the ranges of one sender at a time (the unproven, then the largest, first) until
+        the hash is right (that sender is banned: True) or every sender was tried (False)."""
         tried: set[str] = set()
-        while got != self.sha:
+        suspect = None
+        while True:
+            got, ranges = await trio.to_thread.run_sync(self._digests)
+            if got == self.sha:
+                if suspect not in (None, EARLIER) and suspect not in self.f.banned:
+                    await self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, "
+                                              "and theirs hash right")
+                return True
+            wrong.append(ranges)
             everyone = {p for _, p in self.sent.values()}
             senders = sorted(everyone - tried, key=lambda p: (p != EARLIER, -sum(n for n, q in self.sent.values()
-                                                                                  if q == p)))  # the unproven first
+                                                                                  if q == p)))
             if not senders:
-                self.hopeless = True
-                banned = ", ".join(p for p in sorted(tried) if p in self.f.banned) or "none"
-                raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} (each sender's bytes "
-                                 f"replaced in turn: {', '.join(sorted(tried))}; banned: {banned})")
+                return False
             suspect = senders[0]
             tried.add(suspect)
             if len(everyone) == 1 and suspect != EARLIER:  # it alone sent the bytes: it is the liar
                 await self.f.ban(suspect, f"sent {self.what} hashing to {got[:16]}…, not {self.sha[:16]}…")
-            ranges = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
-            for o, _ in ranges:
+            redo = [(o, n) for o, (n, p) in self.sent.items() if p == suspect]
+            for o, _ in redo:
                 del self.sent[o]
             self.note()
             try:
-                await self.fill(ranges, [p for p in sources if p != suspect])
+                await self.fill(redo, [p for p in sources if p != suspect])
             except FetchError as e:
                 self.hopeless = not self.sent  # what others sent stays, noted, for a later run
                 raise FetchError(f"{self.what}: peer {suspect} sent bytes that hash to {got}, not {self.sha}, "
                                  f"and no other source could send them ({e})") from None
-            if (got := await trio.to_thread.run_sync(sha256_file, tmp)) == self.sha:
-                if suspect != EARLIER:
-                    await self.f.ban(suspect, f"sent bytes of {self.what} that others sent otherwise, "
-                                              "and theirs hash right")
+
+    async def _one_alone(self, sources: Sequence[str], wrong: list) -> None:
+        """The whole file from one source at a time, until one's hashes right; each whose bytes do
+        not is banned, and so is every earlier sender whose ranges differ from the right file."""
+        piece = _piece(self.f.piece, self.size, self.f.per_source)
+        for peer in [p for p in dict.fromkeys(sources) if p not in self.f.banned]:
+            self.sent.clear()
+            try:
+                await self.fill([(o, min(piece, self.size - o)) for o in range(0, self.size, piece)], [peer])
+            except FetchError as e:
+                self.errors[peer] = str(e)
+                continue
+            got, _ = await trio.to_thread.run_sync(self._digests)
+            if got != self.sha:
+                await self.f.ban(peer, f"sent all of {self.what} alone, hashing to {got[:16]}…, not {self.sha[:16]}…")
+                continue
+            for ranges in wrong:
+                for o, (n, sender, digest) in ranges.items():
+                    if sender != EARLIER and sender not in self.f.banned and self._range_sha(o, n) != digest:
+                        await self.f.ban(sender, f"sent bytes of {self.what} that differ from the file that hashes "
+                                                 f"right (from {peer} alone)")
+            return
+        self.hopeless = True
+        banned = ", ".join(p for p in dict.fromkeys(sources) if p in self.f.banned) or "none"
+        raise FetchError(f"{self.what}: no source sent bytes that hash to {self.sha} (each sender's bytes replaced "
+                         f"in turn, then each source alone; banned: {banned})")
+
+    def _digests(self) -> tuple[str, dict[int, tuple[int, str, str]]]:
+        """The file's SHA-256 and, in the same read, each received range's: (length, sender, sha256)."""
+        whole, out, at = hashlib.sha256(), {}, 0
+        for o, (n, sender) in sorted(self.sent.items()):
+            one = hashlib.sha256()
+            for chunk in self._read(o, n):
+                one.update(chunk)
+                if o == at:  # the ranges tile the file (else hashed whole below)
+                    whole.update(chunk)
+            at = o + n if o == at else -1
+            out[o] = (n, sender, one.hexdigest())
+        if at != self.size:
+            whole = hashlib.sha256()
+            for chunk in self._read(0, self.size):
+                whole.update(chunk)
+        return whole.hexdigest(), out
+
+    def _range_sha(self, offset: int, length: int) -> str:
+        one = hashlib.sha256()
+        for chunk in self._read(offset, length):
+            one.update(chunk)
+        return one.hexdigest()
+
+    def _read(self, offset: int, length: int):
+        """[offset, offset + length) of the file, a MiB at a time (memory stays bounded)."""
+        view = memoryview(bytearray(1 << 20))
+        for at in range(offset, offset + length, len(view)):
+            k = os.preadv(self.fd, [view[:min(len(view), offset + length - at)]], at)
+            if k <= 0:
                 return
+            yield view[:k]

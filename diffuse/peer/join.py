@@ -66,6 +66,7 @@ class JoinConfig:
     metrics: str | None = None
     from_swarm: bool = False  # first fetch what the store lacks from the peers (client/from_swarm.py)
     model_hash: str | None = None  # with from_swarm: the manifest (or model) hash to trust
+    json_progress: bool = False  # with from_swarm: its progress as JSON lines on stderr (from_swarm.Progress)
 
 
 class Peer:
@@ -243,7 +244,7 @@ def fetched_first(config: JoinConfig, say: Say) -> JoinConfig:
         raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
                            "from every block of its source: serve the span unquantized, or pull the whole model")
     want = from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks, max_memory=config.max_memory,
-                             model_hash=config.model_hash)
+                             model_hash=config.model_hash, json_progress=config.json_progress)
     return dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(config.home, config.node, want, say))
 
 

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from diffuse.client.from_swarm import BLOCK_FILES, MANIFEST_BYTES, MANIFEST_SHA
+from diffuse.client.manifests import BLOCK_FILES, MANIFEST_BYTES, MANIFEST_SHA
 from diffuse.data.files import FileServer
 from diffuse.model import blockfiles
 from diffuse.model.weights import MANIFEST, ModelFiles

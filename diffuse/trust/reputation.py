@@ -27,6 +27,7 @@ from msgspec import Meta
 
 from diffuse.control.identity import KeyPair, peer_id_bytes, peer_id_from_bytes
 from diffuse.control.node import Node
+from diffuse.control.pins import PIN_SETS, PINS_PREFIX
 from diffuse.control.records import NAMESPACE, SetCodec, SetCodecs, tag
 from diffuse.control.signed import check_signature, decode_payload, decode_signed_set, sign_payload
 from diffuse.data.commitments import MerkleTree, Opening, StepBinding, chunks_of_token
@@ -280,8 +281,9 @@ EVIDENCE_SETS: SetCodec[SignedEvidence] = SetCodec(decode_set, merge_set, encode
 
 
 def swarm_codecs() -> SetCodecs:
-    """What a node of a swarm whose clients publish evidence stores: peer records and evidence."""
-    return SetCodecs({EVIDENCE_PREFIX: EVIDENCE_SETS})
+    """What a node of a swarm whose clients publish evidence stores: peer records, evidence and
+    the sentinels' pins (control/pins.py)."""
+    return SetCodecs({EVIDENCE_PREFIX: EVIDENCE_SETS, PINS_PREFIX: PIN_SETS})
 
 
 async def publish(node: Node, evidence: SignedEvidence) -> int:
