@@ -1,4 +1,4 @@
-"""A chained hop's link to the next peer of its route (protocol 1.2, protocols/inference.md section 13).
+"""A chained hop's link to the next peer of its route (protocols 1.2-1.3, protocols/inference.md section 13).
 
 A client that opens a session with CHAIN_TO_RECORD names where the hop's outputs go: the next
 hop's peer, the session the client opened there (which in turn names this peer in CHAIN_FROM) and
