@@ -3,17 +3,18 @@
 the time to recover from a SIGKILLed peer, from one run, in a private and a public swarm.
 
     .venv/bin/python scripts/bench_swarm.py [--tokens 64] [--repeats 3] [--kills 3] [--dtype bf16]
-                                            [--mode private --mode public]
+                                            [--mode private --mode public] [--trust mode|off]
 
 Per swarm, a sentinel and seven `diffuse join` processes start on 127.0.0.1: one peer with every block
 (1 hop), two with 15 each (2 hops), three with 10 each (3 hops), and a replica of the second
 2-hop span. The client runs in this process with `local_blocks=(0, 0)`: it keeps embeddings,
 final norm and LM head, and the hops run every block. Each path's sessions are routed only over
-its own peers, and the trust plane is off (this measures the data plane; the trust plane's
-overhead is measured by its own script). Repeats alternate the in-process engine (same model, same dtype, same head) and
-the three paths, so machine noise hits all alike; each cell is the median over repeats of
-decode tokens/s (first to last generated token; prefill excluded). Greedy tokens must be
-identical on every path; the script says so.
+its own peers (chained: the route shape's default, auto), and the client checks them as `ask`
+does in that swarm's mode (--trust mode, the default: private or public; --trust off measures
+the data plane alone, bench_trust.py the trust plane's overhead). Repeats alternate the in-process
+engine (same model, same dtype, same head) and the three paths, so machine noise hits all alike;
+each cell is the median over repeats of decode tokens/s (first to last generated token; prefill
+excluded). Greedy tokens must be identical on every path; the script says so.
 
 Recovery: generations over the 2-hop peers plus the replica; after a chosen token the peer on
 the route for the replicated span is SIGKILLed (and reaped), so the next step fails over: ban,
@@ -54,6 +55,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair  # noqa: E402
 from diffuse.client.local import open_local  # noqa: E402
 from diffuse.client.pipeline import Pipeline  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
+from diffuse.client.swarm_backend import trust_options  # noqa: E402
 from diffuse.control.modes import MODES  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.control.routing import Hop  # noqa: E402
@@ -63,6 +65,8 @@ from diffuse.home import data_home  # noqa: E402
 from diffuse.model import store  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from diffuse.trust import reputation  # noqa: E402
+from diffuse.trust.checked import SessionChecks  # noqa: E402
 from support.swarm import LOCAL, PATHS, PROMPT, REPLICA, Peers, decode, decode_tps  # noqa: E402
 
 TARGETS = {"1 hop": 0.9, "3 hops": 0.75}
@@ -98,8 +102,13 @@ class Side:
                 self.spent["route"] += time.perf_counter() - t0
 
         c = self.client
+        checks = SessionChecks(c.guard) if c.guard is not None else None
         return RemoteSpan(c.model_id, 0, c.cfg.num_layers, self.dial, route, c.bans, max_len,
-                          dtype=c.opts.wire_dtype, timeout=c.opts.step_timeout)
+                          dtype=c.opts.wire_dtype, timeout=c.opts.step_timeout, checks=checks)
+
+    def pipeline(self, span: RemoteSpan) -> Pipeline:
+        """`span` behind the head, its checks (when the client checks) run behind the answer."""
+        return Pipeline(self.client.head, [span], behind=span.checks if self.client.guard is not None else None)
 
     async def round_trips(self, name: str, n: int) -> list[float]:
         """Seconds of `n` PING/PONG round trips to peer `name` on one inference stream."""
@@ -121,7 +130,7 @@ class Side:
         span = self.remote(set(PATHS[path]), max_len)
         await self.client.records()  # as SwarmClient.session does: fresh records for the route
         await span.open()
-        return Pipeline(self.client.head, [span])
+        return self.pipeline(span)
 
 
 async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
@@ -136,9 +145,11 @@ async def bench(args, home: Path, swarms: dict[str, Peers]) -> None:
         for mode, peers in swarms.items():
             node = await stack.enter_async_context(open_node(create_new_key_pair(),
                                                              NodeConfig(listen=[LOCAL], bootstrap=[peers.boot],
-                                                                        server=False, swarm_key=peers.swarm_key)))
+                                                                        server=False, swarm_key=peers.swarm_key),
+                                                             codecs=reputation.swarm_codecs()))
+            trust = trust_options(mode if args.trust == "mode" else "off")
             side = sides[mode] = Side(peers, SwarmClient(node, model_dir, SwarmOptions(
-                local_blocks=(0, 0), dtype=dtype, trust=None)))
+                local_blocks=(0, 0), dtype=dtype, trust=trust)))
             with trio.fail_after(120):
                 while not side.everyone <= {r.peer_id for r in await side.client.records()}:
                     await trio.sleep(0.5)
@@ -190,7 +201,7 @@ async def recover(args, side: Side, group: set[str], k: int, prompt: list[int], 
             died.append(time.perf_counter())
             side.spent.update(route=0.0, dial=0.0)
 
-    ids, stamps = await decode(Pipeline(client.head, [span]), prompt, args.tokens, on_token)
+    ids, stamps = await decode(side.pipeline(span), prompt, args.tokens, on_token)
     normal = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
     record = span.stats.failovers[0] if span.stats.failovers else {}
     result = {"kill_at": kill_at, "victim": victim, "same": tuple(ids) in reference,
@@ -212,7 +223,7 @@ def report(args, tps: dict[tuple[str, str], list[float]], tokens: dict[tuple[str
     load = os.getloadavg()
     print(f"\nSmolLM2-135M {args.dtype}, greedy decode of {args.tokens} tokens after a "
           f"{PROMPT!r} prompt, median of {args.repeats} alternated repeats; client keeps embeddings "
-          f"and head, hops run all blocks; fp16 on the wire; trust plane off")
+          f"and head, hops run all blocks; fp16 on the wire; trust plane {args.trust}")
     print(f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} "
           f"PY_YAMUX_RELEASE_ON_READ={os.environ.get('PY_YAMUX_RELEASE_ON_READ', '0 (diffuse default)')} "
           f"DIFFUSE_QUICK_IO={os.environ.get('DIFFUSE_QUICK_IO', '1 (diffuse default)')}")
@@ -264,6 +275,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--trust", default="mode", choices=["mode", "off"],
+                    help="mode: the client checks as `ask` does in each swarm's mode (default); off: no checks")
     ap.add_argument("--mode", action="append", choices=MODES,
                     help="a swarm in this mode (repeatable; default: one private and one public, alternated)")
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Chain against star routes with the client far from peers that are near each other.
 
-    sudo .venv/bin/python scripts/bench_wan.py [--rtt-ms 80] [--tokens 32] [--repeats 2] [--trust off]
+    sudo .venv/bin/python scripts/bench_wan.py [--rtt-ms 80] [--tokens 32] [--repeats 2] [--trust private off]
 
 Three network namespaces: the peers' (a sentinel and `diffuse join` peers for routes of 1, 2, 3
 and 4 peers over SmolLM2-135M, all at 10.98.0.1, so they reach each other directly), the client's,
@@ -12,7 +12,9 @@ none. Then, for each route length, a client process in the client's namespace de
 answer per shape (star: each hop's output comes back to the client; chain: hops forward to each
 other, protocol 1.2), plainly and speculating, alternating shapes, and the same from the peers'
 own namespace (0 ms: loopback). Prints tokens/s (decode, after the first token; the median of
---repeats), chain / star, and n peers / 1 peer, all measured in this one run.
+--repeats), chain / star, and n peers / 1 peer, all measured in this one run, for each --trust
+form in turn: by default "private", what `ask` checks with in this swarm (--mode private: canaries
+and spot checks, unpublished); "off" and "public" on request, each in tables of its own.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ async def one_answer(node, model_dir, tok, prompt, ids, n: int, spec: bool, shap
     from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
     from diffuse.client.swarm_backend import trust_options
 
-    client = SwarmClient(node, model_dir, SwarmOptions(route=shape, trust=trust_options(args.trust)))
+    client = SwarmClient(node, model_dir, SwarmOptions(route=shape, trust=trust_options(args.trust[0])))
     with trio.fail_after(120):
         while not await client.covered():
             await trio.sleep(0.25)
@@ -122,17 +124,17 @@ def measure(args) -> None:
     trio.run(run)
 
 
-def client_run(procs: Procs, wan: Wan, where: str, boot: str, ids: dict, args) -> list[dict]:
+def client_run(procs: Procs, wan: Wan, where: str, boot: str, ids: dict, args, trust: str) -> list[dict]:
     cmd = [*wan.prefix(where), sys.executable, str(Path(__file__).resolve()), "measure", "--boot", boot,
            "--ids", json.dumps(ids), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-           "--trust", args.trust, "--peers", *map(str, args.peers)]
+           "--trust", trust, "--peers", *map(str, args.peers)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=procs.env, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"the client in {where} failed:\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     if args.raw:
         with open(args.raw, "a") as f:
-            f.writelines(json.dumps({"where": where} | r) + "\n" for r in rows)
+            f.writelines(json.dumps({"where": where, "trust": trust} | r) + "\n" for r in rows)
     return rows
 
 
@@ -168,8 +170,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--peers", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--trust", default="off", choices=["public", "private", "off"],
-                    help="the client's trust plane (off by default: audits recompute on this machine's cores)")
+    ap.add_argument("--trust", nargs="+", default=["private"], choices=["public", "private", "off"],
+                    help="the client's trust plane, one run each (default: private, as `ask` in this private swarm)")
     ap.add_argument("--no-loopback", dest="loopback", action="store_false")
     ap.add_argument("--raw", help="append every answer's figures to this file (JSON lines)")
     ap.add_argument("--boot", help=argparse.SUPPRESS)
@@ -195,12 +197,13 @@ def main() -> int:
             relay = start_relay(wan, ports, args.rtt_ms)
             when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             print(f"{when}: {os.cpu_count()} cores (shared), {args.dtype} peers, SmolLM2-135M, {args.tokens} tokens, "
-                  f"median of {args.repeats}, trust {args.trust}")
-            table(f"client {args.rtt_ms:g} ms from the peers (relay), peers direct to each other",
-                  client_run(procs, wan, "client", boot, ids, args), args.peers)
-            if args.loopback:
-                table("loopback: the client in the peers' namespace (0 ms)",
-                      client_run(procs, wan, "peers", boot, ids, args), args.peers)
+                  f"median of {args.repeats}")
+            for trust in args.trust:
+                table(f"trust {trust}: client {args.rtt_ms:g} ms from the peers (relay), peers direct to each other",
+                      client_run(procs, wan, "client", boot, ids, args, trust), args.peers)
+                if args.loopback:
+                    table(f"trust {trust}: loopback, the client in the peers' namespace (0 ms)",
+                          client_run(procs, wan, "peers", boot, ids, args, trust), args.peers)
         finally:
             wan.close(procs, relay)
     return 0

@@ -9,6 +9,8 @@ attach to a session, an altered forward is caught, a dead hop is replaced.
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import trio
 import trio.testing
 
 from diffuse.client.pipeline import LocalStage, Pipeline
+from diffuse.data.chain import BadChainTarget
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import Attach, ErrorCode, ErrorMsg, FrameDecoder, encode
 from diffuse.model.load import load_head, load_span
@@ -39,9 +42,21 @@ class ChainSwarm(Swarm):
         self.cut: set[tuple[str, str]] = set()  # links (from, to) that fail while both peers live
         self.silent: set[tuple[str, str]] = set()  # links whose bytes vanish: writes succeed, nothing arrives
         self.stuck: set[tuple[str, str]] = set()  # links whose writes hang, past any cancellation
+        self.padding: dict[str, bytes] = {}  # name -> bytes that make its record that much larger
         for name, server in self.servers.items():
             server.dial = self._peer_dial(name)
             server.alter_forward = (alter or {}).get(name)
+            server.addrs_of = self._addrs_of  # these peers have names, not keys: tests/test_chain_records.py signs
+
+    async def route(self, start, end, exclude):
+        return [replace(h, signed=NS(payload=f"record of {h.peer_id}".encode() + self.padding.get(h.peer_id, b""),
+                                     signature=b"s" * 64)) for h in await super().route(start, end, exclude)]
+
+    def _addrs_of(self, down):
+        """The stand-in for signed_addrs: the record the route gave for that peer, or refused."""
+        if not down.record.startswith(f"record of {down.peer_id}".encode()):
+            raise BadChainTarget(f"not the record of {down.peer_id}")
+        return self.addrs.get(down.peer_id, ())
 
     def _peer_dial(self, me: str):
         async def dial(peer_id: str, addrs):
@@ -91,9 +106,10 @@ class Killable:
         await self.inner.write(data)
 
 
-async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None, addrs=None):
+async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None, addrs=None, padding=None):
     async with trio.open_nursery() as nursery:
         swarm = ChainSwarm(nursery, path, spans, alter)
+        swarm.padding.update(padding or {})
         swarm.kill_after.update(kill or {})
         swarm.addrs.update(addrs or {})
         remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
@@ -122,19 +138,19 @@ def test_chain_equals_star_and_the_client_sends_only_the_first_hop(tiny):
     assert not remote.stats.failovers and not remote.stats.links
 
 
-def test_a_next_peer_announcing_many_long_addresses_is_still_chained_to(tiny):
-    """c's record announces 16 addresses of 265 bytes: CHAIN_TO names only the first few, so b's
-    OPEN stays under a peer's limit before OPEN_OK (4096 bytes) and b is neither refused nor banned."""
-    from diffuse.data.client import CHAIN_TO_ADDRS, CHAIN_TO_BYTES
+def test_a_next_peer_whose_record_is_too_large_for_an_open_is_returned_through_the_client(tiny):
+    """c's record is larger than an OPEN may carry before OPEN_OK (4096 bytes): b's OPEN does not name
+    it, so b is neither refused nor banned and returns through the client; a names b's record whole."""
+    from diffuse.data.client import CHAIN_RECORD_BYTES
 
-    many = tuple(f"/dns4/{'x' * 240}{i:02}.example/tcp/{4000 + i}" for i in range(16))
-    out, remote, swarm, route = trio.run(lambda: chain_answer(tiny, SPANS, 4, "chain", addrs={"c": many}))
+    async def pad(swarm, remote):
+        pass
+
+    out, remote, _, route = trio.run(lambda: chain_answer(tiny, SPANS, 4, padding={"c": b"x" * CHAIN_RECORD_BYTES}))
     assert out == local_answer(tiny, PROMPT, 4)
-    assert [h["output"] for h in route] == ["peer", "peer", "client"]
-    assert not remote.stats.failovers and not remote.stats.links
-    named = remote.hops[1].downstream.addrs
-    assert named and named == many[:len(named)] and len(named) <= CHAIN_TO_ADDRS
-    assert sum(2 + len(a) for a in named) <= CHAIN_TO_BYTES
+    assert [h["output"] for h in route] == ["peer", "client", "client"]
+    assert remote.hops[1].downstream is None and "small enough" in route[1]["link_error"]
+    assert remote.hops[0].downstream.record == b"record of b" and not remote.stats.failovers
 
 
 def test_a_stranger_cannot_send_frames_into_a_session(tiny):
@@ -288,6 +304,55 @@ def test_an_old_peer_is_never_asked_to_forward_nor_named_downstream(tiny):
     assert remote.stats.links and remote.stats.links[0]["link"] == ["b", "c"]
 
 
+def test_a_peer_speaking_1_2_is_not_asked_to_dial_bare_addresses_but_still_takes_a_link(tiny):
+    """b speaks 1.2 (its OPEN_OK says minor 2; it reads the OPEN as 1.2 and ignores CHAIN_TO_RECORD):
+    b returns through the client, the client names why, and a -> b stays chained (ATTACH is 1.2's)."""
+
+    class Speaks12(Killable):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.read = self.read_as_12
+
+        async def read_as_12(self, n=-1):
+            data = await self.inner.read(n)
+            if len(data) > 8 and data[8] == 1:  # OPEN, read as a 1.2 server would use it
+                data = data[:7] + bytes([2]) + data[8:]
+            return data
+
+        async def write(self, data):
+            if data[8] == 2:
+                data = data[:7] + bytes([2]) + data[8:]
+            await super().write(data)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            swarm = ChainSwarm(nursery, tiny, SPANS)
+            serve = swarm._serve
+
+            async def old_serve(name, server, stream):
+                if name == "b":
+                    await server.handle(Speaks12(stream, swarm, name), "client")
+                else:
+                    await serve(name, server, stream)
+
+            swarm._serve = old_serve
+            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                                timeout=10, route_wait=0)
+            await remote.open()
+            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+            out = await greedy(pipe, PROMPT, 6)
+            route = remote.route_taken
+            await pipe.close()
+            nursery.cancel_scope.cancel()
+        return out, remote, route
+
+    out, remote, route = trio.run(run)
+    assert out == local_answer(tiny, PROMPT, 6)
+    assert [h["output"] for h in route] == ["peer", "client", "client"]
+    assert remote.hops[1].downstream is not None and not remote.hops[1].chained
+    assert remote.stats.links == [{"link": ["b", "c"], "when": "open", "error": "the peer does not speak protocol 1.3"}]
+
+
 def test_an_old_client_gets_a_plain_session(tiny):
     """An OPEN of minor 1 carrying chain extensions (unknown to 1.1) is served as before: no link is
     dialled, no CHAINED flag, STEP_OKs without FORWARDED."""
@@ -305,7 +370,7 @@ def test_an_old_client_gets_a_plain_session(tiny):
     server.dial = dial
     sid = b"o" * 16
     frames = [encode(Open(sid, MODEL, 1, 4, 32, 1, torch.float32, minor=1, upstream="x",
-                          downstream=Downstream("y", (), b"\x01" * 16))),
+                          downstream=Downstream("y", b"\x01" * 16, b"record", b"sig"))),
               encode(Step(sid, 0, 0, [0], torch.zeros(1, 1, 64))), encode(Close(sid))]
     replies = trio.run(raw_session, server, frames)
     assert isinstance(replies[0], OpenOk) and not replies[0].chained and replies[0].link_error is None
@@ -313,14 +378,14 @@ def test_an_old_client_gets_a_plain_session(tiny):
     assert not dialled and not server.linkable
 
 
-def test_chain_fields_travel_and_a_bad_chain_to_is_a_bad_frame():
+def test_chain_fields_travel_and_a_bad_chain_to_record_is_a_bad_frame():
     from diffuse.data.codec import (
         AttachOk, Downstream, Ext, Open, OpenOk, StepOk, WireError, decode,
     )
 
-    sid, down = b"\x01" * 16, Downstream("12D3KooWNext", ("/ip4/10.0.0.2/tcp/4001", "/ip6/::1/tcp/4001"), b"\x02" * 16)
+    sid, down = b"\x01" * 16, Downstream("12D3KooWNext", b"\x02" * 16, b"\xa1" * 3000, b"s" * 64)
     got = decode(encode(Open(sid, MODEL, 1, 3, 64, upstream="12D3KooWPrev", downstream=down)))
-    assert (got.upstream, got.downstream, got.minor) == ("12D3KooWPrev", down, 2)
+    assert (got.upstream, got.downstream, got.minor) == ("12D3KooWPrev", down, 3)
     ok = decode(encode(OpenOk(sid, 64, "bfloat16", chained=False, link_error="cannot reach the next peer")))
     assert not ok.chained and ok.link_error == "cannot reach the next peer"
     assert decode(encode(OpenOk(sid, 64, chained=True))).chained
@@ -328,9 +393,11 @@ def test_chain_fields_travel_and_a_bad_chain_to_is_a_bad_frame():
                                  input_commitment=b"c" * 32)))
     assert reply.forwarded and reply.input_commitment == b"c" * 32 and reply.link_error is None
     assert isinstance(decode(encode(AttachOk(sid))), AttachOk)
-    for bad in (b"\x02" * 16 + b"\x00\x00", b"\x02" * 16 + b"\x01x\x01\x00\x09/ip4", bytes(16) + b"\x01x\x00"):
-        frame = encode(Open(sid, MODEL, 1, 3, 64)) + struct.pack(">HI", Ext.CHAIN_TO, len(bad)) + bad
-        with pytest.raises(WireError, match="CHAIN_TO"):
+    for bad in (b"\x02" * 16 + b"\x00\x00", b"\x02" * 16 + b"\x01x\x00\x09rec", bytes(16) + b"\x01x\x00\x01r\x01s",
+                b"\x02" * 16 + b"\x01x\x00\x00\x01s", b"\x02" * 16 + b"\x01x\x00\x01r\x00",
+                b"\x02" * 16 + b"\x01x\x00\x01r\x01s!"):
+        frame = encode(Open(sid, MODEL, 1, 3, 64)) + struct.pack(">HI", Ext.CHAIN_TO_RECORD, len(bad)) + bad
+        with pytest.raises(WireError, match="CHAIN_TO_RECORD"):
             decode(struct.pack(">I", len(frame) - 4) + frame[4:])
     with pytest.raises(WireError):
         encode(Attach(bytes(16)))

@@ -536,9 +536,9 @@ def test_session_checks_dtype_hidden_size_and_replies():
 
 def test_session_minor_and_client_error():
     s = SessionRules(Role.SERVER)
-    assert s.minor == 2
+    assert s.minor == 3
     s.receive(Open(SID, "m", 0, 4, 100, minor=0))
-    assert s.minor == 0  # min(client 0, ours 2): a 1.0 client gets no 1.1 feature
+    assert s.minor == 0  # min(client 0, ours 3): a 1.0 client gets no 1.1 feature
     s.send(OpenOk(SID, 100))
     s.receive(ErrorMsg(ErrorCode.INTERNAL, "client gave up", SID))
     assert s.state is SessionState.CLOSED

@@ -110,7 +110,8 @@ def test_a_failed_dial_tells_the_client_nothing_of_the_address(caplog):
 
     async def run():
         async with trio.open_nursery() as nursery:
-            return await open_link(dial, Downstream("QmNext", ("/ip4/10.0.0.7/tcp/22",), b"\x01" * 16), nursery)
+            return await open_link(dial, Downstream("QmNext", b"\x01" * 16, b"record", b"sig"), nursery,
+                                   addrs_of=lambda d: ("/ip4/10.0.0.7/tcp/22",))
 
     with caplog.at_level(logging.INFO, logger="diffuse.data.chain"):
         link, why = trio.run(run)

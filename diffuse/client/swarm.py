@@ -8,6 +8,7 @@ block hashes match the manifest the client trusts, preferring peers with a low m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -233,6 +234,12 @@ class SwarmClient:
         return bool(answered)
 
     async def _plan(self, start: int, end: int, exclude: set[str], records: list[PeerRecord]) -> list[Hop]:
+        """`_planned`'s route, each hop with its peer's record as signed (a chain names it to the
+        hop before, which dials only the addresses it signs)."""
+        hops = await self._planned(start, end, exclude, records)
+        return [dataclasses.replace(h, signed=self.node.signed_record(h.peer_id)) for h in hops]
+
+    async def _planned(self, start: int, end: int, exclude: set[str], records: list[PeerRecord]) -> list[Hop]:
         """A route over peers this client has pinged: valid records are not proof of a peer
         (anyone can sign records pointing anywhere), an answer to a ping is."""
         candidates = [r for r in records if r.peer_id not in exclude and r.start < end and r.end > start]

@@ -51,7 +51,7 @@ from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
 from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
-from diffuse.control.records import PeerRecord, SetCodecs, peer_key, relays_key
+from diffuse.control.records import PeerRecord, SetCodecs, SignedRecord, merge, peer_key, relays_key
 from diffuse.control.windows import WindowSample, read_model, with_estimates
 from diffuse.control.upnp import PortMapping, map_ports
 from diffuse.errors import DiffuseError
@@ -114,6 +114,7 @@ class Node:
         self.support: dict[str, Counter[str]] = {}  # model -> peer -> DHT answers of the last read holding it
         self.samples: dict[str, dict[int, WindowSample]] = {}  # model -> window -> what the last read sampled
         self.num_blocks: dict[str, int] = {}  # model -> its manifest's block count, once a caller said it
+        self.signed: dict[str, SignedRecord] = {}  # peer -> the newest record read of it, as signed (chains name it)
         self.lan_peers: list[str] = []  # peers found by mDNS that share our swarm
         self.announcer: Announcer | None = None
         self._announcing = trio.CancelScope()  # the announcer task's
@@ -372,7 +373,13 @@ class Node:
     async def _read_records(self, model: str) -> list[PeerRecord]:
         found, support, self.samples[model] = await read_model(self.dht, model, self.num_blocks.get(model))
         self.support[model] = support
+        self.signed = {r.peer_id: r for r in merge([*self.signed.values(), *found])}  # unexpired, newest
         return [s.record for s in found if s.record.model == model]
+
+    def signed_record(self, peer_id: str) -> SignedRecord | None:
+        """The newest unexpired record read of `peer_id`, with the bytes it was signed as."""
+        got = self.signed.get(peer_id)
+        return got if got is not None and got.record.fresh() else None
 
     def known_peers(self) -> list[str]:
         """The DHT servers this node knows of (its routing table): peers and sentinels."""

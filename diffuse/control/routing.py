@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from diffuse.control.records import PeerRecord
+from diffuse.control.records import PeerRecord, SignedRecord
 from diffuse.errors import DiffuseError
 
 DEFAULT_RTT = 0.05  # seconds assumed for a peer not measured yet
@@ -44,6 +44,7 @@ class Hop:
     throughput: float = 0.0
     rtt: float = DEFAULT_RTT
     quant: str = "none"
+    signed: SignedRecord | None = field(default=None, compare=False, repr=False)  # as signed: a chain names it
 
 
 def _cost(r: PeerRecord, s: int, e: int, rtt: Mapping[str, float], tokens: int) -> float:

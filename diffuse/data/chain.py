@@ -1,8 +1,10 @@
-"""A chained hop's link to the next peer of its route (protocol 1.2, protocols/inference.md section 13).
+"""A chained hop's link to the next peer of its route (protocols 1.2-1.3, protocols/inference.md section 13).
 
-A client that opens a session with CHAIN_TO names where the hop's outputs go: the next hop's peer,
-its addresses and the session the client opened there (which in turn names this peer in
-CHAIN_FROM). While the session opens, the hop dials that peer (Noise, the same protocol id),
+A client that opens a session with CHAIN_TO_RECORD names where the hop's outputs go: the next
+hop's peer, the session the client opened there (which in turn names this peer in CHAIN_FROM) and
+that peer's signed record. The hop dials only the addresses that record signs (`signed_addrs`):
+a client cannot make peers dial where it likes (a dial amplifier, or a probe into a peer's LAN).
+While the session opens, the hop dials that peer (Noise, the same protocol id),
 sends ATTACH for that session and waits for ATTACH_OK: whether the link works is known before
 OPEN_OK, so a hop that cannot reach the next one answers without the CHAINED flag and its outputs
 return through the client for the whole session (no step ever waits on a link that never worked).
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from diffuse.control.records import InvalidRecord, check_time, verify
 from diffuse.data.codec import Attach, AttachOk, Downstream, ErrorMsg, FrameDecoder, Step, encode
 from diffuse.data.stream import READ_CHUNK, ByteStream, close_quietly
 
@@ -35,6 +38,27 @@ def link_write_s(nbytes: int) -> float:
     return LINK_WRITE_S + nbytes / LINK_WRITE_RATE
 
 DialPeer = Callable[[str, tuple[str, ...]], Awaitable[ByteStream]]
+SignedAddrs = Callable[[Downstream], tuple[str, ...]]
+
+
+class BadChainTarget(ValueError):
+    """CHAIN_TO_RECORD names a next peer its record does not prove: the hop dials nothing."""
+
+
+def signed_addrs(downstream: Downstream, now: float | None = None) -> tuple[str, ...]:
+    """The addresses `downstream`'s record signs, once the signature is the named peer's own and
+    the record is fresh and online; BadChainTarget naming the problem otherwise. (An open
+    connection to that peer is reused: no dial at all, control/dial.py.)"""
+    try:
+        rec = verify(downstream.record, downstream.signature).record
+        check_time(rec, now)
+    except InvalidRecord as e:
+        raise BadChainTarget(f"the next peer's record is refused: {e}") from None
+    if rec.peer_id != downstream.peer_id:
+        raise BadChainTarget(f"the record names peer {rec.peer_id}, not the next peer {downstream.peer_id}")
+    if not rec.online or not rec.addrs:
+        raise BadChainTarget(f"the record of {rec.peer_id} is withdrawn or announces no address")
+    return rec.addrs
 
 
 class Link:
@@ -112,16 +136,21 @@ class Link:
         await close_quietly(self.stream)
 
 
-async def open_link(dial: DialPeer | None, downstream: Downstream,
-                    nursery: trio.Nursery) -> tuple[Link | None, str | None]:
-    """A link to `downstream`, attached to its session, or None and why not (within LINK_OPEN_S);
-    its tasks run in `nursery`, the session's."""
+async def open_link(dial: DialPeer | None, downstream: Downstream, nursery: trio.Nursery,
+                    addrs_of: SignedAddrs = signed_addrs) -> tuple[Link | None, str | None]:
+    """A link to `downstream` at the addresses `addrs_of` allows, attached to its session, or
+    None and why not (within LINK_OPEN_S); its tasks run in `nursery`, the session's."""
     if dial is None:
         return None, "this peer does not forward (no host to dial from)"
+    try:
+        addrs = addrs_of(downstream)
+    except BadChainTarget as e:
+        log.info("not linking to %s: %s", downstream.peer_id, e)
+        return None, f"not dialled: {e}"
     stream = None
     try:
         with trio.fail_after(LINK_OPEN_S):
-            stream = await dial(downstream.peer_id, downstream.addrs)
+            stream = await dial(downstream.peer_id, addrs)
             await stream.write(encode(Attach(downstream.session_id)))
             dec, got = FrameDecoder(), []
             while not got:

@@ -39,10 +39,10 @@ Dial = Callable[[Hop], Awaitable[ByteStream]]
 Route = Callable[[int, int, set[str]], Awaitable[list[Hop]]]
 DIAL_TIMEOUT_S = 15.0  # a stream to a peer, its connection included (dial bounds its own parts tighter)
 ROUTES = ("auto", "chain", "star")  # how hops' outputs travel (RemoteSpan's `shape`)
-# The next peer's addresses named in CHAIN_TO: at most this many and bytes, so that an OPEN stays
-# well under a peer's limit on frames before OPEN_OK (4096 bytes) whatever a record announces.
-CHAIN_TO_ADDRS = 4
-CHAIN_TO_BYTES = 1024
+# The largest signed record of a next peer an OPEN names (CHAIN_TO_RECORD): with the rest of the
+# OPEN at most ~700 bytes it stays under a peer's limit on frames before OPEN_OK (4096 bytes). A
+# larger record (a span of some 80 blocks or more) is not named: that hop returns through the client.
+CHAIN_RECORD_BYTES = 3072
 
 
 S = TypeVar("S", bound=Session)
@@ -104,17 +104,15 @@ class Bans:
             self.bans[peer_id].until = self.clock()
 
 
-def chain_addrs(addrs: Iterable[str]) -> tuple[str, ...]:
-    """The first of a record's addresses that fit CHAIN_TO's budget, in the record's order (a
-    long one is skipped, not the rest)."""
-    kept: list[str] = []
-    size = 0
-    for a in addrs:
-        n = 2 + len(a.encode())
-        if len(kept) < CHAIN_TO_ADDRS and size + n <= CHAIN_TO_BYTES:
-            kept.append(a)
-            size += n
-    return tuple(kept)
+def chain_target(after: Session) -> tuple[Downstream | None, str | None]:
+    """What CHAIN_TO_RECORD names for a hop whose output goes to `after`'s session, or None and why
+    not: its peer must accept links (1.2) and its signed record fit an OPEN."""
+    signed = after.hop.signed
+    if after.minor < 2:
+        return None, "the next peer does not speak protocol 1.2"
+    if signed is None or len(signed.payload) + len(signed.signature) > CHAIN_RECORD_BYTES:
+        return None, "no signed record of the next peer small enough to name in an OPEN"
+    return Downstream(after.hop.peer_id, after.session_id, signed.payload, signed.signature), None
 
 
 def cause_of(error: BaseException) -> str:
@@ -217,13 +215,11 @@ class RemoteSpan:
         """A session on `hop` that takes its input from the hop before it in `route` and forwards
         its output to `after`'s session (a peer speaking 1.2), both where the peers manage."""
         i = route.index(hop)
-        down = None
-        if after is not None and after.minor >= 2:
-            down = Downstream(after.hop.peer_id, chain_addrs(after.hop.addrs), after.session_id)
+        down, why = chain_target(after) if after is not None else (None, None)
         session = self.checks.wrap(HopSession(hop, await self._dial(hop), self.model_id, self.max_len, self.batch,
                                               self.dtype, self.timeout, self.checks.commitments,
                                               self.exact, upstream=route[i - 1].peer_id if i else None,
-                                              downstream=down))
+                                              downstream=down, unchained=why))
         return await _opened(session)
 
     def _check_links(self, hops: list[Session]) -> None:
@@ -231,7 +227,7 @@ class RemoteSpan:
         shape "chain", refuse the route instead."""
         for a, b in zip(hops, hops[1:]):
             if not a.chained:
-                why = a.link_error or "the peer does not speak protocol 1.2"
+                why = a.link_error or "the peer does not speak protocol 1.3"
                 self.stats.links.append({"link": [a.hop.peer_id, b.hop.peer_id], "when": "open", "error": why})
                 if self.shape == "chain":
                     raise RouteShapeError(f"--route chain: peer {a.hop.peer_id[-8:]} does not forward to "

@@ -27,7 +27,7 @@ from diffuse.errors import ProtocolError
 PROTOCOL_ID = "/diffuse/inference/1.0.0"
 MAGIC = b"DF"
 VERSION_MAJOR = 1
-VERSION_MINOR = 2  # 1.1: OPEN/OPEN_OK flag EXACT (batch-invariant kernels); 1.2: chain routes
+VERSION_MINOR = 3  # 1.1: OPEN/OPEN_OK flag EXACT (batch-invariant kernels); 1.2: chain routes; 1.3: CHAIN_TO_RECORD
 MAX_FRAME = 64 * 1024 * 1024  # default bound on a frame body; checked from the length prefix
 MAX_MODEL_ID = 255  # bytes of utf-8 (u8 length field)
 MAX_DTYPE_NAME = 255  # bytes of utf-8 (u8 length field)
@@ -56,7 +56,8 @@ STEP_REPLAY = 0x0004
 OPEN_OK_CHAINED = 0x0002  # since 1.2: this hop forwards its outputs to the downstream its OPEN named
 STEP_OK_FORWARDED = 0x0001  # since 1.2: this output also went to the downstream session
 MAX_PEER_ID = 255  # bytes of a base58 peer id in a chain extension (u8 length)
-MAX_ADDRS = 16  # addresses of a downstream peer in CHAIN_TO
+MAX_CHAIN_RECORD = 16 * 1024  # bytes of the downstream's signed record in CHAIN_TO_RECORD (a record's own bound)
+MAX_SIGNATURE = 255  # bytes of its signature (u8 length)
 
 
 class MsgType(IntEnum):
@@ -96,8 +97,9 @@ class Ext(IntEnum):
     OUTPUT_COMMITMENT = 2  # STEP_OK: 32 bytes, Merkle root of the exact output tensor bytes
     COMPUTE_US = 3  # STEP_OK: u32, server compute time for this step in microseconds
     CHAIN_FROM = 4  # OPEN (1.2): the peer id that may forward STEPs into this session
-    CHAIN_TO = 5  # OPEN (1.2): where this hop forwards its outputs (Downstream)
+    CHAIN_TO = 5  # OPEN (1.2): the downstream at bare addresses; since 1.3 never dialled (section 13)
     LINK_ERROR = 6  # OPEN_OK, STEP_OK (1.2): why this hop's outputs did not go downstream
+    CHAIN_TO_RECORD = 7  # OPEN (1.3): where this hop forwards its outputs, with the next peer's signed record
 
 
 class WireError(ProtocolError):
@@ -172,12 +174,14 @@ _DIMS = {rank: struct.Struct(f">{rank}I") for rank in range(1, MAX_RANK + 1)}
 
 @dataclass(frozen=True)
 class Downstream:
-    """Where a chained hop forwards its outputs (CHAIN_TO): the next hop's peer, its addresses and
-    the session the client opened there."""
+    """Where a chained hop forwards its outputs (CHAIN_TO_RECORD): the next hop's peer, the session
+    the client opened there, and that peer's signed record (payload and signature, as the DHT
+    holds them), whose addresses are the only ones the hop may dial (data/chain.py)."""
 
     peer_id: str
-    addrs: tuple[str, ...]
     session_id: bytes
+    record: bytes
+    signature: bytes
 
 
 @dataclass
@@ -196,7 +200,7 @@ class Open:
     minor: int = VERSION_MINOR  # sender's protocol minor version (frame header)
     extensions: dict[int, bytes] = field(default_factory=dict)
     upstream: str | None = None  # 1.2: the peer that may forward STEPs into this session
-    downstream: Downstream | None = None  # 1.2: where this hop forwards its outputs
+    downstream: Downstream | None = None  # 1.3: where this hop forwards its outputs (CHAIN_TO_RECORD)
 
 
 @dataclass
@@ -293,24 +297,25 @@ class Pong:
 Message = Union[Open, OpenOk, Step, StepOk, Close, ErrorMsg, Ping, Pong, Attach, AttachOk]
 
 def _pack_downstream(d: Downstream) -> bytes:
-    """CHAIN_TO's value: session id (16), u8 n + peer id, u8 count, then u16 n + address each."""
+    """CHAIN_TO_RECORD's value: session id (16), u8 n + peer id, u16 n + record, u8 n + signature."""
     pid = d.peer_id.encode()
-    addrs = [a.encode() for a in d.addrs]
-    if not 0 < len(pid) <= MAX_PEER_ID or len(addrs) > MAX_ADDRS or any(len(a) > 0xFFFF for a in addrs):
-        raise WireError("CHAIN_TO: peer id 1..255 bytes and at most 16 addresses")
-    return b"".join([bytes(d.session_id), _U8.pack(len(pid)), pid, _U8.pack(len(addrs)),
-                     *(struct.pack(">H", len(a)) + a for a in addrs)])
+    if not (0 < len(pid) <= MAX_PEER_ID and 0 < len(d.record) <= MAX_CHAIN_RECORD
+            and 0 < len(d.signature) <= MAX_SIGNATURE):
+        raise WireError("CHAIN_TO_RECORD: peer id 1..255 bytes, record 1..16384, signature 1..255")
+    return b"".join([bytes(d.session_id), _U8.pack(len(pid)), pid, _U16.pack(len(d.record)), bytes(d.record),
+                     _U8.pack(len(d.signature)), bytes(d.signature)])
 
 
 def _read_downstream(value: bytes) -> Downstream:
     r = _Reader(memoryview(value), 0)
-    sid = bytes(r.take(SESSION_ID_LEN, "CHAIN_TO session id"))
-    pid = r.text(r.unpack(_U8, "CHAIN_TO peer id length")[0], "CHAIN_TO peer id")
-    (n,) = r.unpack(_U8, "CHAIN_TO address count")
-    addrs = tuple(r.text(r.unpack(_U16, "CHAIN_TO address length")[0], "CHAIN_TO address") for _ in range(n))
-    if r.left() or not pid or n > MAX_ADDRS or sid == ZERO_SESSION:
-        raise WireError("CHAIN_TO: bad value (stray bytes, empty peer id, zero session or too many addresses)")
-    return Downstream(pid, addrs, sid)
+    sid = bytes(r.take(SESSION_ID_LEN, "CHAIN_TO_RECORD session id"))
+    pid = r.text(r.unpack(_U8, "CHAIN_TO_RECORD peer id length")[0], "CHAIN_TO_RECORD peer id")
+    record = bytes(r.take(r.unpack(_U16, "CHAIN_TO_RECORD record length")[0], "CHAIN_TO_RECORD record"))
+    signature = bytes(r.take(r.unpack(_U8, "CHAIN_TO_RECORD signature length")[0], "CHAIN_TO_RECORD signature"))
+    if r.left() or not pid or not record or len(record) > MAX_CHAIN_RECORD or not signature or sid == ZERO_SESSION:
+        raise WireError("CHAIN_TO_RECORD: bad value (stray bytes, empty peer id, record or signature, "
+                        "or zero session)")
+    return Downstream(pid, sid, record, signature)
 
 
 def _text_value(name: str, limit: int):
@@ -338,7 +343,7 @@ _KNOWN_EXT: dict[type, dict[int, tuple[str, int | None, object]]] = {
     },
     Open: {
         Ext.CHAIN_FROM: ("upstream", None, _text_value("CHAIN_FROM", MAX_PEER_ID)),
-        Ext.CHAIN_TO: ("downstream", None, (_pack_downstream, _read_downstream)),
+        Ext.CHAIN_TO_RECORD: ("downstream", None, (_pack_downstream, _read_downstream)),
     },
     OpenOk: {Ext.LINK_ERROR: ("link_error", None, _text_value("LINK_ERROR", MAX_ERROR_MESSAGE))},
 }

@@ -140,12 +140,12 @@ class HopSession:
 
     def __init__(self, hop: Hop, stream: ByteStream, model_id: str, max_len: int, batch: int,
                  dtype: torch.dtype, timeout: float, commitments: bool = False, exact: bool = False,
-                 upstream: str | None = None, downstream: Downstream | None = None):
+                 upstream: str | None = None, downstream: Downstream | None = None, unchained: str | None = None):
         self.hop, self.stream, self.model_id = hop, stream, model_id
         # A chain (protocol 1.2): the peer that may forward our STEPs here, where outputs go on.
         self.upstream, self.downstream = upstream, downstream
         self.chained = False  # the peer's link to `downstream` is up (OPEN_OK CHAINED)
-        self.link_error: str | None = None  # why it is not, or no longer
+        self.link_error: str | None = unchained  # why it is not, or no longer (or why none was named)
         self.minor = 0  # the peer's protocol minor version
         self.fed = False  # this step's input arrives from the upstream peer, not from us
         self.silent_link: str | None = None  # why the upstream's link stopped feeding us: we step it ourselves
@@ -234,7 +234,8 @@ class HopSession:
                             f"speaks protocol 1.{ok.minor} or computes on a GPU")
         self._check_variant(ok.compute_dtype)
         self.peer_dtype, self.minor = ok.compute_dtype, ok.minor
-        self.chained, self.link_error = ok.chained and self.downstream is not None, ok.link_error
+        if self.downstream is not None:
+            self.chained, self.link_error = ok.chained, ok.link_error
 
     def _check_variant(self, name: str) -> None:
         """The variant a peer declares must be the one its record announced (which this client

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from diffuse.data.chain import DialPeer, Link, open_link
+from diffuse.data.chain import DialPeer, Link, SignedAddrs, open_link, signed_addrs
 from diffuse.data.codec import (
-    HEADER_SIZE, MAX_FRAME, Attach, AttachOk, Close, ErrorCode, ErrorMsg, FrameDecoder, Message, Open, OpenOk, Ping,
-    Pong, Step, StepOk, WireError, encode,
+    HEADER_SIZE, MAX_FRAME, Attach, AttachOk, Close, ErrorCode, ErrorMsg, Ext, FrameDecoder, Message, Open, OpenOk,
+    Ping, Pong, Step, StepOk, WireError, encode,
 )
 from diffuse.data.commitments import input_commitment, output_commitment
 from diffuse.data import scheduler
@@ -36,7 +36,9 @@ from diffuse.model.engine import BlockSpan, KVCache
 from diffuse.model.quant import compute_name
 
 log = logging.getLogger(__name__)
-OPEN_FRAME = 4096  # bytes a frame may have before OPEN_OK: an OPEN is under 300, a PING 32
+OPEN_FRAME = 4096  # bytes a frame may have before OPEN_OK: an OPEN is under 300 (4096 with CHAIN_TO_RECORD), a PING 32
+BARE_CHAIN_TO = ("not dialled: CHAIN_TO names bare addresses, and this peer dials only those the next peer "
+                 "signed (CHAIN_TO_RECORD, protocol 1.3)")
 
 
 @dataclass
@@ -83,6 +85,7 @@ class BlockServer:
         self.dtype = span.blocks[0].wo.weight.dtype
         self.device = span.blocks[0].wo.weight.device
         self.dial: DialPeer | None = None  # streams to other peers, for chained sessions' links
+        self.addrs_of: SignedAddrs = signed_addrs  # where a link may go: what the next peer's record signs
         self.linkable: dict[bytes, _Conn] = {}  # open sessions that name an upstream peer, by id
         self.alter_forward = None  # TESTING ONLY (trust/tamper.py, kind "forward"): corrupts forwarded outputs
 
@@ -417,9 +420,11 @@ class _Conn:
         if m.upstream:
             self.upstream = m.upstream
             self.server.linkable[m.session_id] = self
-        if m.downstream is None:
+        if m.downstream is None:  # a 1.2 client's bare addresses (CHAIN_TO) are never dialled
+            return BARE_CHAIN_TO if Ext.CHAIN_TO in m.extensions else None
+        if self.state.minor < 3:
             return None
-        self.link_out, why = await open_link(self.server.dial, m.downstream, self.nursery)
+        self.link_out, why = await open_link(self.server.dial, m.downstream, self.nursery, self.server.addrs_of)
         return why
 
     async def on_step(self, m: Step) -> bool:
