@@ -28,6 +28,7 @@ from diffuse.data.codec import (
     OpenOk,
     Ping,
     SMALL_TENSOR,
+    VERSION_MINOR,
     Pong,
     SessionError,
     Step,
@@ -334,7 +335,7 @@ def test_bad_step_fields():
 
 def test_unsupported_major_names_both_versions():
     frame = corrupt(GOOD, B + 2, b"\x02\x05")
-    with pytest.raises(UnsupportedVersion, match=r"2\.5.*1\.2") as info:
+    with pytest.raises(UnsupportedVersion, match=rf"2\.5.*1\.{VERSION_MINOR}") as info:
         decode(frame)
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 
@@ -598,7 +599,7 @@ def test_exact_flags_travel_on_their_bits():
     """1.1's EXACT: OPEN flag bit 1 (asked), OPEN_OK flag bit 0 (granted); header flags sit at
     frame bytes 10-11 (after the length prefix, magic, versions, type and reserved byte)."""
     frame = encode(Open(SID, "m", 0, 4, 100, exact=True))
-    assert struct.unpack(">H", frame[10:12])[0] == 0x0002 and frame[7] == 2
+    assert struct.unpack(">H", frame[10:12])[0] == 0x0002 and frame[7] == VERSION_MINOR
     assert decode(frame).exact and not decode(encode(Open(SID, "m", 0, 4, 100))).exact
     both = decode(encode(Open(SID, "m", 0, 4, 100, want_commitments=True, exact=True)))
     assert both.want_commitments and both.exact
