@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
@@ -24,7 +26,7 @@ from diffuse.control import dht as dht_module
 from diffuse.control.announce import Serving
 from diffuse.control.dht import RANK_EPOCH_S, MergingValueStore
 from diffuse.control.identity import peer_id
-from diffuse.control.node import NodeConfig, open_node
+from diffuse.control.node import Node, NodeConfig, open_node
 from diffuse.control.records import (
     MAX_SET_RECORDS, InvalidRecord, PeerRecord, SetCodecs, check_key, decode_set, encode_set, sign, value_count,
     window_key, windows_of, withdrawn,
@@ -175,23 +177,31 @@ def test_one_partial_answer_does_not_collapse_the_estimate():
     assert not sample_of(low).sampled
 
 
+@asynccontextmanager
+async def _swarm(servers: int = 1) -> AsyncIterator[tuple[Node, list[Node], Node]]:
+    """A sentinel, `servers` DHT server nodes of which the first serves blocks 6-16, and a client."""
+    async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
+        boot = sentinel.full_addrs()
+        async with AsyncExitStack() as stack:
+            nodes = [await stack.enter_async_context(open_node(create_new_key_pair(), NodeConfig(
+                listen=LISTEN, bootstrap=boot, server=i < servers))) for i in range(servers + 1)]
+            await nodes[0].serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
+            yield sentinel, nodes[:-1], nodes[-1]
+
+
 def test_a_client_finds_peers_through_the_window_keys():
     async def scenario() -> None:
-        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
-            boot = sentinel.full_addrs()
-            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as peer, \
-                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot, server=False)) as client:
-                await peer.serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
-                stored = sentinel.dht.value_store
-                with trio.fail_after(20):
-                    while not all(stored.records(window_key(MODEL, w).encode()) for w in (0, 1, 2)):
-                        await trio.sleep(0.05)
-                assert not stored.records(window_key(MODEL, 3).encode())
-                cov = await client.coverage(MODEL, BLOCKS, fake_hashes(BLOCKS))
-                assert list(cov.peers) == [peer.record.peer_id] and cov.replicas[6:17] == [1] * 11
-                samples = client.samples[MODEL]
-                assert set(samples) == set(range(10))  # every window of the model was read
-                assert [set(samples[w].seen) for w in range(10)] == [{peer.record.peer_id}] * 3 + [set()] * 7
+        async with _swarm() as (sentinel, (peer,), client):
+            stored = sentinel.dht.value_store
+            with trio.fail_after(20):
+                while not all(stored.records(window_key(MODEL, w).encode()) for w in (0, 1, 2)):
+                    await trio.sleep(0.05)
+            assert not stored.records(window_key(MODEL, 3).encode())
+            cov = await client.coverage(MODEL, BLOCKS, fake_hashes(BLOCKS))
+            assert list(cov.peers) == [peer.record.peer_id] and cov.replicas[6:17] == [1] * 11
+            samples = client.samples[MODEL]
+            assert set(samples) == set(range(10))  # every window of the model was read
+            assert [set(samples[w].seen) for w in range(10)] == [{peer.record.peer_id}] * 3 + [set()] * 7
 
     trio.run(scenario)
 
@@ -202,26 +212,31 @@ def test_throwaway_records_stating_a_small_block_count_hide_no_window(monkeypatc
     monkeypatch.setattr(announce, "WRITE_LAYOUT_1", False)  # window keys alone
 
     async def scenario() -> None:
-        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
-            boot = sentinel.full_addrs()
-            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as peer, \
-                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot, server=False)) as client:
-                await peer.serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
-                store = sentinel.dht.value_store
-                far = create_new_key_pair()
-                for w in (6, 7):
-                    _fill(store, window_key(MODEL, w), [sign(record(far, 50, 60), far)])
-                fakes = [create_new_key_pair() for _ in range(40)]
-                _fill(store, window_key(MODEL, 0),
-                      [sign(dataclasses.replace(record(kp, 0, 8), num_blocks=8), kp) for kp in fakes])
-                with trio.fail_after(20):
-                    while peer.record.peer_id not in {sr.peer_id for sr in decode_set(
-                            store.get(window_key(MODEL, 0).encode()).value, window_key(MODEL, 0))}:
-                        await trio.sleep(0.05)
-                found = {r.peer_id for r in await client.records(MODEL)}
-                assert {peer.record.peer_id, peer_id(far).to_base58()} <= found
+        async with _swarm() as (sentinel, (peer,), client):
+            store = sentinel.dht.value_store
+            far = create_new_key_pair()
+            for w in (6, 7):
+                _fill(store, window_key(MODEL, w), [sign(record(far, 50, 60), far)])
+            fakes = [create_new_key_pair() for _ in range(40)]
+            _fill(store, window_key(MODEL, 0),
+                  [sign(dataclasses.replace(record(kp, 0, 8), num_blocks=8), kp) for kp in fakes])
+            with trio.fail_after(20):
+                while peer.record.peer_id not in {sr.peer_id for sr in decode_set(
+                        store.get(window_key(MODEL, 0).encode()).value, window_key(MODEL, 0))}:
+                    await trio.sleep(0.05)
+            found = {r.peer_id for r in await client.records(MODEL)}
+            assert {peer.record.peer_id, peer_id(far).to_base58()} <= found
 
     trio.run(scenario)
+
+
+def _announcer(monkeypatch, closest, store_set) -> announce.Announcer:
+    """An announcer of blocks 6-16 whose lookups and stores are `closest` and `store_set`."""
+    monkeypatch.setattr(announce, "closest", closest)
+    monkeypatch.setattr(announce, "store_set", store_set)
+    kp = create_new_key_pair()
+    return announce.Announcer(None, kp, Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"),
+                              lambda: ["/ip4/10.0.0.1/tcp/4001"])
 
 
 def test_nodes_refusing_window_keys_cause_no_lookups_and_no_rebootstrap(monkeypatch):
@@ -236,11 +251,7 @@ def test_nodes_refusing_window_keys_cause_no_lookups_and_no_rebootstrap(monkeypa
     async def store_set(dht, key, records, targets):
         return (0, []) if key.startswith("/diffuse/window/") else (len(targets), [])
 
-    monkeypatch.setattr(announce, "closest", closest)
-    monkeypatch.setattr(announce, "store_set", store_set)
-    kp = create_new_key_pair()
-    a = announce.Announcer(None, kp, Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"),
-                           lambda: ["/ip4/10.0.0.1/tcp/4001"])
+    a = _announcer(monkeypatch, closest, store_set)
 
     async def beats() -> list[int]:
         return [await a.publish() for _ in range(5)]
@@ -289,11 +300,7 @@ def test_a_silent_node_is_dropped_until_the_next_lookup(monkeypatch):
             asked.append(list(targets))
         return len([t for t in targets if t not in silent]), [t for t in targets if t in silent]
 
-    monkeypatch.setattr(announce, "closest", closest)
-    monkeypatch.setattr(announce, "store_set", store_set)
-    kp = create_new_key_pair()
-    a = announce.Announcer(None, kp, Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"),
-                           lambda: ["/ip4/10.0.0.1/tcp/4001"])
+    a = _announcer(monkeypatch, closest, store_set)
 
     async def beat(*gone: str) -> None:
         silent.update(gone)
@@ -321,30 +328,25 @@ def test_one_frozen_node_does_not_hold_a_read_to_the_timeout(monkeypatch):
     monkeypatch.setattr(dht_module, "QUERY_TIMEOUT_S", 3600.0)
 
     async def scenario() -> None:
-        async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN)) as sentinel:
-            boot = sentinel.full_addrs()
-            async with open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as peer, \
-                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot)) as other, \
-                    open_node(create_new_key_pair(), NodeConfig(listen=LISTEN, bootstrap=boot, server=False)) as client:
-                await peer.serve(Serving(MODEL, BLOCKS, 6, 17, fake_hashes(BLOCKS)[6:17], "bfloat16"))
-                key = window_key(MODEL, 1)
-                with trio.fail_after(20):
-                    while not (sentinel.dht.value_store.records(key.encode())
-                               and other.dht.value_store.records(key.encode())):
-                        await trio.sleep(0.05)
-                frozen = other.host.get_id()
-                get = client.dht.value_store._get_from_peer
+        async with _swarm(servers=2) as (sentinel, (peer, other), client):
+            key = window_key(MODEL, 1)
+            with trio.fail_after(20):
+                while not (sentinel.dht.value_store.records(key.encode())
+                           and other.dht.value_store.records(key.encode())):
+                    await trio.sleep(0.05)
+            frozen = other.host.get_id()
+            get = client.dht.value_store._get_from_peer
 
-                async def stalls(peer_id, *args, **kwargs):
-                    if peer_id == frozen:
-                        await trio.sleep_forever()
-                    return await get(peer_id, *args, **kwargs)
+            async def stalls(peer_id, *args, **kwargs):
+                if peer_id == frozen:
+                    await trio.sleep_forever()
+                return await get(peer_id, *args, **kwargs)
 
-                monkeypatch.setattr(client.dht.value_store, "_get_from_peer", stalls)
-                with trio.fail_after(60):
-                    answers = await dht_module.fetch_answers(client.dht, key)
-                held = [a.items for a in answers if a.items]  # the client's own store is empty
-                assert len(held) == 2  # the sentinel's and the serving peer's, not the frozen node's
-                assert all({sr.peer_id for sr in a} == {peer.record.peer_id} for a in held)
+            monkeypatch.setattr(client.dht.value_store, "_get_from_peer", stalls)
+            with trio.fail_after(60):
+                answers = await dht_module.fetch_answers(client.dht, key)
+            held = [a.items for a in answers if a.items]  # the client's own store is empty
+            assert len(held) == 2  # the sentinel's and the serving peer's, not the frozen node's
+            assert all({sr.peer_id for sr in a} == {peer.record.peer_id} for a in held)
 
     trio.run(scenario)
