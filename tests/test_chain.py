@@ -21,6 +21,7 @@ from diffuse.client.pipeline import LocalStage, Pipeline
 from diffuse.data.chain import BadChainTarget
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.codec import Attach, ErrorCode, ErrorMsg, FrameDecoder, encode
+from diffuse.data.server import BlockServer
 from diffuse.model.load import load_head, load_span
 from test_sessions import MODEL, PROMPT, MemStream, Recording, Swarm, greedy, local_answer
 from tiny import make_tiny
@@ -264,6 +265,34 @@ def test_a_dead_link_between_live_peers_is_reported_and_stepped_around(tiny, fau
     assert "link_error" in route[1]
 
 
+async def answer_with_old_peer(tiny, name: str, stream_as, dials: bool):
+    """Six greedy tokens through a-b-c where peer `name` talks through `stream_as` (a Killable
+    rewriting versions as an older peer would) and, unless `dials`, has no dialer; (tokens, the
+    RemoteSpan, its route)."""
+    async with trio.open_nursery() as nursery:
+        swarm = ChainSwarm(nursery, tiny, SPANS)
+        if not dials:
+            swarm.servers[name].dial = None
+        serve = swarm._serve
+
+        async def old_serve(peer, server, stream):
+            if peer == name:
+                await server.handle(stream_as(stream, swarm, peer), "client")
+            else:
+                await serve(peer, server, stream)
+
+        swarm._serve = old_serve
+        remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
+                            timeout=10, route_wait=0)
+        await remote.open()
+        pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
+        out = await greedy(pipe, PROMPT, 6)
+        route = remote.route_taken
+        await pipe.close()
+        nursery.cancel_scope.cancel()
+    return out, remote, route
+
+
 def test_an_old_peer_is_never_asked_to_forward_nor_named_downstream(tiny):
     """c speaks 1.1 (its OPEN_OK says minor 1 and it ignores chain extensions): b is not told to
     forward to it, so b's outputs return through the client; a -> b stays chained."""
@@ -274,30 +303,7 @@ def test_an_old_peer_is_never_asked_to_forward_nor_named_downstream(tiny):
                 data = data[:7] + bytes([1]) + data[8:]
             await super().write(data)
 
-    async def run():
-        async with trio.open_nursery() as nursery:
-            swarm = ChainSwarm(nursery, tiny, SPANS)
-            swarm.servers["c"].dial = None
-            serve = swarm._serve
-
-            async def old_serve(name, server, stream):
-                if name == "c":
-                    await server.handle(Old(stream, swarm, name), "client")
-                else:
-                    await serve(name, server, stream)
-
-            swarm._serve = old_serve
-            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
-                                timeout=10, route_wait=0)
-            await remote.open()
-            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
-            out = await greedy(pipe, PROMPT, 6)
-            route = remote.route_taken
-            await pipe.close()
-            nursery.cancel_scope.cancel()
-        return out, remote, route
-
-    out, remote, route = trio.run(run)
+    out, remote, route = trio.run(answer_with_old_peer, tiny, "c", Old, False)
     assert out == local_answer(tiny, PROMPT, 6)
     assert [h["output"] for h in route] == ["peer", "client", "client"]
     assert remote.hops[1].downstream is None
@@ -324,50 +330,32 @@ def test_a_peer_speaking_1_2_is_not_asked_to_dial_bare_addresses_but_still_takes
                 data = data[:7] + bytes([2]) + data[8:]
             await super().write(data)
 
-    async def run():
-        async with trio.open_nursery() as nursery:
-            swarm = ChainSwarm(nursery, tiny, SPANS)
-            serve = swarm._serve
-
-            async def old_serve(name, server, stream):
-                if name == "b":
-                    await server.handle(Speaks12(stream, swarm, name), "client")
-                else:
-                    await serve(name, server, stream)
-
-            swarm._serve = old_serve
-            remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
-                                timeout=10, route_wait=0)
-            await remote.open()
-            pipe = Pipeline(load_head(tiny), [LocalStage(load_span(tiny, 0, 1), 64), remote])
-            out = await greedy(pipe, PROMPT, 6)
-            route = remote.route_taken
-            await pipe.close()
-            nursery.cancel_scope.cancel()
-        return out, remote, route
-
-    out, remote, route = trio.run(run)
+    out, remote, route = trio.run(answer_with_old_peer, tiny, "b", Speaks12, True)
     assert out == local_answer(tiny, PROMPT, 6)
     assert [h["output"] for h in route] == ["peer", "client", "client"]
     assert remote.hops[1].downstream is not None and not remote.hops[1].chained
     assert remote.stats.links == [{"link": ["b", "c"], "when": "open", "error": "the peer does not speak protocol 1.3"}]
 
 
+def refusing_server(tiny) -> tuple[BlockServer, list]:
+    """A server of blocks 1-3 whose every dial fails, with the (peer, addresses) it tried."""
+    server, dialled = BlockServer(MODEL, load_span(tiny, 1, 4)), []
+
+    async def dial(peer, addrs):
+        dialled.append((peer, addrs))
+        raise ConnectionError("no")
+
+    server.dial = dial
+    return server, dialled
+
+
 def test_an_old_client_gets_a_plain_session(tiny):
     """An OPEN of minor 1 carrying chain extensions (unknown to 1.1) is served as before: no link is
     dialled, no CHAINED flag, STEP_OKs without FORWARDED."""
     from diffuse.data.codec import Close, Downstream, Open, OpenOk, Step, StepOk
-    from diffuse.data.server import BlockServer
     from test_sessions import raw_session
 
-    server = BlockServer(MODEL, load_span(tiny, 1, 4))
-    dialled = []
-
-    async def dial(peer_id, addrs):
-        dialled.append(peer_id)
-        raise ConnectionError("no")
-
-    server.dial = dial
+    server, dialled = refusing_server(tiny)
     sid = b"o" * 16
     frames = [encode(Open(sid, MODEL, 1, 4, 32, 1, torch.float32, minor=1, upstream="x",
                           downstream=Downstream("y", b"\x01" * 16, b"record", b"sig"))),

@@ -22,8 +22,8 @@ from diffuse.control.identity import peer_id
 from diffuse.control.records import SIG_DOMAIN, PeerRecord, sign, withdrawn
 from diffuse.data.chain import UNREACHABLE, open_link
 from diffuse.data.codec import Close, Downstream, Ext, Open, OpenOk, Step, StepOk, encode
-from diffuse.data.server import BARE_CHAIN_TO, BlockServer
-from diffuse.model.load import load_span
+from diffuse.data.server import BARE_CHAIN_TO
+from test_chain import refusing_server
 from test_sessions import MODEL, raw_session
 from tiny import make_tiny
 
@@ -113,14 +113,7 @@ def test_a_peer_never_dials_bare_addresses_and_keeps_serving_the_session(tiny, m
     """An OPEN naming the next peer by bare addresses (a 1.2 client's CHAIN_TO, or a hostile one's
     at any minor) gets OPEN_OK without CHAINED, a LINK_ERROR saying why, and nothing is dialled;
     a forged record likewise. The session serves its STEPs through the client all the same."""
-    server = BlockServer(MODEL, load_span(tiny, 1, 4))
-    dialled = []
-
-    async def dial(peer, addrs):
-        dialled.append(addrs)
-        raise ConnectionError("no")
-
-    server.dial = dial
+    server, dialled = refusing_server(tiny)
     for i, (ext, down) in enumerate([({Ext.CHAIN_TO: bare_chain_to((TARGET,))}, None), ({}, forged())]):
         sid = bytes([i + 1]) * 16
         frames = [encode(Open(sid, MODEL, 1, 4, 32, 1, torch.float32, minor=minor, extensions=ext,
