@@ -107,7 +107,8 @@ class Killable:
         await self.inner.write(data)
 
 
-async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None, addrs=None, padding=None):
+async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, during=None, addrs=None, padding=None,
+                       open_first=True):
     async with trio.open_nursery() as nursery:
         swarm = ChainSwarm(nursery, path, spans, alter)
         swarm.padding.update(padding or {})
@@ -115,7 +116,8 @@ async def chain_answer(path, spans, n, shape="auto", kill=None, alter=None, duri
         swarm.addrs.update(addrs or {})
         remote = RemoteSpan(MODEL, 1, 4, swarm.dial, swarm.route, Bans(), max_len=64, dtype=torch.float32,
                             timeout=10, route_wait=0, shape=shape)
-        await remote.open()
+        if open_first:
+            await remote.open()
         if during is not None:
             await during(swarm, remote)
         pipe = Pipeline(load_head(path), [LocalStage(load_span(path, 0, 1), 64), remote])
@@ -137,6 +139,14 @@ def test_chain_equals_star_and_the_client_sends_only_the_first_hop(tiny):
     assert len(swarm.steps["a"]) == 11 and not swarm.steps["b"] and not swarm.steps["c"]
     assert all(len(star_swarm.steps[n]) == 11 for n in "abc")
     assert not remote.stats.failovers and not remote.stats.links
+
+
+@pytest.mark.parametrize("shape", ["chain", "star"])
+def test_a_span_never_opened_opens_at_its_first_step(tiny, shape):
+    """A pipeline's first forward through a span nobody opened computes its blocks, not skips them."""
+    out, remote, swarm, route = trio.run(lambda: chain_answer(tiny, SPANS, 6, shape, open_first=False))
+    assert out == local_answer(tiny, PROMPT, 6)
+    assert len(route) == 3 and len(swarm.steps["a"]) == 7
 
 
 def test_a_next_peer_whose_record_is_too_large_for_an_open_is_returned_through_the_client(tiny):

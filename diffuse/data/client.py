@@ -293,7 +293,10 @@ class RemoteSpan:
         """The step through every hop in turn, a failed or rejected hop replaced and the step
         redone there. A Rewind from a hop's wrapper passes through: the pipeline rolls back.
         On a chain a hop's input comes from the hop before it, which forwarded its output (the
-        client holds a copy of it, so the step reads the same); elsewhere the client sends it."""
+        client holds a copy of it, so the step reads the same); elsewhere the client sends it.
+        A span not yet opened opens first: with no hops the blocks would be skipped, not computed."""
+        if not self.hops:
+            await self.open()
         i = 0
         while i < len(self.hops):
             sent = time.perf_counter()
