@@ -89,7 +89,16 @@ async def one_answer(node, model_dir, tok, prompt, ids, n: int, spec: bool, shap
     return {"peers": n, "spec": spec, "shape": shape, "tokens": gen.completion.token_ids,
             "tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0,
             "route": [h["output"] for h in remote.route_taken], "failovers": len(remote.stats.failovers),
-            "client_bytes_sent": remote.stats.bytes_sent}
+            "client_bytes_sent": remote.stats.bytes_sent, **spec_modes(gen.state)}
+
+
+def spec_modes(state) -> dict:
+    """How a speculating answer's steps went: tokens per step and the share of each step mode."""
+    if state is None or not state.stats.steps:
+        return {}
+    modes = state.stats.modes
+    return {"tokens_per_step": state.stats.tokens_per_step,
+            "modes": {m: modes.count(m) / len(modes) for m in sorted(set(modes))}}
 
 
 def measure(args) -> None:
@@ -154,6 +163,15 @@ def table(title: str, rows: list[dict], peers: list[int]) -> None:
             s, c = tps(n, spec, "star"), tps(n, spec, "chain")
             print(f"| {n} | {'speculating' if spec else 'plain'} | {s:.2f} | {c:.2f} | {c / s:.2f}x | "
                   f"{s / one_peer(spec):.2f}x | {c / one_peer(spec):.2f}x |")
+    for n in peers:
+        for shape in ("star", "chain"):
+            spec = [r for r in rows if r["peers"] == n and r["spec"] and r["shape"] == shape and "modes" in r]
+            if spec:
+                names = {m for r in spec for m in r["modes"]}
+                modes = {m: statistics.mean(r["modes"].get(m, 0.0) for r in spec) for m in names}
+                print(f"speculating, {n} peers, {shape}: "
+                      f"{statistics.mean(r['tokens_per_step'] for r in spec):.2f} tokens/step, steps "
+                      + ", ".join(f"{m} {v:.0%}" for m, v in sorted(modes.items())))
     same = all(a["tokens"] == b["tokens"] for a in rows for b in rows
                if a["peers"] == b["peers"] and a["spec"] == b["spec"] and not a["spec"])
     sent = {shape: statistics.median([r["client_bytes_sent"] for r in rows if r["shape"] == shape and r["peers"] == 3]
