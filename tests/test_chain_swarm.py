@@ -33,7 +33,7 @@ from diffuse.trust import reputation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 QUESTION = "Name three famous rivers and the countries they flow through."
-TOKENS = 20
+TOKENS = 12
 SPANS = {"P": "1:30", "Q0": "1:15", "Q1": "15:30", "T0": "1:10", "T1": "10:20", "T2": "20:30",
          "T1b": "10:20", "T2b": "20:30", "F0": "1:10"}
 ROUTES = {1: ["P"], 2: ["Q0", "Q1"], 3: ["T0", "T1", "T2"]}
