@@ -165,7 +165,7 @@ def test_a_server_closes_a_transfer_slower_than_its_least_rate(blob):
 
 
 def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, monkeypatch):
-    from diffuse.client import from_swarm
+    from diffuse.client import manifests as from_swarm
 
     groups = {(f"{i:064x}", 100): [f"P{i}"] * (1 + i) for i in range(20)}
     asked: list[str] = []
@@ -179,7 +179,7 @@ def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, mo
 
     async def main(open_stream):
         with trio.fail_after(20):
-            return await from_swarm._fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
+            return await from_swarm.fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
 
     assert trio.run(main, refuses) == {}
     assert len(set(asked)) == from_swarm.MAX_MANIFESTS and "P19" in asked  # the most announced first
@@ -360,7 +360,7 @@ def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path
 def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen_silently():
     from dataclasses import replace
 
-    from diffuse.client.from_swarm import _choose
+    from diffuse.client.manifests import choose as _choose
     from diffuse.errors import DiffuseError
     from diffuse.model.weights import Manifest
 
@@ -382,7 +382,7 @@ def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen
 def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
     from dataclasses import replace
 
-    from diffuse.client.from_swarm import _choose
+    from diffuse.client.manifests import choose as _choose
     from diffuse.errors import DiffuseError
     from diffuse.model.weights import Manifest
 

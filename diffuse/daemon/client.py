@@ -187,12 +187,14 @@ def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict
 
 
 def survey_request(options: dict[str, Any]) -> dict[str, Any]:
-    """What `status`'s options ask of the daemon; --accept-quant only where given, so that a daemon
-    from before it answers a plain `status`."""
+    """What `status`'s options ask of the daemon; --accept-quant and --model-hash only where given,
+    so that a daemon from before them answers a plain `status`."""
     request = {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
                "bootstrap": options["bootstrap"]}
     if options.get("accept_quant") is not None:
         request["accept_quant"] = options["accept_quant"]
+    if options.get("model_hash"):
+        request["model_hash"] = options["model_hash"]
     return request
 
 
