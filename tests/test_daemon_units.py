@@ -213,10 +213,12 @@ def test_status_sends_accept_quant_only_when_given_and_an_older_daemon_refusing_
     from diffuse.cli import build_parser
 
     plain = client.survey_request(vars(build_parser().parse_args(["status"])))
-    assert "accept_quant" not in plain
+    assert "accept_quant" not in plain and "model_hash" not in plain
     assert isinstance(protocol.parse(json.dumps(plain).encode()), protocol.Survey)
     asked = client.survey_request(vars(build_parser().parse_args(["status", "--accept-quant", "int4"])))
     assert asked["accept_quant"] == "int4"
+    pinned = client.survey_request(vars(build_parser().parse_args(["status", "--model-hash", "m=" + "a" * 64])))
+    assert protocol.parse(json.dumps(pinned).encode()).model_hash == ["m=" + "a" * 64]
     sock_path, pid_path, _ = protocol.paths(tmp_path)  # a "daemon": this process holds the lock, a thread answers
     lock = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
