@@ -10,7 +10,8 @@ two peers with empty stores take complementary spans and end with only their spa
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
-block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
+block, and `api --from-swarm` the same, answering through the `openai` client; with it, then the
+rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
 cut range) finishes from another without fetching twice what it had; with no honest source left
 for block 3, a join fails naming the block (an `error:` line, and `failed` in JSON).
 """
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import time
 
+import openai
 import pytest
 
 from support.procs import DIFFUSE, Procs
@@ -228,6 +230,19 @@ def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local
     assert progress and all(p.keys() == {"event", "fetched_bytes", "of_bytes", "bytes_per_s", "eta_s"}
                             for p in progress), err
     assert set(on_disk_of(empty)) == {"head.safetensors", "block-00000.safetensors"}  # --local-blocks 1,0
+    api_home = tmp_path / "api-home"  # `api --from-swarm`: the same fetch, then one answer through `openai`
+    api = swarm.procs.start("--client-only", "api", "--bootstrap", swarm.boot, "--listen", "127.0.0.1:0",
+                            "--from-swarm", "--trust", "off", "--wait", "30", "--no-speculate",
+                            env={"DIFFUSE_HOME": str(api_home)})
+    try:
+        url = api.read_until("listening on", timeout=300)[-1].split()[-1]
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300).chat.completions.create(
+            model=DEFAULT_MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=TOKENS)
+        assert chat.choices[0].message.content == answer["text"] and chat.usage.completion_tokens == TOKENS
+        assert set(on_disk_of(api_home)) == {"head.safetensors", "block-00000.safetensors"}
+    finally:
+        api.signal(signal.SIGKILL)
+        api.wait(timeout=30)
     answer, err = client_ask(swarm, empty)
     assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
     manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)

@@ -106,8 +106,28 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
                   fallback_from_store=fallback_from_store, speculate=speculate, warm_up=warm_up)
 
 
+def fetched_first(args, models: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """`--from-swarm` (not --local): what the client holds, fetched by this process before a
+    daemon is asked (client/options.py `fetch_for_client`); the store names fetched, which the
+    daemon then serves as any stored model, or this process does. Else `models` as given."""
+    if not args.from_swarm or args.local:
+        return models
+    if not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
+        raise DiffuseError("--from-swarm fetches from a swarm: give --bootstrap ADDR (or drop --no-mdns)")
+    boot = bootstrap_addrs(args, required=False)
+    from diffuse.client.options import fetch_for_client
+    from diffuse.control.bootstrap import mdns_wanted
+
+    fetched = fetch_for_client(vars(args), data_home(args.home), models, boot, swarm_access(args),
+                               mdns_wanted(getattr(args, "mdns", None), boot))
+    args.from_swarm = False  # in the store now: served as any stored model
+    return fetched
+
+
 def cmd_ask(args) -> int:
     from diffuse.daemon.client import ask, ask_request, notice
+
+    args.model = fetched_first(args, (args.model,))[0]  # --from-swarm: here, before the daemon is asked
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]

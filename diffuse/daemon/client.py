@@ -175,12 +175,11 @@ def given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: options[k] for k, default in OPTIONS.items() if options.get(k, default) != default}
 
 
-def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any] | None:
+def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
     """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
     machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history.
-    None with --from-swarm: what the store lacks is fetched in this process (client/from_swarm.py)."""
-    if options.get("from_swarm"):
-        return None
+    With --from-swarm the command has fetched what the store lacked before (cli/ask.py
+    `fetched_first`): the model is then a stored one."""
     return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
             "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False,
             **given(options)}
