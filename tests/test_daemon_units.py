@@ -258,11 +258,11 @@ def test_ask_and_api_from_swarm_fetch_in_their_process_first_then_hand_the_daemo
     events: list = []
 
     def fetch(opts, home, models, boot, access, mdns):
-        events.append(("fetch", models, tuple(boot)))
+        events.append(("fetch", tuple(models), tuple(boot)))
         return tuple(f"fetched-{m or 'default'}" for m in models)
 
     def serve_api(home, request, on_listening, say):
-        events.append(("api", request["models"]))
+        events.append(("api", list(request["models"])))
         return True  # the daemon served it
 
     def ask(home, request, on_text, say):

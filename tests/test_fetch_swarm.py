@@ -4,8 +4,8 @@ A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy t
 block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
 stores a block that hashes right (`--json`: the same in JSON lines); a second sentinel pinning
-the manifest's hash is what a join trusts, and one pinning another hash makes it fail naming
-both; `--model auto` with `--blocks auto` fetches the span it serves;
+the manifest's hash is what a join (and `status` from an empty store) trusts, and one pinning
+another hash makes it fail naming both; `--model auto` with `--blocks auto` fetches the span it serves;
 two peers with empty stores take complementary spans and end with only their span on disk; `src`
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
@@ -167,6 +167,14 @@ def test_a_private_swarm_trusts_the_manifest_its_sentinel_pins_and_refuses_annou
         sentinel, addr = pinning_sentinel(swarm, f"pin-{name}", model, sha)
         try:
             join(swarm, name, "4:5", tmp_path / name, "--bootstrap", addr, "--json")
+            status = subprocess.run([*DIFFUSE, "status", "--bootstrap", swarm.boot, "--bootstrap", addr, "--json",
+                                     "--no-reach"], capture_output=True, text=True, timeout=300,
+                                    env=swarm.procs.env | {"DIFFUSE_HOME": str(tmp_path / name / "status-home")})
+            shown = json.loads(status.stdout)  # no weights here: the manifest the pin names, as a join trusts
+            if sha == right:
+                assert [m["model"] for m in shown["models"]] == [model] and not shown.get("refused"), shown
+            else:
+                assert shown["models"] == [] and all(x in shown["refused"][model] for x in (wrong, right)), shown
             if sha == right:
                 swarm.wait(name)
                 manifest = json_lines("\n".join(swarm.proc[name].stderr))[0]

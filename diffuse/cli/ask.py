@@ -95,40 +95,25 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
     if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
         raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
     if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
-        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
-                           "on the LAN)")
-    boot = [] if args.local else bootstrap_addrs(args, required=False)  # said before torch is imported
+        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one on a LAN)")
+    boot, access, mdns = ([], None, False) if args.local else swarm_of(args)
     from diffuse.client.options import service_config as config
-    from diffuse.control.bootstrap import mdns_wanted
-
-    return config(vars(args), data_home(args.home), models, boot, None if args.local else swarm_access(args),
-                  not args.local and mdns_wanted(getattr(args, "mdns", None), boot),
+    return config(vars(args), data_home(args.home), models, boot, access, mdns,
                   fallback_from_store=fallback_from_store, speculate=speculate, warm_up=warm_up)
 
 
-def fetched_first(args, models: tuple[str | None, ...]) -> tuple[str | None, ...]:
-    """`--from-swarm` (not --local): what the client holds, fetched by this process before a
-    daemon is asked (client/options.py `fetch_for_client`); the store names fetched, which the
-    daemon then serves as any stored model, or this process does. Else `models` as given."""
-    if not args.from_swarm or args.local:
-        return models
-    if not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
-        raise DiffuseError("--from-swarm fetches from a swarm: give --bootstrap ADDR (or drop --no-mdns)")
-    boot = bootstrap_addrs(args, required=False)
-    from diffuse.client.options import fetch_for_client
+def swarm_of(args):
+    """The swarm's bootstrap addresses, access and mDNS, from the options (before torch is imported)."""
     from diffuse.control.bootstrap import mdns_wanted
-
-    fetched = fetch_for_client(vars(args), data_home(args.home), models, boot, swarm_access(args),
-                               mdns_wanted(getattr(args, "mdns", None), boot))
-    args.from_swarm = False  # in the store now: served as any stored model
-    return fetched
+    boot = bootstrap_addrs(args, required=False)
+    return boot, swarm_access(args), mdns_wanted(getattr(args, "mdns", None), boot)
 
 
 def cmd_ask(args) -> int:
+    from diffuse.client.options import fetched_first  # --from-swarm: here, before a daemon is asked
     from diffuse.daemon.client import ask, ask_request, notice
 
-    args.model = fetched_first(args, (args.model,))[0]  # --from-swarm: here, before the daemon is asked
-
+    args.model = fetched_first(vars(args), data_home(args.home), (args.model,), lambda: swarm_of(args))[0]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))

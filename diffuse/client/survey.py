@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import trio
 
@@ -20,6 +20,7 @@ from diffuse.client import manifests
 from diffuse.client.accept import NotHere, accepted_hashes, explain
 from diffuse.client.swarm_backend import SwarmConfig
 from diffuse.control.coverage import Coverage, coverage, format_text
+from diffuse.control import pins
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, NodeConfig, open_node
 from diffuse.control.records import PeerRecord
@@ -130,15 +131,16 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge:
 
 
 async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool,
-                 accept: str | None = None, model_hashes: Mapping[str, str] | None = None) -> dict[str, Any]:
+                 accept: str | None = None, model_hashes: Sequence[str] = ()) -> dict[str, Any]:
     """What `diffuse status` prints, for people ("text") and for --json ("json"). `accept`:
     --accept-quant (default: every variant the store holds, each checked against it; those it
     names, `any` included, are made here where the store lacks them); `model_hashes`: --model-hash
-    MODEL=SHA256, the manifests to trust where the store has no weights."""
+    MODEL=SHA256, the manifests to trust where the store has no weights (a bad one: a DiffuseError)."""
+    trust = pins.parse(model_hashes)
     sources = stored(home, names)
     judge = Variants(sources, parse_accept(accept or "any", "none"), parse_accept(accept, "none") if accept else ())
     models = [load_manifest(d) for d in sources.values()]
-    text, data = report(await survey(swarm, models, reach, judge, model_hashes), swarm)
+    text, data = report(await survey(swarm, models, reach, judge, trust), swarm)
     return {"text": text, "json": data}
 
 

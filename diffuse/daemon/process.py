@@ -262,11 +262,10 @@ class Daemon:
 
     async def _survey(self, request: protocol.Survey) -> dict[str, Any]:
         from diffuse.client.survey import status
-        from diffuse.control.pins import parse
 
         swarm = replace(self.config.service.swarm, wait=request.wait)
         return await status(self.config.home, request.models, swarm, request.reach, request.accept_quant,
-                            parse(request.model_hash))
+                            request.model_hash)
 
     async def _api(self, request: protocol.Api, stream: trio.SocketStream) -> None:
         from diffuse.api.app import Settings, create_app
