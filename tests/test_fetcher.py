@@ -598,3 +598,18 @@ def test_json_progress_is_one_object_a_line_with_its_event_and_a_failure_is_told
         trio.run(from_swarm.from_swarm, tmp_path, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), want, said.append)
     failed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
     assert failed == [{"event": "failed", "error": failed[0]["error"]}] and "no peer announces" in failed[0]["error"]
+
+
+def test_a_variant_of_a_format_2_source_lists_its_own_sizes_not_the_sources(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.model import blockfiles, variants
+    from diffuse.model.weights import ModelFiles
+
+    src = make_tiny(tmp_path / "tiny")
+    source = blockfiles.complete(src)  # format 2, as a peer serving it (or a fetch) leaves it
+    made = blockfiles.complete(variants.make_variant(src, "int8"))
+    files = ModelFiles(variants.variant_dir(src, "int8"))
+    assert made.format == 2 and made.quant == "int8" and made.head_size == 0  # its head is its source's
+    assert made.block_sizes == [blockfiles.size(blockfiles.segments(files, i)) for i in range(4)]
+    assert made.block_sizes != source.block_sizes and made.files == source.files  # config, tokenizer: copied

@@ -178,7 +178,7 @@ def given(options: dict[str, Any]) -> dict[str, Any]:
 def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
     """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
     machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history.
-    With --from-swarm the command has fetched what the store lacked before (cli/ask.py
+    With --from-swarm the command has fetched what the store lacked before (client/options.py
     `fetched_first`): the model is then a stored one."""
     return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
             "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False,
