@@ -36,9 +36,9 @@ from diffuse.control.records import PeerRecord
 from diffuse.data.fetcher import Fetcher
 from diffuse.client import manifests
 from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA, announced
-from diffuse.errors import DiffuseError, FetchError, first_leaf
+from diffuse.errors import DiffuseError, FetchError, ModelError, first_leaf
 from diffuse.home import DEFAULT_MODEL, models_dir
-from diffuse.model import blockfiles
+from diffuse.model import blockfiles, variants
 from diffuse.model.config import ModelConfig
 from diffuse.model.store import block_ranges as blockfiles_ranges
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
@@ -63,6 +63,7 @@ class Wanted:
     model_hash: str | None = None
     wait: float = 60.0
     json_progress: bool = False
+    quant: str = "none"  # a join serving that quantized variant: its blocks as its peers store them
 
 
 async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> tuple[str, tuple[int, int]]:
@@ -92,8 +93,11 @@ async def _from_swarm(home: Path, node_config: NodeConfig, want: Wanted,
             sources = [r.peer_id for r in records
                        if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
             await _files(fetcher, model_dir, manifest, sources)
-            span, blocks = _span(want, model_dir, manifest, records)
-            await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
+            where, served, serving = model_dir, manifest, records
+            if want.quant != "none":
+                where, served, serving = await _variant(fetcher, model_dir, manifest, records, want.quant, progress)
+            span, blocks = _span(want, where, served, serving)
+            await _blocks(fetcher, where, served, serving, blocks, want.head, progress)
             progress.finish()
             by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
             held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
@@ -115,7 +119,7 @@ def _span(want: Wanted, model_dir: Path, manifest: Manifest,
         return (0, 0), [*range(min(front, manifest.num_layers)),
                         *range(max(front, manifest.num_layers - back), manifest.num_layers)]
     span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory, ModelConfig.load(model_dir),
-                                    manifest.dtype)
+                                    manifest.dtype, manifest.quant)
     span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
                                         expected_hashes=manifest.block_hashes).replicas, length)
     return span, list(range(*span))
@@ -202,6 +206,49 @@ async def _manifest(home: Path, node: Node, config: NodeConfig, want: Wanted, fe
         return dest, manifest, sha
 
 
+async def _variant(fetcher: Fetcher, model_dir: Path, source: Manifest, records: list[PeerRecord], scheme: str,
+                   progress: "Progress") -> tuple[Path, Manifest, list[PeerRecord]]:
+    """The `scheme` variant's manifest, from the peers serving that variant (their records' ext
+    `quant`), into the store beside its source (model/variants.py), with the source's files: its
+    directory, manifest and the records of its peers. Its hashes cannot be recomputed without the
+    source's weights: its manifest is the one every announcer of the variant agrees on
+    (quantizing is deterministic, so honest peers do), and it must name the trusted source."""
+    serving = [r for r in records if r.extra.get("quant") == scheme and announced(r, variant=True) is not None]
+    groups: dict[tuple[str, int], list[str]] = {}
+    for r in serving:
+        groups.setdefault(announced(r, variant=True), []).append(r.peer_id)
+    if not groups:
+        raise DiffuseError(f"no peer serves the {scheme} variant of {source.model_id} as files (its manifest "
+                           f"announced: {manifests.VARIANT_SHA}); serve it unquantized, or pull the whole model")
+    dest = variants.variant_dir(model_dir, scheme)
+    with tempfile.TemporaryDirectory(prefix=".manifests-", dir=model_dir.parent) as tmp:
+        found: dict[str, tuple[Manifest, Path]] = {}
+        for (sha, size), peers in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:manifests.MAX_MANIFESTS]:
+            try:
+                await fetcher.fetch(sha, size, Path(tmp) / sha / MANIFEST, peers, f"the {scheme} manifest {sha[:16]}…")
+                found[sha] = (manifests.checked(Path(tmp) / sha, source.model_id, source=source, quant=scheme),
+                              Path(tmp) / sha)
+            except (FetchError, ModelError) as e:
+                log.warning("variant manifest %s refused: %s", sha, e)
+        sha = manifests.choose(found, groups, None)
+        manifest, where = found[sha]
+        if (dest / MANIFEST).is_file() and load_manifest(dest).model_hash != manifest.model_hash:
+            raise DiffuseError(f"the store's {dest.name} is another variant than the swarm's "
+                               f"({manifest.model_hash[:16]}…): remove {dest}")
+        _mkdir(dest)
+        for name in manifest.files:  # the source's files, checked again by hash below
+            if (model_dir / name).is_file() and not (dest / name).is_file():
+                shutil.copyfile(model_dir / name, dest / name)
+        shutil.copyfile(where / MANIFEST, dest / f".{MANIFEST}.tmp")
+        (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)
+    peers = [p for (s, _), ps in groups.items() if s == sha for p in ps]
+    await _files(fetcher, dest, manifest, peers)
+    progress.say(f"{dest.name}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced by "
+                 f"{len(peers)} peer(s) of the {scheme} variant")
+    progress.event("variant", model=dest.name, manifest_sha256=sha, model_hash=manifest.model_hash, announcers=peers)
+    return dest, manifest, [r for r in serving if r.peer_id in peers]
+
+
 def _partial_of(own: Manifest, swarm: Manifest, dest: Path) -> bool:
     """Whether the store's manifest is to be replaced by the swarm's: it is of the same model and
     partial (`model pull --blocks` leaves empty hashes for the blocks it lacks), each hash it has
@@ -244,7 +291,7 @@ async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records
         sha = manifest.head_hash if i is None else manifest.block_hashes[i]
         what = f"{manifest.model_id}'s head" if i is None else f"block {i} of {manifest.model_id}"
         sources = [r.peer_id for r in records if r.extra.get(BLOCK_FILES) is True and
-                   (r.extra.get(MANIFEST_SHA) is not None if i is None else
+                   (r.extra.get(MANIFEST_SHA) is not None and "quant" not in r.extra if i is None else
                     r.start <= i < r.end and r.block_hashes[i - r.start] == sha)]
         if not sources:
             raise FetchError(f"{what}: no peer serves it as a file (none announces {BLOCK_FILES} with its hash)")

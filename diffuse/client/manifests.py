@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST_SHA, MANIFEST_BYTES = "manifest_sha256", "manifest_bytes"  # ext fields (peer/offer.py)
 BLOCK_FILES = "block_files"  # ext field: true where the peer serves its span's blocks as files (files.md 9.2)
+# ext fields of a peer serving a quantized variant: its variant's manifest (manifest_sha256 stays the source's)
+VARIANT_SHA, VARIANT_BYTES = "variant_manifest_sha256", "variant_manifest_bytes"
 MAX_MANIFEST = 1 << 20  # bytes: ~10k blocks' hashes
 MAX_FILE = 1 << 30  # bytes of one listed file (config, tokenizer)
 MAX_BLOCK, MAX_LAYERS = 1 << 38, 4096  # canonical bytes of one block or the head; blocks of a model
@@ -40,17 +42,21 @@ HEX64 = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
-def announced(record: PeerRecord) -> tuple[str, int] | None:
-    """The manifest `record` announces, (SHA-256, size), or None where it announces none or one
-    no node should fetch (a hash that is not 64 lowercase hex digits, a size out of bounds)."""
-    sha, size = record.extra.get(MANIFEST_SHA), record.extra.get(MANIFEST_BYTES)
+def announced(record: PeerRecord, variant: bool = False) -> tuple[str, int] | None:
+    """The manifest `record` announces (`variant`: its variant's), (SHA-256, size), or None where
+    it announces none or one no node should fetch (a hash that is not 64 lowercase hex digits, a
+    size out of bounds)."""
+    sha, size = record.extra.get(VARIANT_SHA if variant else MANIFEST_SHA), \
+        record.extra.get(VARIANT_BYTES if variant else MANIFEST_BYTES)
     if isinstance(sha, str) and HEX64.fullmatch(sha) and type(size) is int and 0 < size <= MAX_MANIFEST:
         return sha, size
     return None
 
 
-def checked(where: Path, model: str, to_fetch: bool = True) -> Manifest:
-    """The manifest in `where` once it can say what the swarm serves: of `model`, unquantized, its
+def checked(where: Path, model: str, to_fetch: bool = True, source: Manifest | None = None,
+            quant: str = "none") -> Manifest:
+    """The manifest in `where` once it can say what the swarm serves: of `model`, unquantized (or,
+    `source` given, that model's `quant` variant: its source's model hash and block count), its
     block count in bounds, every hash 64 lowercase hex digits; and, `to_fetch` (to fetch by it),
     format 2: every size an integer in bounds, its files' names safe, a config.json. Else a
     ModelError naming the field. (`status` reads coverage alone, so it takes format 1 too.)"""
@@ -59,8 +65,10 @@ def checked(where: Path, model: str, to_fetch: bool = True) -> Manifest:
     except (AttributeError, TypeError, ValueError) as e:  # JSON of another shape, bytes that are no text
         raise ModelError(f"not a manifest: {str(e)[:200]}") from None
     if m.model_id != model or not isinstance(m.model_id, str) or not _NAME.fullmatch(m.model_id) \
-            or m.quant != "none":
-        raise ModelError(f"not a manifest of {model} (of an unquantized model)")
+            or m.quant != quant:
+        raise ModelError(f"not a manifest of {model} ({'of an unquantized model' if quant == 'none' else quant})")
+    if source is not None and (m.source != source.model_hash or m.num_layers != source.num_layers):
+        raise ModelError(f"not a variant of the model hash {source.model_hash} with {source.num_layers} blocks")
     if type(m.num_layers) is not int or not 0 < m.num_layers <= MAX_LAYERS:
         raise ModelError(f"the manifest's num_layers is {str(m.num_layers)[:80]!r}, not an integer "
                          f"from 1 to {MAX_LAYERS}")
