@@ -1,5 +1,6 @@
 """`diffuse api`: an OpenAI-compatible endpoint backed by the swarm (or by a local model). Prints
-`listening on http://HOST:PORT` (the real port) once it accepts connections; SIGINT or SIGTERM stops it."""
+`listening on http://HOST:PORT` (the real port) once it accepts connections; SIGINT or SIGTERM stops it.
+--from-swarm: fetched by this process first, then served by the daemon or here (daemon/client.py fetched_first)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_api(args) -> int:
     from diffuse.api.keys import api_keys
-    from diffuse.client.options import fetched_first  # --from-swarm: here, before a daemon is asked
-    from diffuse.daemon.client import api_request, notice, serve_api
+    from diffuse.daemon.client import api_request, fetched_first, notice, serve_api  # --from-swarm: fetched first
     from diffuse.http import parse_listen
 
     parse_listen(args.listen)

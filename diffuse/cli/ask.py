@@ -110,8 +110,7 @@ def swarm_of(args):
 
 
 def cmd_ask(args) -> int:
-    from diffuse.client.options import fetched_first  # --from-swarm: here, before a daemon is asked
-    from diffuse.daemon.client import ask, ask_request, notice
+    from diffuse.daemon.client import ask, ask_request, fetched_first, notice  # --from-swarm: fetched first
 
     args.model = fetched_first(vars(args), data_home(args.home), (args.model,), lambda: swarm_of(args))[0]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

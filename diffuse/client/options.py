@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,20 +42,6 @@ def fetch_for_client(options: Mapping[str, Any], home: Path, models: tuple[str |
     judging = (options["trust"] or access.trust) != "off"
     config = SwarmConfig(tuple(boot), access, mdns=mdns).node_config()
     return tuple(for_client(home, dict(options) | {"model": m}, config, judging, log.warning) for m in models)
-
-
-def fetched_first(options: dict[str, Any], home: Path, models: tuple[str | None, ...],
-                  swarm: Callable[[], tuple[Sequence[str], SwarmAccess, bool]]) -> tuple[str | None, ...]:
-    """`ask / api --from-swarm` (not --local): what the client holds, fetched by this process
-    before a daemon is asked (`fetch_for_client`, from the swarm `swarm()` resolves: its bootstrap
-    addresses, access and mDNS); the store names to serve, by the daemon as any stored model or,
-    where none answers for them, by this process. `options` (the command's, mutable) then says
-    --from-swarm no more: nothing is fetched twice. Else `models` as given."""
-    if not options.get("from_swarm") or options.get("local"):
-        return models
-    names = fetch_for_client(options, home, models, *swarm())
-    options["from_swarm"] = False
-    return names
 
 
 def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | None, ...], boot: Sequence[str],
