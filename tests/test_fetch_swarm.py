@@ -5,8 +5,10 @@ block 3 is altered on disk once it serves (it computes with the blocks it loaded
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
 stores a block that hashes right (`--json`: the same in JSON lines); a second sentinel pinning
 the manifest's hash is what a join (and `status` from an empty store) trusts, and one pinning
-another hash makes it fail naming both; `--model auto` with `--blocks auto` fetches the span it serves;
-two peers with empty stores take complementary spans and end with only their span on disk; `src`
+another hash makes it fail naming both; `--model auto` with `--blocks auto` fetches the span it
+serves; beside a peer serving the int8 variant of two blocks, `--quant int8` fetches those as
+the variant stores them, no source block; two peers with empty stores take complementary spans
+and end with only their span on disk; `src`
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
@@ -196,6 +198,33 @@ def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_pa
     start, end = map(int, re.search(r"serving \S+ blocks (\d+):(\d+)", serving).groups())
     assert end - start == 2 and set(on_disk(swarm, "g")) == {f"block-{i:05d}.safetensors" for i in range(start, end)}
     swarm.kill("g")
+
+
+def test_a_variant_is_fetched_as_its_peers_store_it_and_no_source_block(swarm, home, tmp_path):
+    """Beside a peer serving the int8 variant of blocks 3-4, `join --from-swarm --quant int8`
+    ends with those two blocks of the variant (its manifest naming the source's model hash), no
+    block of the source, and serves them."""
+    swarm.spans["q8"], swarm.extra["q8"] = "3:5", [*JOIN, "--quant", "int8"]
+    swarm.start("q8")
+    swarm.wait("q8")
+    try:
+        join(swarm, "v", "3:5", tmp_path, "--quant", "int8")
+        swarm.wait("v")
+        fetched_dir = models_dir(swarm.homes["v"]) / f"{DEFAULT_MODEL}@int8"
+        assert not on_disk(swarm, "v")  # the source's directory: manifest and files, no block
+        assert sorted(p.name for p in fetched_dir.glob("*.safetensors")) == ["block-00003.safetensors",
+                                                                             "block-00004.safetensors"]
+        manifest = load_manifest(fetched_dir)
+        source, variant = (load_manifest(models_dir(home) / f"{DEFAULT_MODEL}{x}") for x in ("", "@int8"))
+        assert manifest.quant == "int8" and manifest.source == source.model_hash
+        assert manifest.block_hashes == variant.block_hashes
+        total, by_peer = fetched(swarm, "v")
+        assert total * 2**20 <= sum(manifest.block_sizes[3:5]) + sum(n for n, _ in manifest.files.values()) + 2**20
+        assert by_peer.get(swarm.ids["q8"], 0) > 0, by_peer
+    finally:
+        for name in ("v", "q8"):
+            if name in swarm.proc:
+                swarm.kill(name)
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
