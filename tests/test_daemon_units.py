@@ -213,10 +213,12 @@ def test_status_sends_accept_quant_only_when_given_and_an_older_daemon_refusing_
     from diffuse.cli import build_parser
 
     plain = client.survey_request(vars(build_parser().parse_args(["status"])))
-    assert "accept_quant" not in plain
+    assert "accept_quant" not in plain and "model_hash" not in plain
     assert isinstance(protocol.parse(json.dumps(plain).encode()), protocol.Survey)
     asked = client.survey_request(vars(build_parser().parse_args(["status", "--accept-quant", "int4"])))
     assert asked["accept_quant"] == "int4"
+    pinned = client.survey_request(vars(build_parser().parse_args(["status", "--model-hash", "m=" + "a" * 64])))
+    assert protocol.parse(json.dumps(pinned).encode()).model_hash == ["m=" + "a" * 64]
     sock_path, pid_path, _ = protocol.paths(tmp_path)  # a "daemon": this process holds the lock, a thread answers
     lock = os.open(pid_path, os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
@@ -244,3 +246,36 @@ def test_status_sends_accept_quant_only_when_given_and_an_older_daemon_refusing_
         thread.join(10)
         server.close()
         os.close(lock)
+
+
+def test_ask_and_api_from_swarm_fetch_in_their_process_first_then_hand_the_daemon_the_stored_model(tmp_path,
+                                                                                                 monkeypatch):
+    """`--from-swarm`: the command fetches what the client holds (stubbed here) before it asks the
+    daemon, which is then asked for the fetched store name, as for any stored model."""
+    from diffuse.cli import build_parser
+    from diffuse.client import options
+
+    events: list = []
+
+    def fetch(opts, home, models, boot, access, mdns):
+        events.append(("fetch", tuple(models), tuple(boot)))
+        return tuple(f"fetched-{m or 'default'}" for m in models)
+
+    def serve_api(home, request, on_listening, say):
+        events.append(("api", list(request["models"])))
+        return True  # the daemon served it
+
+    def ask(home, request, on_text, say):
+        events.append(("ask", request["model"]))
+        return {"text": "", "finish_reason": "stop"}
+
+    monkeypatch.setattr(options, "fetch_for_client", fetch)
+    monkeypatch.setattr(client, "serve_api", serve_api)
+    monkeypatch.setattr(client, "ask", ask)
+    boot = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWA1aRqSx6ZtVKZ9sKmUj1FpD8RkYb6cJqGvWm4n2hHxYz"
+    for argv in (["api", "--listen", "127.0.0.1:0", "--model", "m"], ["ask", "hi"]):
+        args = build_parser().parse_args(["--home", str(tmp_path), *argv, "--from-swarm", "--mode", "public",
+                                          "--bootstrap", boot])
+        assert args.func(args) == 0
+    assert events == [("fetch", ("m",), (boot,)), ("api", ["fetched-m"]),
+                      ("fetch", (None,), (boot,)), ("ask", "fetched-default")], events

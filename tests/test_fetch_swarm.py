@@ -4,13 +4,16 @@ A sentinel, `src` holding and serving the whole model, and `bad`, a whole copy t
 block 3 is altered on disk once it serves (it computes with the blocks it loaded and checked;
 its files server sends what the disk holds). In order: a peer fetching block 3 bans `bad` and
 stores a block that hashes right (`--json`: the same in JSON lines); a second sentinel pinning
-the manifest's hash is what a join trusts, and one pinning another hash makes it fail naming
-both; `--model auto` with `--blocks auto` fetches the span it serves;
-two peers with empty stores take complementary spans and end with only their span on disk; `src`
+the manifest's hash is what a join (and `status` from an empty store) trusts, and one pinning
+another hash makes it fail naming both; `--model auto` with `--blocks auto` fetches the span it
+serves; beside a peer serving the int8 variant of two blocks, `--quant int8` fetches those as
+the variant stores them, no source block; two peers with empty stores take complementary spans
+and end with only their span on disk; `src`
 and `bad` are SIGKILLed and the swarm's greedy answer, through the two new peers, equals the local
 one (`bad` then comes back, its block 3 altered again), as is a client's that fetched
 into an empty store what it holds (`ask --from-swarm`: with no trust plane its head and first
-block; with it, then the rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
+block, and `api --from-swarm` the same, answering through the `openai` client; with it, then the
+rest); a peer whose source is SIGKILLed mid-transfer (its log shows the
 cut range) finishes from another without fetching twice what it had; with no honest source left
 for block 3, a join fails naming the block (an `error:` line, and `failed` in JSON).
 """
@@ -25,6 +28,7 @@ import signal
 import subprocess
 import time
 
+import openai
 import pytest
 
 from support.procs import DIFFUSE, Procs
@@ -165,6 +169,14 @@ def test_a_private_swarm_trusts_the_manifest_its_sentinel_pins_and_refuses_annou
         sentinel, addr = pinning_sentinel(swarm, f"pin-{name}", model, sha)
         try:
             join(swarm, name, "4:5", tmp_path / name, "--bootstrap", addr, "--json")
+            status = subprocess.run([*DIFFUSE, "status", "--bootstrap", swarm.boot, "--bootstrap", addr, "--json",
+                                     "--no-reach"], capture_output=True, text=True, timeout=300,
+                                    env=swarm.procs.env | {"DIFFUSE_HOME": str(tmp_path / name / "status-home")})
+            shown = json.loads(status.stdout)  # no weights here: the manifest the pin names, as a join trusts
+            if sha == right:
+                assert [m["model"] for m in shown["models"]] == [model] and not shown.get("refused"), shown
+            else:
+                assert shown["models"] == [] and all(x in shown["refused"][model] for x in (wrong, right)), shown
             if sha == right:
                 swarm.wait(name)
                 manifest = json_lines("\n".join(swarm.proc[name].stderr))[0]
@@ -186,6 +198,33 @@ def test_model_auto_and_blocks_auto_fetch_the_span_they_then_serve(swarm, tmp_pa
     start, end = map(int, re.search(r"serving \S+ blocks (\d+):(\d+)", serving).groups())
     assert end - start == 2 and set(on_disk(swarm, "g")) == {f"block-{i:05d}.safetensors" for i in range(start, end)}
     swarm.kill("g")
+
+
+def test_a_variant_is_fetched_as_its_peers_store_it_and_no_source_block(swarm, home, tmp_path):
+    """Beside a peer serving the int8 variant of blocks 3-4, `join --from-swarm --quant int8`
+    ends with those two blocks of the variant (its manifest naming the source's model hash), no
+    block of the source, and serves them."""
+    swarm.spans["q8"], swarm.extra["q8"] = "3:5", [*JOIN, "--quant", "int8"]
+    swarm.start("q8")
+    swarm.wait("q8")
+    try:
+        join(swarm, "v", "3:5", tmp_path, "--quant", "int8")
+        swarm.wait("v")
+        fetched_dir = models_dir(swarm.homes["v"]) / f"{DEFAULT_MODEL}@int8"
+        assert not on_disk(swarm, "v")  # the source's directory: manifest and files, no block
+        assert sorted(p.name for p in fetched_dir.glob("*.safetensors")) == ["block-00003.safetensors",
+                                                                             "block-00004.safetensors"]
+        manifest = load_manifest(fetched_dir)
+        source, variant = (load_manifest(models_dir(home) / f"{DEFAULT_MODEL}{x}") for x in ("", "@int8"))
+        assert manifest.quant == "int8" and manifest.source == source.model_hash
+        assert manifest.block_hashes == variant.block_hashes
+        total, by_peer = fetched(swarm, "v")
+        assert total * 2**20 <= sum(manifest.block_sizes[3:5]) + sum(n for n, _ in manifest.files.values()) + 2**20
+        assert by_peer.get(swarm.ids["q8"], 0) > 0, by_peer
+    finally:
+        for name in ("v", "q8"):
+            if name in swarm.proc:
+                swarm.kill(name)
 
 
 def test_complementary_spans_fetch_only_their_blocks_and_answer_as_local(swarm, home, tmp_path):
@@ -228,6 +267,19 @@ def test_a_client_with_an_empty_store_fetches_what_it_holds_and_answers_as_local
     assert progress and all(p.keys() == {"event", "fetched_bytes", "of_bytes", "bytes_per_s", "eta_s"}
                             for p in progress), err
     assert set(on_disk_of(empty)) == {"head.safetensors", "block-00000.safetensors"}  # --local-blocks 1,0
+    api_home = tmp_path / "api-home"  # `api --from-swarm`: the same fetch, then one answer through `openai`
+    api = swarm.procs.start("--client-only", "api", "--bootstrap", swarm.boot, "--listen", "127.0.0.1:0",
+                            "--from-swarm", "--trust", "off", "--wait", "30", "--no-speculate",
+                            env={"DIFFUSE_HOME": str(api_home)})
+    try:
+        url = api.read_until("listening on", timeout=300)[-1].split()[-1]
+        chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300).chat.completions.create(
+            model=DEFAULT_MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=TOKENS)
+        assert chat.choices[0].message.content == answer["text"] and chat.usage.completion_tokens == TOKENS
+        assert set(on_disk_of(api_home)) == {"head.safetensors", "block-00000.safetensors"}
+    finally:
+        api.signal(signal.SIGKILL)
+        api.wait(timeout=30)
     answer, err = client_ask(swarm, empty)
     assert answer["token_ids"] == reference and len(on_disk_of(empty)) == 31
     manifest = load_manifest(models_dir(home) / DEFAULT_MODEL)

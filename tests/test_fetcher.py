@@ -165,7 +165,7 @@ def test_a_server_closes_a_transfer_slower_than_its_least_rate(blob):
 
 
 def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, monkeypatch):
-    from diffuse.client import from_swarm
+    from diffuse.client import manifests as from_swarm
 
     groups = {(f"{i:064x}", 100): [f"P{i}"] * (1 + i) for i in range(20)}
     asked: list[str] = []
@@ -179,7 +179,7 @@ def test_manifests_fetched_to_compare_are_capped_in_number_and_time(tmp_path, mo
 
     async def main(open_stream):
         with trio.fail_after(20):
-            return await from_swarm._fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
+            return await from_swarm.fetch_manifests(Fetcher(open_stream), groups, tmp_path, "m")
 
     assert trio.run(main, refuses) == {}
     assert len(set(asked)) == from_swarm.MAX_MANIFESTS and "P19" in asked  # the most announced first
@@ -360,7 +360,7 @@ def test_a_partial_store_is_listed_as_such_and_verify_names_a_bad_block(tmp_path
 def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen_silently():
     from dataclasses import replace
 
-    from diffuse.client.from_swarm import _choose
+    from diffuse.client.manifests import choose as _choose
     from diffuse.errors import DiffuseError
     from diffuse.model.weights import Manifest
 
@@ -382,7 +382,7 @@ def test_disagreeing_manifests_are_listed_with_their_announcers_and_never_chosen
 def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
     from dataclasses import replace
 
-    from diffuse.client.from_swarm import _choose
+    from diffuse.client.manifests import choose as _choose
     from diffuse.errors import DiffuseError
     from diffuse.model.weights import Manifest
 
@@ -396,16 +396,66 @@ def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
     assert _choose(found, groups, "2" * 64) == "2" * 64
 
 
-def test_join_from_swarm_refuses_a_variant_before_it_fetches(tmp_path):
-    from libp2p.crypto.ed25519 import create_new_key_pair
+def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp_path):
+    """A peer serving the int8 variant of blocks 1-2 offers the variant's manifest and its stored
+    blocks; `join --from-swarm --quant int8` on a store holding only the source's manifest and
+    files takes that manifest (naming the trusted source), fetches the blocks into the variant's
+    directory, and they load, checked, as the variant's blocks."""
+    import shutil
 
+    from tiny import make_tiny
+
+    from diffuse.client import from_swarm
+    from diffuse.client.manifests import BLOCK_FILES, VARIANT_SHA
+    from diffuse.control.records import PeerRecord
     from diffuse.errors import DiffuseError
-    from diffuse.peer.hooks import ServeConfig
-    from diffuse.peer.join import JoinConfig, Peer
+    from diffuse.model import blockfiles, variants
+    from diffuse.model.load import load_span
+    from diffuse.model.weights import ModelFiles, load_manifest
+    from diffuse.peer.offer import offer
 
-    config = JoinConfig(home=tmp_path, from_swarm=True, serve=ServeConfig(quant="int4"))
-    with pytest.raises(DiffuseError, match="--from-swarm fetches a span of unquantized blocks"):
-        Peer(create_new_key_pair(), config, print, print)
+    src = make_tiny(tmp_path / "src" / "tiny")
+    source = blockfiles.complete(src)
+    made = variants.make_variant(src, "int8")
+    server = F.FileServer()
+    extra = offer(server, src, (1, 3), made) | {"quant": "int8"}
+    variant = load_manifest(made)
+    assert extra[BLOCK_FILES] is True and VARIANT_SHA in extra and variant.format == 2
+    record = PeerRecord("SRC", "tiny", 4, 1, 3, tuple(variant.block_hashes[1:3]), "float32", 1.0, 100, (), 0.0,
+                        1e12, 0.0, extra=extra)
+    part = tmp_path / "home" / "models" / "tiny"  # as the source's manifest and files leave it
+    part.mkdir(parents=True)
+    for name in ["manifest.json", *source.files]:
+        shutil.copyfile(src / name, part / name)
+
+    async def fetch(records):
+        async with trio.open_nursery() as nursery:
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                nursery.start_soon(server.serve, MemStream(b), "me")
+                return MemStream(a)
+            fetcher = Fetcher(open_stream, piece=PIECE, stall_timeout=5)
+            progress = from_swarm.Progress(lambda text: None)
+            try:
+                where, manifest, serving = await from_swarm._variant(fetcher, part, source, records, "int8",
+                                                                     progress)
+                await from_swarm._blocks(fetcher, where, manifest, serving, [1, 2], False, progress)
+                return where, fetcher.stats.received
+            finally:
+                await fetcher.close()
+                nursery.cancel_scope.cancel()
+
+    unquantized = PeerRecord(**{**record.__dict__, "extra": {k: v for k, v in extra.items() if k != "quant"}})
+    with pytest.raises(BaseExceptionGroup) as e:  # an unquantized peer's record: no variant to take
+        trio.run(fetch, [unquantized])
+    assert e.group_contains(DiffuseError, match="no peer serves the int8 variant")
+    where, received = trio.run(fetch, [record])
+    assert where == variants.variant_dir(part, "int8") and load_manifest(where) == variant
+    assert {p.name for p in where.glob("*.safetensors")} == {"block-00001.safetensors", "block-00002.safetensors"}
+    assert received < sum(variant.block_sizes[1:3]) + 2 * 4096 + 65536  # the blocks, the manifest: not the source's
+    load_span(part, 1, 3, quant="int8")  # the variant's blocks, checked against its manifest
+    got, want = ModelFiles(where).read_block(1), ModelFiles(made).read_block(1)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def good_manifest() -> dict:
@@ -598,3 +648,18 @@ def test_json_progress_is_one_object_a_line_with_its_event_and_a_failure_is_told
         trio.run(from_swarm.from_swarm, tmp_path, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), want, said.append)
     failed = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
     assert failed == [{"event": "failed", "error": failed[0]["error"]}] and "no peer announces" in failed[0]["error"]
+
+
+def test_a_variant_of_a_format_2_source_lists_its_own_sizes_not_the_sources(tmp_path):
+    from tiny import make_tiny
+
+    from diffuse.model import blockfiles, variants
+    from diffuse.model.weights import ModelFiles
+
+    src = make_tiny(tmp_path / "tiny")
+    source = blockfiles.complete(src)  # format 2, as a peer serving it (or a fetch) leaves it
+    made = blockfiles.complete(variants.make_variant(src, "int8"))
+    files = ModelFiles(variants.variant_dir(src, "int8"))
+    assert made.format == 2 and made.quant == "int8" and made.head_size == 0  # its head is its source's
+    assert made.block_sizes == [blockfiles.size(blockfiles.segments(files, i)) for i in range(4)]
+    assert made.block_sizes != source.block_sizes and made.files == source.files  # config, tokenizer: copied

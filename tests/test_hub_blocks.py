@@ -117,3 +117,98 @@ def test_only_the_shards_of_the_span_are_pulled(hub, tmp_path):
     assert {line.split(" ", 1)[1] for line in log if line.endswith(".safetensors")} == {SHARDS[0]}, log
     assert load_manifest(dest).model_hash == whole.model_hash  # every block and the head now: the model's own
     assert block_hash(ModelFiles(dest).read_block(0)) == whole.block_hashes[0]
+
+
+def fetch_from_peers(original, dest, blocks: list[int], head: bool) -> list[str]:
+    """What `--from-swarm` does to store `dest` for `blocks` (and the head), its manifest the
+    swarm's (format 2) taking the place of a partial one of the Hub's where they agree; the
+    transfers stubbed by the original's canonical bytes. Returns what it fetched."""
+    import shutil
+
+    import trio
+
+    from diffuse.client import from_swarm
+    from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA
+    from diffuse.control.records import PeerRecord
+    from diffuse.model import blockfiles
+
+    swarm = blockfiles.complete(original)  # the source's manifest, as it announces it
+    if not (dest / "manifest.json").is_file() or from_swarm._partial_of(load_manifest(dest), swarm, dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(original / "manifest.json", dest / "manifest.json")
+    files, asked = ModelFiles(original), []
+    record = PeerRecord("SRC", swarm.model_id, 4, 0, 4, tuple(swarm.block_hashes), "float32", 1.0, 100, (), 0.0,
+                        1e12, 0.0, extra={BLOCK_FILES: True, MANIFEST_SHA: "0" * 64})
+
+    class Fetcher:
+        async def fetch(self, sha, size, path, sources, what):
+            asked.append(what)
+            listed = {h: name for name, (_, h) in swarm.files.items()}
+            if sha in listed:
+                path.write_bytes((original / listed[sha]).read_bytes())
+                return path
+            block = None if sha == swarm.head_hash else swarm.block_hashes.index(sha)
+            with open(path, "wb") as out:
+                for piece in blockfiles.segments(files, block):
+                    if isinstance(piece, bytes):
+                        out.write(piece)
+                    else:
+                        with open(piece[0], "rb") as f:
+                            f.seek(piece[1])
+                            out.write(f.read(piece[2]))
+            assert path.stat().st_size == size
+            return path
+
+    async def main():
+        await from_swarm._files(Fetcher(), dest, swarm, ["SRC"])
+        await from_swarm._blocks(Fetcher(), dest, swarm, [record], blocks, head, from_swarm.Progress(lambda text: None))
+
+    trio.run(main)
+    return [x for x in asked if "block" in x or "head" in x]
+
+
+def listed(home) -> str:
+    out = subprocess.run([*DIFFUSE, "model", "list"], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"DIFFUSE_HOME": str(home)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_hub_shards_and_blocks_from_peers_combine_in_one_store(hub, tmp_path):
+    """A store pulled from the Hub for blocks 2-3 then needs blocks 0-3 and the head from peers:
+    it fetches only blocks 0, 1 and the head; one that fetched blocks 0-1 from peers then pulls
+    0:4 from the Hub: only the shards of blocks 2 and 3. Either way `model list` and `model
+    verify` see every file, and the blocks load against the swarm's manifest, which stays."""
+    from dataclasses import replace
+
+    from diffuse.client import from_swarm
+    from diffuse.errors import DiffuseError
+    from diffuse.model import blockfiles
+    from diffuse.model.load import load_span
+
+    url, log, original = hub
+    home = tmp_path / "home"
+    pull(url, home, "2:4")
+    dest = models_dir(home) / "tiny"
+    partial, swarm = load_manifest(dest), blockfiles.complete(original)
+    with pytest.raises(DiffuseError, match="is another model"):  # a hash it holds differs: never mixed
+        from_swarm._partial_of(replace(partial, block_hashes=partial.block_hashes[:3] + ["f" * 64]), swarm, dest)
+    asked = fetch_from_peers(original, dest, [0, 1, 2, 3], head=True)
+    assert asked == ["block 0 of tiny", "block 1 of tiny", "tiny's head"], asked
+    assert {p.name for p in dest.glob("*.safetensors")} == {SHARDS[2], SHARDS[3], "block-00000.safetensors",
+                                                             "block-00001.safetensors", "head.safetensors"}
+    assert load_manifest(dest) == load_manifest(original) and blockfiles.held(dest) == ({0, 1, 2, 3}, True)
+    assert "partial" not in listed(home) and blockfiles.verify(dest, print) == 0
+    load_span(dest, 0, 4)
+
+    other = tmp_path / "other"
+    dest = models_dir(other) / "tiny"
+    assert fetch_from_peers(original, dest, [0, 1], head=False) == ["block 0 of tiny", "block 1 of tiny"]
+    manifest = (dest / "manifest.json").read_bytes()
+    log.clear()
+    pull(url, other, "0:4")
+    assert {line.split(" ", 1)[1] for line in log if line.endswith(".safetensors")} == {SHARDS[2], SHARDS[3]}, log
+    assert (dest / "manifest.json").read_bytes() == manifest  # the swarm's, kept
+    assert "partial: holds blocks 0-3 of 4" in listed(other)  # the embeddings lie in the shard not pulled
+    assert blockfiles.verify(dest, print) == 0
+    load_span(dest, 0, 4)

@@ -123,7 +123,7 @@ def test_a_node_reads_the_pins_of_the_sentinel_it_bootstraps_from_and_a_restart_
 
 
 def test_the_sentinels_pin_chooses_among_disagreeing_announcers_and_names_both_hashes_when_none_serves_it():
-    from diffuse.client.from_swarm import _choose
+    from diffuse.client.manifests import choose as _choose
     from diffuse.model.weights import Manifest
 
     one = Manifest("m", "llama", 1, "float32", ["a" * 64], "b" * 64)
@@ -138,3 +138,73 @@ def test_the_sentinels_pin_chooses_among_disagreeing_announcers_and_names_both_h
 
 def _raw(item: pins.SignedPins) -> tuple[bytes, bytes]:
     return item.payload, item.signature
+
+
+def test_status_without_weights_trusts_what_a_fetch_trusts_not_the_first_announcer(tmp_path, monkeypatch):
+    """`diffuse status` from an empty store: two peers announce different manifests of `m`, the
+    first one met the wrong one; the sentinel's pin (a private swarm) or --model-hash chooses,
+    and with neither the model is refused with both hashes named, never shown from the first."""
+    import json
+    from dataclasses import asdict
+
+    import trio.testing
+
+    from diffuse.client import manifests, survey
+    from diffuse.control.node_config import NodeConfig
+    from diffuse.control.records import PeerRecord
+    from diffuse.data.files import FileServer
+    from diffuse.model.weights import Manifest
+    from test_sessions import MemStream
+
+    server, shas, records = FileServer(), {}, {}
+    for name, head in {"P1": "c" * 64, "P2": "d" * 64}.items():
+        path = tmp_path / f"{name}.json"
+        m = Manifest("m", "llama", 1, "float32", ["e" * 64], head)
+        path.write_text(json.dumps(asdict(m) | {"model_hash": m.model_hash}))
+        shas[name], size = server.add(path)
+        records[name] = PeerRecord(name, "m", 1, 0, 1, ("e" * 64,), "float32", 1.0, 100, (), 0.0, 1e12, 0.0,
+                                   extra={manifests.MANIFEST_SHA: shas[name], manifests.MANIFEST_BYTES: size})
+
+    class Node:
+        def known_peers(self):
+            return ["P1", "P2"]  # the wrong manifest's announcer first
+
+        async def peer_record(self, pid):
+            return records[pid]
+
+    sentinel = peer_id(create_new_key_pair()).to_base58()
+    pinned: dict[str, str] = {}
+
+    async def read(node, sentinels, model):
+        assert list(sentinels) == [sentinel] and model == "m"
+        return {sentinel: pinned[model]} if model in pinned else {}
+
+    monkeypatch.setattr(pins, "read", read)
+    private = NodeConfig(bootstrap=[f"/ip4/127.0.0.1/tcp/1/p2p/{sentinel}"], swarm_key=object())
+
+    def heads(config, model_hashes):
+        async def main():
+            async with trio.open_nursery() as nursery:
+                def opener(node, found):
+                    async def open_stream(peer):
+                        a, b = trio.testing.memory_stream_pair()
+                        nursery.start_soon(server.serve, MemStream(b), "me")
+                        return MemStream(a)
+                    return open_stream
+                monkeypatch.setattr(manifests, "opener", opener)
+                refused: dict[str, str] = {}
+                found = await survey.swarm_manifests(Node(), config, model_hashes, refused)
+                nursery.cancel_scope.cancel()
+                return [m.head_hash for m in found], refused
+        return trio.run(main)
+
+    pinned["m"] = shas["P2"]
+    assert heads(private, {}) == (["d" * 64], {})  # the sentinel's pin, not the first announcer
+    assert heads(private, {"m": shas["P1"]}) == (["c" * 64], {})  # --model-hash before the pin
+    assert heads(NodeConfig(), {"m": shas["P2"]}) == (["d" * 64], {})
+    del pinned["m"]
+    found, refused = heads(NodeConfig(), {})  # public, no --model-hash: the announcers disagree
+    assert found == [] and all(x in refused["m"] for x in [shas["P1"], shas["P2"], "P1", "P2", "--model-hash"])
+    pinned["m"] = "f" * 64  # a pin nobody serves: refused naming it
+    found, refused = heads(private, {})
+    assert found == [] and "f" * 64 in refused["m"] and "sentinel pin" in refused["m"]

@@ -1,12 +1,13 @@
 """`diffuse api`: an OpenAI-compatible endpoint backed by the swarm (or by a local model). Prints
-`listening on http://HOST:PORT` (the real port) once it accepts connections; SIGINT or SIGTERM stops it."""
+`listening on http://HOST:PORT` (the real port) once it accepts connections; SIGINT or SIGTERM stops it.
+--from-swarm: fetched by this process first, then served by the daemon or here (daemon/client.py fetched_first)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config
+from diffuse.cli.ask import add_fallback_option, add_swarm_client_options, service_config, swarm_of
 from diffuse.cli.common import add_compute_options, add_train_draft_option, trio_run
 from diffuse.cli.reach import add_hole_punch_option
 from diffuse.errors import DiffuseError
@@ -41,13 +42,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_api(args) -> int:
     from diffuse.api.keys import api_keys
-    from diffuse.daemon.client import api_request, notice, serve_api
+    from diffuse.daemon.client import api_request, fetched_first, notice, serve_api  # --from-swarm: fetched first
     from diffuse.http import parse_listen
 
     parse_listen(args.listen)
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
     keys = api_keys(args.api_key, args.api_key_file)
+    args.model = fetched_first(vars(args), data_home(args.home), args.model or [None], lambda: swarm_of(args))
     if not args.no_daemon and serve_api(data_home(args.home), api_request(vars(args), keys),
                                         lambda url: print(f"listening on {url}", flush=True), notice):
         return 0  # the daemon served it while this process held the connection, until a signal

@@ -95,20 +95,24 @@ def service_config(args, models: tuple[str | None, ...], *, fallback_from_store:
     if args.local and (args.bootstrap or args.bootstrap_file or args.client_only):
         raise DiffuseError("--local runs the model here: give it without --bootstrap / --client-only")
     if not args.local and not (args.bootstrap or args.bootstrap_file) and args.mdns is False:
-        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one "
-                           "on the LAN)")
-    boot = [] if args.local else bootstrap_addrs(args, required=False)  # said before torch is imported
+        raise DiffuseError("give --local, or --bootstrap ADDR to use a swarm (or drop --no-mdns to find one on a LAN)")
+    boot, access, mdns = ([], None, False) if args.local else swarm_of(args)
     from diffuse.client.options import service_config as config
-    from diffuse.control.bootstrap import mdns_wanted
-
-    return config(vars(args), data_home(args.home), models, boot, None if args.local else swarm_access(args),
-                  not args.local and mdns_wanted(getattr(args, "mdns", None), boot),
+    return config(vars(args), data_home(args.home), models, boot, access, mdns,
                   fallback_from_store=fallback_from_store, speculate=speculate, warm_up=warm_up)
 
 
-def cmd_ask(args) -> int:
-    from diffuse.daemon.client import ask, ask_request, notice
+def swarm_of(args):
+    """The swarm's bootstrap addresses, access and mDNS, from the options (before torch is imported)."""
+    from diffuse.control.bootstrap import mdns_wanted
+    boot = bootstrap_addrs(args, required=False)
+    return boot, swarm_access(args), mdns_wanted(getattr(args, "mdns", None), boot)
 
+
+def cmd_ask(args) -> int:
+    from diffuse.daemon.client import ask, ask_request, fetched_first, notice  # --from-swarm: fetched first
+
+    args.model = fetched_first(vars(args), data_home(args.home), (args.model,), lambda: swarm_of(args))[0]
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.question}]
     on_text = None if args.json else (lambda s: print(s, end="", flush=True))

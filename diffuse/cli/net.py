@@ -10,6 +10,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from diffuse.cli.ask import swarm_of
 from diffuse.cli.common import (add_bootstrap_options, add_compute_options, add_train_draft_option, bootstrap_addrs,
                                 from_args, positive, trio_run)
 from diffuse.cli.reach import add_discovery_options, add_hole_punch_option, add_relay_options, add_upnp_option
@@ -75,6 +76,7 @@ def _register_status(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", default=[], help="model in the store (repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--accept-quant", metavar="LIST|any", help="variants counted (default: any held; named: made)")
+    p.add_argument("--model-hash", action="append", default=[], metavar="MODEL=SHA256", help="the manifest to trust")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="poll until servable, up to SECONDS")
     p.add_argument("--reach", action=argparse.BooleanOptionalAction, default=True,
                    help="connect to each peer listed and say how it is reached: direct, relayed via a relay, "
@@ -164,14 +166,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     found = None if args.no_daemon else call(data_home(args.home), survey_request(vars(args)), say=notice)
     if found is None:
-        boot = bootstrap_addrs(args, required=False)  # a bad address is said before torch is imported
+        boot, access, mdns = swarm_of(args)  # a bad address is said before torch is imported
         from diffuse.client.survey import status
-        from diffuse.control.bootstrap import mdns_wanted
         from diffuse.client.swarm_backend import SwarmConfig
 
-        swarm = SwarmConfig(tuple(boot), swarm_access(args), mdns=mdns_wanted(args.mdns, boot),
-                            hole_punch=args.hole_punch, wait=args.wait)
-        found = trio_run(status, data_home(args.home), args.model, swarm, args.reach, args.accept_quant)
+        swarm = SwarmConfig(tuple(boot), access, mdns=mdns, hole_punch=args.hole_punch, wait=args.wait)
+        found = trio_run(status, data_home(args.home), args.model, swarm, args.reach, args.accept_quant,
+                         args.model_hash)
     print(json.dumps(found["json"], indent=1) if args.json else found["text"])
     return 0
 

@@ -4,9 +4,13 @@ will serve (`join`), or a client's head and local blocks (`ask`, `api`), each ch
 (docs/fetch.md).
 
 Trust starts at the manifest: its SHA-256 is the one the operator gives (`--model-hash`, which
-may also be the model hash `diffuse model info` prints), else the one every announcing peer's
-record agrees on; announcers that disagree are listed with their hashes and the operator is
-asked to choose, never silently. The manifest names every other byte by hash and size.
+may also be the model hash `diffuse model info` prints), else in a private swarm the one its
+sentinels pin, else the one every announcing peer's record agrees on; announcers that disagree
+are listed with their hashes and the operator is asked to choose, never silently
+(client/manifests.py `trusted`, which `status` uses too). The manifest names every other byte by
+hash and size. A store that holds some blocks already, whichever source put them there (a
+`model pull --blocks`, an earlier fetch), gets only those it lacks; a partial manifest of its own
+gives way to the swarm's where every hash it has agrees.
 """
 
 from __future__ import annotations
@@ -25,18 +29,16 @@ from typing import Any
 import trio
 
 from diffuse.control.coverage import coverage
-from diffuse.control.dial import connect, connected, open_stream
 from diffuse.control.identity import ephemeral
 from diffuse.control.node import Node, NodeConfig, open_node
-from diffuse.control import pins
 from diffuse.control.placement import choose_span, requested_blocks
 from diffuse.control.records import PeerRecord
 from diffuse.data.fetcher import Fetcher
-from diffuse.data.files import PROTOCOL_ID
-from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA, announced, checked
+from diffuse.client import manifests
+from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA, announced
 from diffuse.errors import DiffuseError, FetchError, ModelError, first_leaf
 from diffuse.home import DEFAULT_MODEL, models_dir
-from diffuse.model import blockfiles
+from diffuse.model import blockfiles, variants
 from diffuse.model.config import ModelConfig
 from diffuse.model.store import block_ranges as blockfiles_ranges
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
@@ -44,9 +46,6 @@ from diffuse.trust import reputation
 
 log = logging.getLogger(__name__)
 Say = Callable[[str], None]
-# Distinct manifests fetched to compare (the most announced first), and the time for all of them:
-# announcing many manifests, or serving one slowly, cannot hold a join up for long.
-MAX_MANIFESTS, MANIFESTS_TIMEOUT_S = 8, 120.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,7 @@ class Wanted:
     model_hash: str | None = None
     wait: float = 60.0
     json_progress: bool = False
+    quant: str = "none"  # a join serving that quantized variant: its blocks as its peers store them
 
 
 async def from_swarm(home: Path, node_config: NodeConfig, want: Wanted, say: Say) -> tuple[str, tuple[int, int]]:
@@ -87,15 +87,17 @@ async def _from_swarm(home: Path, node_config: NodeConfig, want: Wanted,
                      upnp=False, reach_check=False)
     async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
         records = await _records(node, want)
-        fetcher = Fetcher(_opener(node, records), on_bytes=progress.add)
+        fetcher = Fetcher(manifests.opener(node, records), on_bytes=progress.add)
         try:
-            trust = await _trusted(node, config, want, records[0].model)
-            model_dir, manifest, sha = await _manifest(home, fetcher, records, trust, progress)
+            model_dir, manifest, sha = await _manifest(home, node, config, want, fetcher, records, progress)
             sources = [r.peer_id for r in records
                        if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
             await _files(fetcher, model_dir, manifest, sources)
-            span, blocks = _span(want, model_dir, manifest, records)
-            await _blocks(fetcher, model_dir, manifest, records, blocks, want.head, progress)
+            where, served, serving = model_dir, manifest, records
+            if want.quant != "none":
+                where, served, serving = await _variant(fetcher, model_dir, manifest, records, want.quant, progress)
+            span, blocks = _span(want, where, served, serving)
+            await _blocks(fetcher, where, served, serving, blocks, want.head, progress)
             progress.finish()
             by = ", ".join(f"{p}: {n / 2**20:.1f} MiB" for p, n in fetcher.stats.by_peer.items())
             held = f"blocks {blockfiles_ranges(blocks) or 'none'}{' and the head' if want.head else ''}"
@@ -117,7 +119,7 @@ def _span(want: Wanted, model_dir: Path, manifest: Manifest,
         return (0, 0), [*range(min(front, manifest.num_layers)),
                         *range(max(front, manifest.num_layers - back), manifest.num_layers)]
     span, length = requested_blocks(want.blocks, want.num_blocks, want.max_memory, ModelConfig.load(model_dir),
-                                    manifest.dtype)
+                                    manifest.dtype, manifest.quant)
     span = span or choose_span(coverage(records, manifest.model_id, manifest.num_layers,
                                         expected_hashes=manifest.block_hashes).replicas, length)
     return span, list(range(*span))
@@ -186,119 +188,87 @@ def _replicas(records: list[PeerRecord]) -> list[int]:
     return [sum(r.start <= i < r.end for r in records) for i in range(n)]
 
 
-def _opener(node: Node, records: list[PeerRecord]):
-    addrs = {r.peer_id: r.addrs for r in records}
-
-    async def open_files(peer: str):
-        try:
-            if not connected(node.host, peer):
-                await connect(node.host, peer, addrs.get(peer, ()))
-            return await open_stream(node.host, peer, PROTOCOL_ID, (), timeout=10.0)
-        except Exception as e:  # noqa: BLE001 - py-libp2p fails dials and streams in many types of its own
-            raise FetchError(f"cannot open a files stream to peer {peer}: {e}") from None
-    return open_files
-
-
-async def _trusted(node: Node, config: NodeConfig, want: Wanted, model: str) -> tuple[str | None, str]:
-    """The hash to trust and who vouches for it: the operator's (--model-hash); else, in a private
-    swarm, the one its sentinels pin (those it bootstraps from: control/pins.py); else none."""
-    if want.model_hash:
-        return want.model_hash.strip().lower(), "--model-hash"
-    if config.swarm_key is None or not config.bootstrap:
-        return None, ""
-    found = await pins.read(node, pins.bootstrap_ids(config.bootstrap), model)
-    if len(set(found.values())) > 1:
-        raise DiffuseError(f"the sentinels pin different manifests for {model}: "
-                           f"{'; '.join(f'{h} by {s}' for s, h in found.items())}; give the one to trust with "
-                           "--model-hash (and correct the sentinels' --model-hash)")
-    return (next(iter(found.values())), f"the sentinel pin of {', '.join(found)}") if found else (None, "")
-
-
-async def _manifest(home: Path, fetcher: Fetcher, records: list[PeerRecord], trust: tuple[str | None, str],
-                    progress: "Progress") -> tuple[Path, Manifest, str]:
-    """The manifest to trust (section of the module docstring), in the store; its directory and hash."""
-    groups: dict[tuple[str, int], list[str]] = {}
-    trusted, by = trust
-    for r in records:
-        if (manifest := announced(r)) is not None:
-            groups.setdefault(manifest, []).append(r.peer_id)
-    if not groups:
-        raise DiffuseError("the peers announce no manifest this node can fetch")
+async def _manifest(home: Path, node: Node, config: NodeConfig, want: Wanted, fetcher: Fetcher,
+                    records: list[PeerRecord], progress: "Progress") -> tuple[Path, Manifest, str]:
+    """The manifest to trust (client/manifests.py `trusted`), in the store; its directory and hash."""
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
-        chosen = {k: p for k, p in groups.items() if k[0] == trusted}  # the trusted one, if announced
-        if chosen and len(chosen) < len(groups):
-            log.warning("peers announcing other manifests than %s (%s) are not used: %s", trusted, by,
-                        _listing({}, {k: p for k, p in groups.items() if k[0] != trusted}))
-        groups = chosen or groups
-        found = await _fetch_manifests(fetcher, groups, Path(tmp), records[0].model)
-        sha = _choose(found, groups, trusted, by)
-        manifest, where = found[sha]
+        got = await manifests.trusted(node, config, want.model_hash, records, fetcher, Path(tmp))
+        manifest, sha, by = got.manifest, got.sha, got.by
         dest = models_dir(home) / manifest.model_id
-        if (dest / MANIFEST).is_file():
-            own = load_manifest(dest)
-            if own.model_hash != manifest.model_hash:
-                raise DiffuseError(f"the store's {dest.name} is another model (model hash {own.model_hash[:16]}…) "
-                                   f"than the swarm's ({manifest.model_hash[:16]}…): remove {dest} or pull it anew")
-        else:
+        if not (dest / MANIFEST).is_file() or _partial_of(load_manifest(dest), manifest, dest):
             _mkdir(dest)
-            shutil.copyfile(where / MANIFEST, dest / f".{MANIFEST}.tmp")
+            shutil.copyfile(got.where / MANIFEST, dest / f".{MANIFEST}.tmp")
             (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)
-        announcers = [p for (s, _), ps in groups.items() if s == sha for p in ps]
         progress.say(f"{manifest.model_id}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced "
-                     f"by {len(announcers)} peer(s){', trusted by ' + by if by else ''}")
+                     f"by {len(got.announcers)} peer(s){', trusted by ' + by if by else ''}")
         progress.event("manifest", model=manifest.model_id, manifest_sha256=sha, model_hash=manifest.model_hash,
-                       announcers=announcers, trusted_by=by or "the announcers' agreement")
+                       announcers=got.announcers, trusted_by=by or "the announcers' agreement")
         return dest, manifest, sha
 
 
-async def _fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[str]], tmp: Path,
-                           model: str) -> dict[str, tuple[Manifest, Path]]:
-    """The announced manifests that could be fetched and read, at most MAX_MANIFESTS of them (the
-    most announced first) within MANIFESTS_TIMEOUT_S; those left out count as unreadable."""
-    found: dict[str, tuple[Manifest, Path]] = {}
-    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
-    with trio.move_on_after(MANIFESTS_TIMEOUT_S) as late:
-        for (sha, size), peers in ranked[:MAX_MANIFESTS]:
-            where = tmp / sha
+async def _variant(fetcher: Fetcher, model_dir: Path, source: Manifest, records: list[PeerRecord], scheme: str,
+                   progress: "Progress") -> tuple[Path, Manifest, list[PeerRecord]]:
+    """The `scheme` variant's manifest, from the peers serving that variant (their records' ext
+    `quant`), into the store beside its source (model/variants.py), with the source's files: its
+    directory, manifest and the records of its peers. Its hashes cannot be recomputed without the
+    source's weights: its manifest is the one every announcer of the variant agrees on
+    (quantizing is deterministic, so honest peers do), and it must name the trusted source."""
+    serving = [r for r in records if r.extra.get("quant") == scheme and announced(r, variant=True) is not None]
+    groups: dict[tuple[str, int], list[str]] = {}
+    for r in serving:
+        groups.setdefault(announced(r, variant=True), []).append(r.peer_id)
+    if not groups:
+        raise DiffuseError(f"no peer serves the {scheme} variant of {source.model_id} as files (its manifest "
+                           f"announced: {manifests.VARIANT_SHA}); serve it unquantized, or pull the whole model")
+    dest = variants.variant_dir(model_dir, scheme)
+    with tempfile.TemporaryDirectory(prefix=".manifests-", dir=model_dir.parent) as tmp:
+        found: dict[str, tuple[Manifest, Path]] = {}
+        for (sha, size), peers in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:manifests.MAX_MANIFESTS]:
             try:
-                await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (checked(where, model), where)
+                await fetcher.fetch(sha, size, Path(tmp) / sha / MANIFEST, peers, f"the {scheme} manifest {sha[:16]}…")
+                found[sha] = (manifests.checked(Path(tmp) / sha, source.model_id, source=source, quant=scheme),
+                              Path(tmp) / sha)
             except (FetchError, ModelError) as e:
-                log.warning("manifest %s refused: %s", sha, e)
-    if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
-        log.warning("%d of %d announced manifests fetched (at most %d, within %g s)", len(found), len(groups),
-                    MAX_MANIFESTS, MANIFESTS_TIMEOUT_S)
-    return found
+                log.warning("variant manifest %s refused: %s", sha, e)
+        sha = manifests.choose(found, groups, None)
+        manifest, where = found[sha]
+        if (dest / MANIFEST).is_file() and load_manifest(dest).model_hash != manifest.model_hash:
+            raise DiffuseError(f"the store's {dest.name} is another variant than the swarm's "
+                               f"({manifest.model_hash[:16]}…): remove {dest}")
+        _mkdir(dest)
+        for name in manifest.files:  # the source's files, checked again by hash below
+            if (model_dir / name).is_file() and not (dest / name).is_file():
+                shutil.copyfile(model_dir / name, dest / name)
+        shutil.copyfile(where / MANIFEST, dest / f".{MANIFEST}.tmp")
+        (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)
+    peers = [p for (s, _), ps in groups.items() if s == sha for p in ps]
+    await _files(fetcher, dest, manifest, peers)
+    progress.say(f"{dest.name}: manifest {sha[:16]}… (model hash {manifest.model_hash[:16]}…), announced by "
+                 f"{len(peers)} peer(s) of the {scheme} variant")
+    progress.event("variant", model=dest.name, manifest_sha256=sha, model_hash=manifest.model_hash, announcers=peers)
+    return dest, manifest, [r for r in serving if r.peer_id in peers]
+
+
+def _partial_of(own: Manifest, swarm: Manifest, dest: Path) -> bool:
+    """Whether the store's manifest is to be replaced by the swarm's: it is of the same model and
+    partial (`model pull --blocks` leaves empty hashes for the blocks it lacks), each hash it has
+    the swarm's. False where it is the swarm's model already (kept: whole, it may hold more, such
+    as its own format-1 manifest); a DiffuseError where it is another model."""
+    if own.model_hash == swarm.model_hash:
+        return False
+    same = own.num_layers == swarm.num_layers and own.head_hash in ("", swarm.head_hash) and all(
+        h in ("", s) for h, s in zip(own.block_hashes, swarm.block_hashes))
+    if not same or own.quant != "none":
+        raise DiffuseError(f"the store's {dest.name} is another model (model hash {own.model_hash[:16]}…) "
+                           f"than the swarm's ({swarm.model_hash[:16]}…): remove {dest} or pull it anew")
+    log.info("%s: the store's partial manifest agrees with the swarm's on every block it holds: taking the swarm's",
+             dest.name)
+    return True
 
 
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _choose(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]],
-            trusted: str | None, by: str = "--model-hash") -> str:
-    """The manifest hash to use: the trusted one (its SHA-256 or model hash; `by` says whose),
-    else the only one announced."""
-    if trusted:
-        hit = [s for s, (m, _) in found.items() if trusted in (s, m.model_hash)]
-        if not hit:
-            raise DiffuseError(f"no peer serves a manifest with hash {trusted} ({by}); announced: "
-                               f"{_listing(found, groups)}")
-        if len(hit) > 1:  # the model hash covers blocks and head only, not config or tokenizer
-            hits = {k: p for k, p in groups.items() if k[0] in hit}
-            raise DiffuseError(f"{len(hit)} different manifests have model hash {trusted}: {_listing(found, hits)}; "
-                               "give the manifest's SHA-256 with --model-hash")
-        return hit[0]
-    if len(groups) == 1 and found:
-        return next(iter(found))
-    raise DiffuseError(f"the peers announce different manifests for this model: {_listing(found, groups)}; "
-                       "give the one to trust with --model-hash")
-
-
-def _listing(found: dict[str, tuple[Manifest, Path]], groups: dict[tuple[str, int], list[str]]) -> str:
-    return "; ".join(f"{sha} (model hash {found[sha][0].model_hash if sha in found else 'unreadable'}) by "
-                     f"{', '.join(peers)}" for (sha, _), peers in groups.items())
 
 
 async def _files(fetcher: Fetcher, model_dir: Path, manifest: Manifest, sources: list[str]) -> None:
@@ -321,7 +291,7 @@ async def _blocks(fetcher: Fetcher, model_dir: Path, manifest: Manifest, records
         sha = manifest.head_hash if i is None else manifest.block_hashes[i]
         what = f"{manifest.model_id}'s head" if i is None else f"block {i} of {manifest.model_id}"
         sources = [r.peer_id for r in records if r.extra.get(BLOCK_FILES) is True and
-                   (r.extra.get(MANIFEST_SHA) is not None if i is None else
+                   (r.extra.get(MANIFEST_SHA) is not None and "quant" not in r.extra if i is None else
                     r.start <= i < r.end and r.block_hashes[i - r.start] == sha)]
         if not sources:
             raise FetchError(f"{what}: no peer serves it as a file (none announces {BLOCK_FILES} with its hash)")

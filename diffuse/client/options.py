@@ -31,17 +31,26 @@ def parse_local_blocks(text: str) -> tuple[int, int]:
         raise DiffuseError(f"--local-blocks wants N,M with N, M >= 0, got {text!r}") from None
 
 
+def fetch_for_client(options: Mapping[str, Any], home: Path, models: tuple[str | None, ...], boot: Sequence[str],
+                     access: SwarmAccess, mdns: bool) -> tuple[str, ...]:
+    """`ask / api --from-swarm`: what the client holds of each model (client/from_swarm.py), fetched
+    by this process into the store; the store names to serve them by. `ask` and `api` call it
+    before they ask a daemon, which then serves those names as any stored model (or declines:
+    this process serves them)."""
+    from diffuse.client.from_swarm import for_client
+
+    judging = (options["trust"] or access.trust) != "off"
+    config = SwarmConfig(tuple(boot), access, mdns=mdns).node_config()
+    return tuple(for_client(home, dict(options) | {"model": m}, config, judging, log.warning) for m in models)
+
+
 def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | None, ...], boot: Sequence[str],
                    access: SwarmAccess | None, mdns: bool, *, fallback_from_store: bool, speculate: bool | None,
                    warm_up: bool = False) -> ServiceConfig:
     """Whole models in this process where `access` is None (--local), else through that swarm."""
     swarm, exact = None, options.get("exact", False)
     if access is not None and options.get("from_swarm"):  # what a client holds, from the peers first
-        from diffuse.client.from_swarm import for_client
-
-        judging = (options["trust"] or access.trust) != "off"
-        models = (for_client(home, options, SwarmConfig(tuple(boot), access, mdns=mdns).node_config(), judging,
-                             log.warning),)
+        models = fetch_for_client(options, home, models, boot, access, mdns)
     if access is not None:
         trust = options["trust"] or access.trust  # --trust, or the swarm mode's own form of the trust plane
         if options["step_timeout"] <= 0 or options["route_wait"] < 0:

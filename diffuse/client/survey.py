@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import trio
 
@@ -20,10 +20,12 @@ from diffuse.client import manifests
 from diffuse.client.accept import NotHere, accepted_hashes, explain
 from diffuse.client.swarm_backend import SwarmConfig
 from diffuse.control.coverage import Coverage, coverage, format_text
+from diffuse.control import pins
 from diffuse.control.identity import ephemeral
-from diffuse.control.node import Node, open_node
-from diffuse.data import files
-from diffuse.errors import FetchError, ModelError
+from diffuse.control.node import Node, NodeConfig, open_node
+from diffuse.control.records import PeerRecord
+from diffuse.data.fetcher import Fetcher
+from diffuse.errors import DiffuseError, ModelError
 from diffuse.model import store, variants
 from diffuse.model.quant import parse_accept
 from diffuse.model.weights import MANIFEST, Manifest, load_manifest
@@ -39,6 +41,7 @@ EVIDENCE_WAIT_S = 5.0  # per peer: how long its published evidence may take to r
 class Survey:
     coverages: list[Coverage]  # one per model, with evidence and (if asked) how each peer is reached
     lan: list[str]  # nodes of this swarm found on the LAN by mDNS
+    refused: dict[str, str] = field(default_factory=dict)  # models with no manifest to trust: why
 
 
 def stored(home: Path, names: list[str]) -> dict[str, Path]:
@@ -104,15 +107,18 @@ class Variants:
         return load_manifest(made).block_hashes
 
 
-async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge: Variants) -> Survey:
-    """Coverage of `models`, polled until all are servable or `swarm.wait` seconds pass; `judge`:
-    the variants counted."""
-    async with open_node(ephemeral(), swarm.node_config(), codecs=reputation.swarm_codecs()) as node:
+async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge: Variants,
+                 model_hashes: Mapping[str, str] | None = None) -> Survey:
+    """Coverage of `models` (none: the swarm's, by the manifests it would trust, `model_hashes`
+    the operator's --model-hash per model), polled until all are servable or `swarm.wait` seconds
+    pass; `judge`: the variants counted."""
+    config, refused = swarm.node_config(), {}
+    async with open_node(ephemeral(), config, codecs=reputation.swarm_codecs()) as node:
         if swarm.mdns and not swarm.bootstrap:  # the swarm is whoever answers on the LAN: give them a moment
             with trio.move_on_after(max(swarm.wait, MDNS_WAIT_S)):
                 while not node.lan_peers:
                     await trio.sleep(0.1)
-        models = models or await swarm_manifests(node)
+        models = models or await swarm_manifests(node, config, model_hashes or {}, refused)
         deadline = trio.current_time() + max(0.0, swarm.wait)
         while True:
             covs = [await judge.coverage(node, m) for m in models]
@@ -121,49 +127,60 @@ async def survey(swarm: SwarmConfig, models: list[Manifest], reach: bool, judge:
             await trio.sleep(0.5)
         reached = await node.reach_peers([r for c in covs for r in c.peers.values()]) if reach else {}
         covs = [replace(c, evidence=await _evidence(node, c.peers), reached=reached) for c in covs]
-        return Survey(covs, list(node.lan_peers))
+        return Survey(covs, list(node.lan_peers), refused)
 
 
 async def status(home: Path, names: list[str], swarm: SwarmConfig, reach: bool,
-                 accept: str | None = None) -> dict[str, Any]:
+                 accept: str | None = None, model_hashes: Sequence[str] = ()) -> dict[str, Any]:
     """What `diffuse status` prints, for people ("text") and for --json ("json"). `accept`:
     --accept-quant (default: every variant the store holds, each checked against it; those it
-    names, `any` included, are made here where the store lacks them)."""
+    names, `any` included, are made here where the store lacks them); `model_hashes`: --model-hash
+    MODEL=SHA256, the manifests to trust where the store has no weights (a bad one: a DiffuseError)."""
+    trust = pins.parse(model_hashes)
     sources = stored(home, names)
     judge = Variants(sources, parse_accept(accept or "any", "none"), parse_accept(accept, "none") if accept else ())
     models = [load_manifest(d) for d in sources.values()]
-    text, data = report(await survey(swarm, models, reach, judge), swarm)
+    text, data = report(await survey(swarm, models, reach, judge, trust), swarm)
     return {"text": text, "json": data}
 
 
 def report(found: Survey, swarm: SwarmConfig) -> tuple[str, dict[str, Any]]:
     """What `diffuse status` prints: for people, and as --json gives it."""
     lan = [f"found on the LAN by mDNS: {len(found.lan)} node(s) of this swarm"] if swarm.mdns else []
-    none = [] if found.coverages else ["no model found: no peer reached announces one"]
-    text = "\n\n".join([swarm.access.describe(), *lan, *(format_text(c) for c in found.coverages), *none])
+    none = [] if found.coverages or found.refused else ["no model found: no peer reached announces one"]
+    refused = [f"{m}: not shown, no manifest to trust: {why}" for m, why in found.refused.items()]
+    text = "\n\n".join([swarm.access.describe(), *lan, *(format_text(c) for c in found.coverages), *refused, *none])
     return text, {"time": time.time(), "mode": swarm.access.mode, "models": [c.to_dict() for c in found.coverages]} \
-        | ({"lan_peers": found.lan} if swarm.mdns else {})
+        | ({"lan_peers": found.lan} if swarm.mdns else {}) | ({"refused": found.refused} if found.refused else {})
 
 
-async def swarm_manifests(node: Node) -> list[Manifest]:
-    """With no model at hand: each model the swarm's peers serve, by the manifest their records
-    announce (ext manifest_sha256 / manifest_bytes), fetched from them, checked against that hash
-    and then as `--from-swarm` checks it (client/manifests.py)."""
-    found: dict[str, Manifest] = {}
+async def swarm_manifests(node: Node, config: NodeConfig, model_hashes: Mapping[str, str],
+                          refused: dict[str, str]) -> list[Manifest]:
+    """With no model at hand: each model the swarm's peers serve, by the manifest `join
+    --from-swarm` would trust (client/manifests.py `trusted`: `model_hashes`, the operator's, then
+    the pins of the sentinels this node bootstraps from, then agreement among the announcers),
+    fetched from them and checked against its hash. A model with no manifest to trust is left
+    out, why in `refused`."""
+    by_model: dict[str, list[PeerRecord]] = {}
+    for pid in node.known_peers():
+        record = await node.peer_record(pid)
+        if record is not None and record.online and manifests.announced(record) is not None:
+            by_model.setdefault(record.model, []).append(record)
+    found: list[Manifest] = []
     with tempfile.TemporaryDirectory(prefix="diffuse-manifests-") as tmp:
-        for pid in node.known_peers():
-            record = await node.peer_record(pid)
-            if record is None or record.model in found or (announce := manifests.announced(record)) is None:
-                continue
-            sha, size = announce
-            where = Path(tmp) / sha
-            where.mkdir(exist_ok=True)
+        for model, records in sorted(by_model.items()):
+            fetcher = Fetcher(manifests.opener(node, records))
             try:
-                await files.fetch(node.host, pid, sha, size, where / MANIFEST, manifests.MAX_MANIFEST, record.addrs)
-                found[record.model] = manifests.checked(where, record.model, to_fetch=False)
-            except (FetchError, ModelError) as e:
-                log.warning("no manifest from peer %s: %s", pid, e)
-    return list(found.values())
+                where = Path(tmp) / f"{len(found)}-{len(refused)}"
+                where.mkdir()
+                found.append((await manifests.trusted(node, config, model_hashes.get(model), records, fetcher,
+                                                      where, to_fetch=False)).manifest)
+            except DiffuseError as e:
+                log.warning("no manifest of %s to trust: %s", model, e)
+                refused[model] = str(e)
+            finally:
+                await fetcher.close()
+    return found
 
 
 async def _evidence(node: Node, peers) -> dict[str, list[dict]]:

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -155,6 +155,23 @@ def call(home: Path, request: dict[str, Any], on_reply: Callable[[dict[str, Any]
     raise DiffuseError(f"the daemon of {home} went away mid-answer (see `diffuse daemon logs`)")
 
 
+def fetched_first(options: dict[str, Any], home: Path, models: Sequence[str | None],
+                  swarm: Callable[[], tuple[Any, ...]]) -> Sequence[str | None]:
+    """`ask / api --from-swarm` (not --local): what the client holds, fetched by this process
+    before a daemon is asked (client/options.py `fetch_for_client`, from the swarm `swarm()`
+    resolves: its bootstrap addresses, access and mDNS); the store names to serve, by the daemon
+    as any stored model or, where none answers for them, by this process. `options` (the
+    command's, mutable) then says --from-swarm no more: nothing is fetched twice. Else `models`
+    as given, and nothing heavy is imported."""
+    if not options.get("from_swarm") or options.get("local"):
+        return models
+    from diffuse.client.options import fetch_for_client
+
+    names = fetch_for_client(options, home, tuple(models), *swarm())
+    options["from_swarm"] = False
+    return names
+
+
 def ask(home: Path, request: dict[str, Any] | None, on_text: Callable[[str], None] | None, say: Say) -> dict | None:
     """`diffuse ask` through the daemon: the answer as `ask --json` prints it, streamed to `on_text`
     (None: not through the daemon)."""
@@ -175,24 +192,25 @@ def given(options: dict[str, Any]) -> dict[str, Any]:
     return {k: options[k] for k, default in OPTIONS.items() if options.get(k, default) != default}
 
 
-def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any] | None:
+def ask_request(options: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
     """What `ask`'s options ask of the daemon: the sampling, the model, whether it must be this
     machine's (--local) or a given swarm's (--bootstrap), whether to keep it in the history.
-    None with --from-swarm: what the store lacks is fetched in this process (client/from_swarm.py)."""
-    if options.get("from_swarm"):
-        return None
+    With --from-swarm the command has fetched what the store lacked before (`fetched_first`):
+    the model is then a stored one."""
     return {"messages": messages, "sampling": {k: options[k] for k in SAMPLING}, "model": options["model"],
             "local": options["local"], "bootstrap": options["bootstrap"], "keep": options["history"] is not False,
             **given(options)}
 
 
 def survey_request(options: dict[str, Any]) -> dict[str, Any]:
-    """What `status`'s options ask of the daemon; --accept-quant only where given, so that a daemon
-    from before it answers a plain `status`."""
+    """What `status`'s options ask of the daemon; --accept-quant and --model-hash only where given,
+    so that a daemon from before them answers a plain `status`."""
     request = {"op": "survey", "models": options["model"], "reach": options["reach"], "wait": options["wait"],
                "bootstrap": options["bootstrap"]}
     if options.get("accept_quant") is not None:
         request["accept_quant"] = options["accept_quant"]
+    if options.get("model_hash"):
+        request["model_hash"] = options["model_hash"]
     return request
 
 

@@ -264,7 +264,8 @@ class Daemon:
         from diffuse.client.survey import status
 
         swarm = replace(self.config.service.swarm, wait=request.wait)
-        return await status(self.config.home, request.models, swarm, request.reach, request.accept_quant)
+        return await status(self.config.home, request.models, swarm, request.reach, request.accept_quant,
+                            request.model_hash)
 
     async def _api(self, request: protocol.Api, stream: trio.SocketStream) -> None:
         from diffuse.api.app import Settings, create_app

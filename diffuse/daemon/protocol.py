@@ -95,6 +95,7 @@ class Survey(Request, tag="survey"):
     wait: Annotated[float, Meta(ge=0, le=3600)] = 0.0
     bootstrap: Names = []
     accept_quant: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # variants counted (any)
+    model_hash: Names = []  # MODEL=SHA256: the manifests to trust with no weights here (status --model-hash)
 
 
 class Api(Routed, tag="api", kw_only=True):

@@ -71,12 +71,17 @@ def size(segs: list[Segment]) -> int:
 
 
 def held(model_dir: Path) -> tuple[set[int], bool]:
-    """The blocks whose tensors the store holds, and whether it holds the head."""
+    """The blocks whose tensors the store holds, and whether it holds the head: the embeddings,
+    final norm and LM head (tied to the embeddings where the config says so), not one of them
+    alone (a shard of the Hub may hold the embeddings and not the rest)."""
     if not any(Path(model_dir).glob("*.safetensors")):
         return set(), False
-    names = ModelFiles(model_dir).where
+    files = ModelFiles(model_dir)
+    names = files.where
     blocks = {int(m.group(1)) for n in names if (m := re.match(rf"{re.escape(BLOCK_PREFIX)}(\d+)\.", n))}
-    return blocks, "model.embed_tokens.weight" in names
+    head = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if files.config.tie_word_embeddings
+                                                                  else {"lm_head.weight"})
+    return blocks, head <= names.keys()
 
 
 def complete(model_dir: Path) -> Manifest:

@@ -2,12 +2,15 @@
 shards that hold blocks A..B-1, as `model.safetensors.index.json` maps tensors to shards.
 
 The store then holds a partial model: config, tokenizer, the shards pulled and an index naming
-only the tensors they hold. Its manifest lists the hashes of the blocks it holds and leaves the
-others empty (they cannot be computed without their weights), so its model hash is not the
-model's: such a peer announces its span's block hashes, which clients check against their own
-manifests, and no manifest of its own (peer/offer.py). A later pull of another span fetches the
-shards it lacks and adds their blocks. A model in one file has nothing to choose: it is pulled
-whole.
+only the tensors they hold; blocks (or the head) fetched from peers may lie beside them as files
+of their own (model/blockfiles.py), and a pull fetches only the shards of blocks held by neither.
+Its manifest lists the hashes of the blocks it holds and leaves the others empty (they cannot be
+computed without their weights), so its model hash is not the model's: such a peer announces its
+span's block hashes, which clients check against their own manifests, and no manifest of its own
+(peer/offer.py); `--from-swarm` replaces it with the swarm's where the hashes it has agree. A
+later pull of another span fetches the shards it lacks and adds their blocks; on a store whose
+manifest came from peers (format 2), that manifest stays, and each block pulled is checked
+against it. A model in one file has nothing to choose: it is pulled whole.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from pathlib import Path
 from typing import Callable
 
 from diffuse.errors import ModelError
-from diffuse.model import hub
+from diffuse.model import blockfiles, hub
 from diffuse.model.config import ModelConfig
-from diffuse.model.weights import BLOCK_PREFIX, MANIFEST, Manifest, ModelFiles, block_hash, load_manifest
+from diffuse.model.weights import BLOCK_PREFIX, HEAD_TENSORS, MANIFEST, Manifest, ModelFiles, block_hash, load_manifest
 
 INDEX = "model.safetensors.index.json"
 Progress = Callable[[str], None]
@@ -54,12 +57,15 @@ def pull_blocks(repo_id: str, models_dir: Path, blocks: str, progress: Progress 
     cfg = ModelConfig.load(src)
     weight_map = json.loads((src / INDEX).read_text())["weight_map"]
     dest = Path(models_dir) / repo_id.rstrip("/").split("/")[-1]
-    if (dest / MANIFEST).is_file() and "" not in load_manifest(dest).block_hashes:
-        say(f"{dest.name} is already whole in {dest}")
+    held_blocks = blockfiles.held(dest)[0] if (dest / MANIFEST).is_file() else set()
+    wanted = span(blocks, cfg.num_layers)
+    if not set(wanted) - held_blocks:
+        say(f"{dest.name} holds blocks {blocks} already in {dest}")
         return dest
     have = {p.name for p in dest.glob("*.safetensors")} if dest.is_dir() else set()
-    need = sorted(shards_for(weight_map, span(blocks, cfg.num_layers)) - have)
-    say(f"{len(need)} of {len(set(weight_map.values()))} shards hold blocks {blocks} and are not in the store: "
+    need = sorted(shards_for(weight_map, [b for b in wanted if b not in held_blocks])
+                  - have)
+    say(f"{len(need)} of {len(set(weight_map.values()))} shards hold blocks {blocks} the store lacks: "
         f"{', '.join(need) or 'none'}")
     if need:
         src = hub.download(repo_id, None, small + need)
@@ -81,9 +87,25 @@ def pull_blocks(repo_id: str, models_dir: Path, blocks: str, progress: Progress 
 
 
 def _manifest(dest: Path, cfg: ModelConfig) -> Manifest:
-    """The partial manifest: the hashes of the blocks (and head) the store holds, empty for others."""
+    """The partial manifest: the hashes of the blocks (and head) the store holds, empty for others.
+    A manifest fetched from peers (format 2: it names every block) is kept, and every block and
+    the head pulled now are checked against it: a ModelError names one that differs."""
     files = ModelFiles(dest)
     old = load_manifest(dest) if (dest / MANIFEST).is_file() else None
+    blocks, has_head = blockfiles.held(dest)
+    if old is not None and old.format >= blockfiles.FORMAT:
+        indexed = {f for f in files.where.values() if f.name != blockfiles.HEAD_FILE
+                   and not f.name.startswith("block-")}
+        for i in sorted(blocks):
+            if any(files.where[n] in indexed for n in files.block_names(i)) and \
+                    block_hash(files.read_block(i)) != old.block_hashes[i]:
+                raise ModelError(f"block {i} of {dest.name} as pulled from the Hub is not the one its manifest "
+                                 f"(fetched from peers) names: {old.block_hashes[i]}")
+        if has_head and any(files.where[n] in indexed for n in HEAD_TENSORS if n in files.where) and \
+                block_hash(files.read_head()) != old.head_hash:
+            raise ModelError(f"the head of {dest.name} as pulled from the Hub is not the one its manifest "
+                             f"(fetched from peers) names: {old.head_hash}")
+        return old
     hashes, dtype = [], None
     for i in range(cfg.num_layers):
         if not any(n.startswith(f"{BLOCK_PREFIX}{i}.") for n in files.where):
@@ -94,7 +116,7 @@ def _manifest(dest: Path, cfg: ModelConfig) -> Manifest:
             block = files.read_block(i)
             dtype = dtype or str(next(iter(block.values())).dtype).removeprefix("torch.")
             hashes.append(block_hash(block))
-    head = block_hash(files.read_head()) if "model.embed_tokens.weight" in files.where else ""
+    head = block_hash(files.read_head()) if has_head else ""
     m = Manifest(dest.name, cfg.arch, cfg.num_layers, old.dtype if old else dtype or "float32", hashes, head)
     (dest / f".{MANIFEST}.tmp").write_text(json.dumps(asdict(m) | {"model_hash": m.model_hash}, indent=1) + "\n")
     (dest / f".{MANIFEST}.tmp").replace(dest / MANIFEST)

@@ -32,7 +32,8 @@ from diffuse.errors import ModelError
 from diffuse.model import quant
 from diffuse.model.config import ModelConfig
 from diffuse.model.quant import GROUP, QWeight
-from diffuse.model.weights import MANIFEST, BLOCK_PREFIX, Manifest, ModelFiles, block_hash, load_manifest
+from diffuse.model.weights import MANIFEST, MANIFEST_FORMAT, BLOCK_PREFIX, Manifest, ModelFiles, block_hash, \
+    load_manifest
 
 SEP = "@"
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")  # one q/k/v/o + gate/up/down layout
@@ -121,9 +122,12 @@ def write_variant(source: Path, scheme: str, blocks: Iterator[Block], progress: 
             sizes.append(sum(v.numel() * v.element_size() for v in local.values()))
             if i % 10 == 0:
                 say(f"  {scheme}: block {i}")
+        # Format 1 whatever the source's: a format-2 source's sizes and files are not the variant's
+        # (model/blockfiles.py `complete` upgrades it with its own).
         manifest = replace(base, dtype=base.dtype, block_hashes=hashes, quant=scheme,
                            group_size=GROUP if scheme == "int4" else 0, source=base.model_hash,
-                           source_id=source.name, tensors=kinds, block_bytes=sizes)
+                           source_id=source.name, tensors=kinds, block_bytes=sizes, format=MANIFEST_FORMAT,
+                           block_sizes=[], head_size=0, files={})
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest) | {"model_hash": manifest.model_hash}, indent=1) + "\n")
         try:
             os.rename(tmp, dest)

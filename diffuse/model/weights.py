@@ -81,7 +81,11 @@ class SafetensorsFile:
 
 
 class ModelFiles:
-    """Which safetensors file holds which tensor, from model.safetensors.index.json or the headers."""
+    """Which safetensors file holds which tensor, from model.safetensors.index.json or the headers.
+    A partial store may hold both: shards of the index (`model pull --blocks`) and, beside them,
+    files the index does not name (a block or the head fetched from peers, model/blockfiles.py),
+    whose tensors are read from those files: each holds a whole block or the whole head, checked
+    by its hash as it arrived."""
 
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
@@ -95,6 +99,10 @@ class ModelFiles:
             except (json.JSONDecodeError, KeyError) as e:
                 raise ModelError(f"{index} is malformed: {e}") from None
             self.where = {name: self.dir / f for name, f in weight_map.items()}
+            indexed = set(self.where.values())
+            for f in sorted(self.dir.glob("*.safetensors")):  # a block or the head fetched beside the shards
+                if f not in indexed:
+                    self.where.update({name: f for name in self._file(f).entries})
         else:
             paths = sorted(self.dir.glob("*.safetensors"))
             if not paths:

@@ -25,11 +25,13 @@ class DraftHeads:
         self.handlers: dict[str, Callable[[Any, str], Awaitable[None]]] = {PROTOCOL_ID: self.server.serve}
         self.heads = draft_fetch.offer(self.server, home, models)
 
-    def manifest(self, model_id: str, span: tuple[int, int] | None = None, variant: bool = False) -> dict[str, Any]:
-        """Serve the model's manifest by hash, and the blocks of `span` (peer/offer.py); the record
-        fields that announce them, so that a node without the weights can read the swarm
-        (`diffuse status` from an empty store) and start from it (`join --from-swarm`)."""
-        return offer(self.server, Path(self.models[model_id]), None if variant else span)
+    def manifest(self, model_id: str, span: tuple[int, int] | None = None,
+                 variant: Path | None = None) -> dict[str, Any]:
+        """Serve the model's manifest by hash, and the blocks of `span` (of the quantized `variant`
+        where it serves one: peer/offer.py); the record fields that announce them, so that a node
+        without the weights can read the swarm (`diffuse status` from an empty store) and start
+        from it (`join --from-swarm`)."""
+        return offer(self.server, Path(self.models[model_id]), span, variant)
 
     async def watch(self, node: Any, every: float = 15.0) -> None:
         """Every `every` seconds, offer a head that appeared for the model being served, and

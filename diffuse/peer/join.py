@@ -85,9 +85,11 @@ class Peer:
         if self.auto and config.serve.quant != "none":
             raise DiffuseError("--quant applies to a named model, not to --model auto")
         # What it announces: the variant's hashes under its source's id, and which variant it is.
-        self.manifest = load_manifest(variants.resolve(self.model_dir, config.serve.quant, say))
+        resolved = variants.resolve(self.model_dir, config.serve.quant, say)
+        self.manifest = load_manifest(resolved)
         self.variant = {} if self.manifest.quant == "none" else {"quant": self.manifest.quant,
                                                                  "variant": self.manifest.model_hash}
+        self.variant_dir = resolved if self.variant else None  # its manifest and blocks offered as files
         self.span, self.length = (None, 0) if self.auto else requested_blocks(
             config.blocks, config.num_blocks, config.max_memory, ModelConfig.load(self.model_dir),
             self.manifest.dtype, self.manifest.quant)
@@ -214,7 +216,7 @@ class Peer:
             block_hashes=offer.block_hashes[start:end], dtype=serve.dtype,
             throughput=throughput, cache_tokens=self.lend.cache_tokens,
             protocols=hooks.protocols + ((files.protocol,) if files else ()),  # its manifest, its draft head
-            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model, (start, end), bool(self.variant))
+            extra=(files.heads.get(offer.model, {}) | files.manifest(offer.model, (start, end), self.variant_dir)
                    if files else {}) | self.variant)
         if self.lending is not None and self.lending.paused:  # contribution auto paused: hold it until resume
             if hooks.drain is not None:
@@ -238,13 +240,12 @@ class Peer:
 
 
 def fetched_first(config: JoinConfig, say: Say) -> JoinConfig:
-    """`--from-swarm`: fetch what the store lacks (client/from_swarm.py); then the join as if the
-    store had held the model all along: named, with its span."""
-    if config.serve.quant != "none":
-        raise DiffuseError("--from-swarm fetches a span of unquantized blocks, and a variant (--quant) is made "
-                           "from every block of its source: serve the span unquantized, or pull the whole model")
+    """`--from-swarm`: fetch what the store lacks (client/from_swarm.py; with --quant, the span's
+    blocks of that variant, as its peers store them); then the join as if the store had held the
+    model all along: named, with its span."""
     want = from_swarm.Wanted(config.model, config.blocks, num_blocks=config.num_blocks, max_memory=config.max_memory,
-                             model_hash=config.model_hash, json_progress=config.json_progress)
+                             model_hash=config.model_hash, json_progress=config.json_progress,
+                             quant=config.serve.quant)
     return dataclasses.replace(config, from_swarm=False, **from_swarm.for_join(config.home, config.node, want, say))
 
 
