@@ -14,16 +14,42 @@ def test_greedy_takes_argmax():
     assert Sampler(SamplingParams()).sample(logits) == 1
 
 
+def drawn(sampler: Sampler, logits, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(sampler.sample(logits))
+        sampler.take(logits, out[-1])
+    return out
+
+
 def test_seed_reproduces_and_top_k_restricts():
     logits = torch.randn(50)
     p = SamplingParams(temperature=1.0, top_k=3, seed=7)
-    a = [Sampler(p).sample(logits) for _ in range(1)]
+    a = Sampler(p).sample(logits)
     s1, s2 = Sampler(p), Sampler(p)
-    seq1 = [s1.sample(logits) for _ in range(40)]
-    seq2 = [s2.sample(logits) for _ in range(40)]
-    assert seq1 == seq2 and a[0] == seq1[0]
+    seq1, seq2 = drawn(s1, logits, 40), drawn(s2, logits, 40)
+    assert seq1 == seq2 and a == seq1[0]
     assert set(seq1) <= set(logits.topk(3).indices.tolist())
     assert len(set(seq1)) > 1
+    assert drawn(Sampler(SamplingParams(temperature=1.0, top_k=3, seed=8)), logits, 40) != seq1
+
+
+def test_a_rewound_sampler_draws_the_same_tokens_again():
+    """A generation rewound after a failed check redraws what it had drawn: the draw at each
+    index depends on the seed and the index, not on how many draws came before."""
+    logits = torch.randn(50)
+    s = Sampler(SamplingParams(temperature=1.0, seed=3))
+    first = drawn(s, logits, 10)
+    s.rewind(4)
+    assert drawn(s, logits, 6) == first[4:]
+
+
+def test_seeded_draws_follow_the_distribution():
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0])
+    s = Sampler(SamplingParams(temperature=1.0, seed=11))
+    n = 20000
+    counts = torch.bincount(torch.tensor(drawn(s, logits, n)), minlength=4).double() / n
+    assert (counts - logits.softmax(-1).double()).abs().max() < 0.015
 
 
 def test_top_p_keeps_the_smallest_nucleus():

@@ -74,15 +74,21 @@ def logprob_of(logits: Tensor, token: int, top: int, spell: Callable[[list[int]]
 
 
 class Sampler:
-    """Stateful in its random generator, so a seed reproduces a whole answer, and in what it was
-    told was chosen (`take`): the constraint's place in its grammar and the log-probabilities.
-    A constraint needs the tokenizer (its grammar is compiled against the vocabulary), and so do
-    log-probabilities (they spell their tokens)."""
+    """Stateful in what it was told was chosen (`take`): how many tokens the answer holds, the
+    constraint's place in its grammar and the log-probabilities. A constraint needs the tokenizer
+    (its grammar is compiled against the vocabulary), and so do log-probabilities (they spell
+    their tokens).
+
+    A sampled token is the Gumbel-max draw from its distribution, with noise fixed by the seed
+    and the token's index in the answer: the same logits at the same index give the same token
+    however the answer got there. So a seed reproduces a whole answer whether it was decoded
+    plainly or speculating (a guess is kept exactly when it is the draw, which happens with its
+    probability), replayed after a peer died, or rewound after a failed check."""
 
     def __init__(self, params: SamplingParams, tokenizer=None):
         self.p = params
-        self.gen = torch.Generator()
-        self.gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.seed = (params.seed if params.seed is not None else torch.seed()) % 2**64
+        self.index = 0  # tokens taken: the index in the answer of the next one
         if tokenizer is None and (params.constraint is not None or params.logprobs is not None):
             raise ValueError("a sampler with a constraint or log-probabilities needs the tokenizer")
         self.tokenizer = tokenizer
@@ -101,6 +107,7 @@ class Sampler:
     def take(self, logits: Tensor, token: int) -> None:
         """`token` was chosen from `logits` [V] (the model's, unadjusted): advance the constraint
         and note its log-probability."""
+        self.index += 1
         if self.p.logprobs is not None:
             self.logprobs.append(logprob_of(logits, token, self.p.logprobs, compiler(self.tokenizer).token_bytes))
         if self.guide is not None and not self.guide.stopped:
@@ -108,6 +115,7 @@ class Sampler:
 
     def rewind(self, length: int) -> None:
         """Forget every token taken after the first `length` (a rewound generation redoes them)."""
+        self.index = length
         del self.logprobs[length:]
         if self.guide is not None:
             self.guide.rewind(length)
@@ -143,4 +151,10 @@ class Sampler:
         """One token id from logits [V]."""
         if self.p.greedy:
             return int(self.adjust(logits, context).argmax(-1))
-        return int(torch.multinomial(self.probs(logits, context), 1, generator=self.gen))
+        return int((self.probs(logits, context).log() + self.noise(logits.shape[-1])).argmax(-1))
+
+    def noise(self, vocab: int) -> Tensor:
+        """Gumbel noise [vocab] for the token at `index`, from the seed and that index alone."""
+        gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + self.index) % 2**64)
+        u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+        return -(-u.log()).log()

@@ -151,13 +151,12 @@ def verify(tokens: Sequence[int], parents: Sequence[int], logits: Tensor, sample
            context: Sequence[int], max_depth: int) -> tuple[list[int], int]:
     """Walk the verified tree from its root: (accepted node indices, the next token after them).
 
-    Greedy accepts a child equal to the model's choice at its parent. Sampling tries the
-    children in order, accepting token x with probability p(x) under what is left of p, else
-    removing x from p; the token after the last accepted node is drawn from the remainder. A
-    guess is a point mass, so this is the rejection rule and every token is distributed exactly
-    as plain sampling would draw it. `context` ends with the root; logits are [T, V]. Every
-    token chosen is `take`n in order, so a constraint rejects the guesses it forbids and moves on
-    with those accepted.
+    A child is accepted when its token is the one the sampler draws at its parent: under greedy
+    the model's choice; sampling, the seeded draw for that index (client/sampling.py), which
+    equals a guess x with probability p(x), so every token is distributed exactly as plain
+    sampling would draw it and, for a seed, is the token plain sampling would draw. `context`
+    ends with the root; logits are [T, V]. Every token chosen is `take`n in order, so a
+    constraint rejects the guesses it forbids and moves on with those accepted.
     """
     kids = children_of(parents)
     ctx = list(context)
@@ -165,26 +164,13 @@ def verify(tokens: Sequence[int], parents: Sequence[int], logits: Tensor, sample
     node = 0
     while True:
         options = kids[node] if len(path) < max_depth else []
-        seen = torch.tensor(ctx)
-        chosen = None
-        if sampler.p.greedy:
-            target = sampler.sample(logits[node], seen)
-            chosen = next((c for c in options if tokens[c] == target), None)
-        else:
-            p = sampler.probs(logits[node], seen).double()
-            for c in options:
-                if torch.rand((), generator=sampler.gen, dtype=torch.float64) * p.sum() < p[tokens[c]]:
-                    chosen = c
-                    break
-                p[tokens[c]] = 0.0
-            if chosen is None:
-                target = int(torch.multinomial(p, 1, generator=sampler.gen))
+        target = sampler.sample(logits[node], torch.tensor(ctx))
+        chosen = next((c for c in options if tokens[c] == target), None)
+        sampler.take(logits[node], target)
         if chosen is None:
-            sampler.take(logits[node], target)
             return path, target
-        sampler.take(logits[node], tokens[chosen])
         path.append(chosen)
-        ctx.append(tokens[chosen])
+        ctx.append(target)
         node = chosen
 
 
