@@ -9,14 +9,16 @@ import json
 import signal
 
 import pytest
+import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from support.procs import Procs, swarm_key
 from support.swarm import LOCAL, Swarm
-from diffuse.client.generate import Generation
+from diffuse.client.generate import Generation, session_length
 from diffuse.client.local import open_local
-from diffuse.client.sampling import SamplingParams
+from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.speculative import SpecConfig
 from diffuse.client.swarm import SwarmClient, SwarmOptions, remote_of
 from diffuse.control.host import parse_peer_addr
 from diffuse.control.node import NodeConfig, open_node
@@ -76,11 +78,42 @@ def test_two_and_three_hops_equal_local(home, tmp_path, reference):
         assert [h["blocks"] for h in got["route"]] == [[1, 10], [10, 20], [20, 30]]
 
 
+# What `ask` runs by default (speculating), greedy without speculation, and a seeded sampled answer.
+KILL_MODES = {"plain": (SamplingParams(max_tokens=TOKENS), None),
+              "ask's defaults": (SamplingParams(max_tokens=TOKENS), SpecConfig()),
+              "sampled": (SamplingParams(max_tokens=TOKENS, temperature=0.8, top_p=0.95, seed=7), SpecConfig())}
+
+
+NEAR_TIE = 0.35  # a step of bf16 at these logits' magnitude (up to 64: 0.25), over 0.8's temperature
+
+
+async def near_tie_margin(home, prompt: list[int], got: list[int], want: list[int], sampling: SamplingParams) -> float:
+    """Where two answers first differ, how far apart the local model puts the two tokens (in the
+    score the sampler takes the argmax of: the logit, or log-probability plus the index's noise),
+    checking that no other token comes between them; 0.0 where they do not differ."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if i is None:
+        return 0.0
+    model, _ = open_local(home, None, "bf16")
+    context = prompt + want[:i]
+    pipe = model.session(len(context) + 1)
+    last, sampler = (await pipe.forward(torch.tensor([context])))[0, -1].float(), Sampler(sampling)
+    await pipe.close()
+    sampler.index = i
+    scores = last if sampling.greedy else sampler.probs(last).log() + sampler.noise(last.shape[-1])
+    assert set(scores.topk(2).indices.tolist()) == {got[i], want[i]}, (i, got[i], want[i], scores.topk(3))
+    return float(abs(scores[got[i]] - scores[want[i]]))
+
+
 @pytest.mark.timeout(1500)  # ten kills and restarts; ~3 min on a quiet 2-core machine
 def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
-    """Ten generations; in each, the peer on the route for one half is SIGKILLed after k tokens.
-    The trust plane shows a token only once its checks have passed, up to max_lag (16)
-    tokens behind the generation, so k stays low enough that steps remain after the kill."""
+    """Ten generations; in each, the peer on the route for one half is SIGKILLed after k tokens,
+    in turn plain greedy, as `ask` runs by default (speculating, bf16, trust on) and sampled with a
+    seed. Each answer equals the one without a kill: the local answer for plain greedy, the
+    swarm's fault-free answer in the same mode for the others, up to a near-tie where a
+    speculating step's width rounded a pass the other way (the margin checked). The trust plane shows a token only
+    once its checks have passed, up to max_lag (16) tokens behind the generation, and a
+    speculating step makes several, so k stays low enough that steps remain after the kill."""
     model_dir = models_dir(home) / DEFAULT_MODEL
     with Procs(home) as procs:
         swarm = Swarm(procs, tmp_path, {"A": "1:15", "A2": "1:15", "B": "15:30", "B2": "15:30"})
@@ -93,29 +126,45 @@ def test_sigkill_mid_generation_keeps_the_answer(home, tmp_path, reference):
                 client = SwarmClient(node, model_dir, SwarmOptions())
                 tok = Tokenizer.load(model_dir)
                 prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
-                for run_no in range(10):
-                    kill_at, half = 1 + run_no * 5 // 9, run_no % 2  # 1..6 of 24
-                    pipe = await client.session(len(prompt) + TOKENS)
+
+                async def answer(mode: str, kill_at: int | None = None, half: int = 0) -> dict:
+                    sampling, spec = KILL_MODES[mode]
+                    pipe = await client.session(session_length(len(prompt), TOKENS, spec))
                     remote = remote_of(pipe)
                     victim = swarm.name_of(remote.route_taken[half]["peer"])
-                    gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
+                    gen = Generation(pipe, tok, prompt, sampling, speculate=spec)
                     n = 0
                     async for _ in gen:
                         n += 1
                         if n == kill_at:
                             swarm.proc[victim].signal(signal.SIGKILL)
                     await pipe.close()
-                    r = {"tokens": gen.completion.token_ids, "kill_at": kill_at, "victim": victim,
-                         "failovers": remote.stats.failovers}
-                    assert r["tokens"] == reference, r
-                    assert r["failovers"] and r["failovers"][0]["peer"] == swarm.ids[victim], r
+                    trees = sum(m == "tree" for m in gen.state.stats.modes) if gen.state else 0
+                    return {"tokens": gen.completion.token_ids, "mode": mode, "kill_at": kill_at, "victim": victim,
+                            "failovers": remote.stats.failovers, "trees": trees}
+
+                expected = {"plain": reference} | {m: (await answer(m))["tokens"] for m in KILL_MODES if m != "plain"}
+                assert expected["sampled"] != reference  # sampling, not greedy
+                for run_no in range(10):
+                    mode = list(KILL_MODES)[run_no % 3]
+                    kill_at = 1 + run_no * 5 // 9 if mode == "plain" else 1 + run_no % 2  # 1..6 of 24; 1..2
+                    r = await answer(mode, kill_at, run_no % 2)
+                    if mode == "plain":
+                        assert r["tokens"] == expected[mode], r
+                    else:
+                        sampling = KILL_MODES[mode][0]
+                        r["margin"] = await near_tie_margin(home, prompt, r["tokens"], expected[mode], sampling)
+                        assert r["margin"] < NEAR_TIE and len(r["tokens"]) == len(expected[mode]), r
+                    assert r["failovers"] and r["failovers"][0]["peer"] == swarm.ids[r["victim"]], r
                     results.append(r)
-                    swarm.proc[victim].wait(10)
-                    swarm.start(victim)  # back for the next run, same identity: its ban lifts by itself
-                    swarm.wait(victim)
+                    swarm.proc[r["victim"]].wait(10)
+                    swarm.start(r["victim"])  # back for the next run, same identity: its ban lifts by itself
+                    swarm.wait(r["victim"])
             return results
 
-        assert len(trio.run(run)) == 10
+        results = trio.run(run)
+        assert len(results) == 10
+        assert all(r["trees"] for r in results if r["mode"] != "plain"), results  # speculation did speculate
 
 
 def test_peer_answering_errors_mid_generation_keeps_the_answer(home, tmp_path, reference):
