@@ -9,12 +9,13 @@ import json
 import os
 import re
 import signal
+import subprocess
 
 import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from support.procs import Procs, swarm_key
+from support.procs import DIFFUSE, Procs, swarm_key
 from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import Generation
 from diffuse.client.local import open_local
@@ -124,12 +125,11 @@ def store_copy(home, dest, scale: dict[int, float] | None = None, drop: range = 
 
 def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) -> None:
     """D, the only peer of blocks 10-19 whose hashes match, is SIGKILLed mid-answer. A client
-    whose store lacks those blocks (its own, the head and the manifest only) cannot finish the
-    answer itself: it stops, keeping the tokens
-    it showed, with finish_reason "uncovered blocks 10-19". `status` then dials each peer and
-    says D is UNREACHABLE from here, with the reason, while its record lives on."""
+    whose store lacks those blocks cannot finish the answer itself: it stops, keeping the tokens
+    it showed, with finish_reason "uncovered blocks 10-19". `status`, started as D dies (its
+    record lives on for the record TTL), dials each peer and says D is UNREACHABLE from here,
+    with the reason."""
     model_dir = models_dir(store_copy(home, tmp, drop=range(10, 20))) / DEFAULT_MODEL
-    killed: list[str] = []
 
     async def run():
         config = NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False, swarm_key=swarm_key())
@@ -142,21 +142,28 @@ def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) ->
             pipe = await client.session(len(prompt) + TOKENS)
             gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
             async for _ in gen:
-                if "D" not in killed:  # once the first token is shown
+                if not status:  # once the first token is shown
                     swarm.kill("D")
-                    killed.append("D")
+                    status.append(subprocess.Popen([*DIFFUSE, "status", "--bootstrap", swarm.boot], text=True,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=swarm.procs.env))
             await pipe.close()
             return gen.completion
 
-    done = trio.run(run)
+    status: list[subprocess.Popen] = []
+    try:
+        done = trio.run(run)
+        out, err = status[0].communicate(timeout=180)
+    finally:
+        for proc in status:
+            proc.kill()
+            proc.wait()
     assert done.finish_reason == "uncovered blocks 10-19", done
     assert 1 <= len(done.token_ids) < TOKENS and done.token_ids == reference[:len(done.token_ids)], done
-    out = swarm.procs.run("status", "--bootstrap", swarm.boot, timeout=120)
-    assert out.returncode == 0, out.stderr
-    lines = {name: next((line for line in out.stdout.splitlines() if line.strip().startswith(pid[:6] + "..")), "")
+    assert status[0].returncode == 0, err
+    lines = {name: next((line for line in out.splitlines() if line.strip().startswith(pid[:6] + "..")), "")
              for name, pid in swarm.ids.items()}
-    assert re.search(r"UNREACHABLE from here \(.+\)", lines["D"]), out.stdout
-    assert "direct" in lines["C"] and "direct" in lines["E"], out.stdout
+    assert re.search(r"UNREACHABLE from here \(.+\)", lines["D"]), out
+    assert "direct" in lines["C"] and "direct" in lines["E"], out
 
 
 @pytest.mark.timeout(1500)  # ten kills and restarts; ~3 min on a quiet 2-core machine
