@@ -160,7 +160,7 @@ def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) ->
     assert done.finish_reason == "uncovered blocks 10-19", done
     assert 1 <= len(done.token_ids) < TOKENS and done.token_ids == reference[:len(done.token_ids)], done
     assert status[0].returncode == 0, err
-    lines = {name: next((line for line in out.splitlines() if line.strip().startswith(pid[:6] + "..")), "")
+    lines = {name: next((line for line in out.splitlines() if line.strip().startswith(f"{pid[:6]}..{pid[-4:]} ")), "")
              for name, pid in swarm.ids.items()}
     assert re.search(r"UNREACHABLE from here \(.+\)", lines["D"]), out
     assert "direct" in lines["C"] and "direct" in lines["E"], out
