@@ -75,8 +75,9 @@ def test_two_and_three_hops_equal_local(home, tmp_path, reference):
         assert [h["blocks"] for h in got["route"]] == [[3, 15], [15, 28]]
     with Procs(home) as procs:
         three = Swarm(procs, tmp_path / "three", {"C": "1:10", "D": "10:20", "E": "20:30"})
-        # X announces the same model with other weights for block 20, over all 30 blocks: one hop,
-        # the cheapest route by far, were its hashes not checked against the client's manifest.
+        # X announces the same model with other weights for block 20, over blocks 1-29: status sets
+        # it aside, the route avoids it, and once D dies it is no replica of blocks 10-19 for a
+        # client without the trust plane (with its hashes unchecked, that client finishes on X).
         other = store_copy(home, tmp_path / "other", scale={20: 0.5})
         x = procs.start("--home", str(other), "join", "--identity", str(tmp_path / "X.key"), "--bootstrap",
                         three.boot, "--listen", LOCAL, "--blocks", "1:30", *QUICK_RECORDS)
@@ -124,8 +125,8 @@ def store_copy(home, dest, scale: dict[int, float] | None = None, drop: range = 
 
 
 def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) -> None:
-    """D, the only peer of blocks 10-19 whose hashes match, is SIGKILLed mid-answer. A client
-    whose store lacks those blocks cannot finish the answer itself: it stops, keeping the tokens
+    """D, the only peer of blocks 10-19 whose hashes match (X's do not), is SIGKILLed mid-answer.
+    A client whose store lacks those blocks cannot finish the answer itself: it stops, keeping the tokens
     it showed, with finish_reason "uncovered blocks 10-19". `status`, started as D dies (its
     record lives on for the record TTL), dials each peer and says D is UNREACHABLE from here,
     with the reason."""
