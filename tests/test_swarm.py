@@ -126,10 +126,10 @@ def store_copy(home, dest, scale: dict[int, float] | None = None, drop: range = 
 
 def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) -> None:
     """D, the only peer of blocks 10-19 whose hashes match (X's do not), is SIGKILLed mid-answer.
-    A client whose store lacks those blocks cannot finish the answer itself: it stops, keeping the tokens
-    it showed, with finish_reason "uncovered blocks 10-19". `status`, started as D dies (its
-    record lives on for the record TTL), dials each peer and says D is UNREACHABLE from here,
-    with the reason."""
+    A client whose store lacks those blocks cannot finish the answer itself: it stops, keeping
+    the tokens it showed, with finish_reason "uncovered blocks 10-19". `status`, started as D
+    dies (its record lives on for the record TTL), dials each peer and says D is UNREACHABLE
+    from here, with the reason."""
     model_dir = models_dir(store_copy(home, tmp, drop=range(10, 20))) / DEFAULT_MODEL
 
     async def run():
