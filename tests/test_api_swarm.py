@@ -3,7 +3,8 @@
 One swarm for the whole module (2 cores): a sentinel, three peers holding every block twice
 (0:30, 0:15, 15:30; each with --metrics), a fourth peer serving only blocks 1:15 of a second
 model id (a hard-linked copy of the same weights) so that model is known but not servable, and
-one `diffuse api` process offering both models. Its status page is rendered in Chromium.
+one `diffuse api` process offering both models. Its status page is rendered in Chromium. A second
+API, at the defaults (trust plane and speculation on), answers once on the same swarm.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ fp32): their steps share forward passes, and no guarantee changes.
 - Exact sessions give bit-identical logits batched and alone (the peers' batch counters show
   they were batched with each other).
 - Fast sessions (1, 4, 16 at once; mixed prompt lengths; plain, speculative and exact mixed)
-  give the greedy answer they give alone, or differ only after a near-tie: each difference is
-  shown with its top-2 logit gap.
+  share forward passes and give the greedy answer they give alone, or differ only after a
+  near-tie: each difference is shown with its top-2 logit gap.
 - A SIGKILL of the batching peer with 8 sessions in flight fails all 8 over to the replica,
   their answers unchanged.
 """
