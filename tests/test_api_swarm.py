@@ -3,7 +3,8 @@
 One swarm for the whole module (2 cores): a sentinel, three peers holding every block twice
 (0:30, 0:15, 15:30; each with --metrics), a fourth peer serving only blocks 1:15 of a second
 model id (a hard-linked copy of the same weights) so that model is known but not servable, and
-one `diffuse api` process offering both models. Its status page is rendered in Chromium.
+one `diffuse api` process offering both models. Its status page is rendered in Chromium. A second
+API, at the defaults (trust plane and speculation on), answers once on the same swarm.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -61,6 +63,7 @@ def _metrics_url(proc, timeout: float = 30.0) -> str:
 
 class Swarm:
     def __init__(self, procs: Procs, tmp: Path):
+        self.procs = procs
         sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
         self.boot = sentinel.readline(timeout=120)
         common = ["--bootstrap", self.boot, "--listen", LOCAL, "--heartbeat", "2", "--ttl", "30"]
@@ -268,6 +271,34 @@ def test_status_page_shows_the_swarm(swarm, tmp_path):
     assert [partial[i] for i in range(30)] == [1] * 15 + [0] * 15  # block 0: the API's own
     assert "NOT servable: blocks 15-29 uncovered" in dom
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_api_at_the_defaults_warms_its_trust_material_then_answers(swarm):
+    """A second `diffuse api` on the same swarm at the defaults (the trust plane on, as the
+    private swarm says; speculation on; bf16 here, fp16 on the wire): it computes the canary
+    material of its route's spans before any request (an API without the trust plane has no
+    warm-up to report), then answers through the openai client."""
+    proc = swarm.procs.start("api", "--bootstrap", swarm.boot, "--listen", "127.0.0.1:0", "--model", DEFAULT_MODEL,
+                             "--api-key", KEY, "--max-tokens", "32", "--wait", "60")
+    try:
+        url = proc.read_until("listening on", timeout=300)[-1].split()[-1]
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        warm: dict = {}
+        deadline = time.monotonic() + 300
+        while not warm.get("state", "").startswith(("ready", "failed")) and time.monotonic() < deadline:
+            time.sleep(1)
+            model = next(m for m in client.models.list().data if m.id == DEFAULT_MODEL)
+            warm = model.model_extra["coverage"].get("trust_warm_up", {})
+        assert warm.get("state") == "ready", warm
+        assert warm["spans"] and warm["spans"][0][0] == 1 and warm["spans"][-1][1] == 30, warm  # the route's, 1-29
+        assert all(a[1] == b[0] for a, b in zip(warm["spans"], warm["spans"][1:])), warm
+        whole = client.chat.completions.create(model=DEFAULT_MODEL, messages=ASK, temperature=0, max_tokens=16)
+        assert "Paris" in whole.choices[0].message.content
+        report = whole.model_extra["diffuse"]
+        assert {h["peer"] for h in report["route"]} <= set(swarm.ids.values()) and not report["failovers"], report
+    finally:
+        proc.signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 # ---- the API's trust warm-up, without processes ----

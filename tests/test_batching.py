@@ -4,8 +4,8 @@ fp32): their steps share forward passes, and no guarantee changes.
 - Exact sessions give bit-identical logits batched and alone (the peers' batch counters show
   they were batched with each other).
 - Fast sessions (1, 4, 16 at once; mixed prompt lengths; plain, speculative and exact mixed)
-  give the greedy answer they give alone, or differ only after a near-tie: each difference is
-  shown with its top-2 logit gap.
+  share forward passes and give the greedy answer they give alone, or differ only after a
+  near-tie: each difference is shown with its top-2 logit gap.
 - A SIGKILL of the batching peer with 8 sessions in flight fails all 8 over to the replica,
   their answers unchanged.
 """
@@ -131,7 +131,7 @@ def test_exact_sessions_give_the_same_bits_batched_and_alone(swarm, home):
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_concurrent_sessions_give_their_answers_alone_up_to_near_ties(swarm, home, n):
-    boot = swarm[0]
+    boot, _, _, metrics = swarm
     kinds = ["plain", "spec", "exact"]
     jobs = [(QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)), kinds[i % 3]) for i in range(n)]
 
@@ -141,10 +141,14 @@ def test_concurrent_sessions_give_their_answers_alone_up_to_near_ties(swarm, hom
             lg: list = []
             alone.append(await generate(client, tok, q, "plain" if kind == "spec" else kind, lg))
             gaps.append([float(r.topk(2).values[0] - r.topk(2).values[1]) for r in lg])
+        before = batched_steps(metrics)
         together = await concurrently([lambda q=q, k=k: generate(client, tok, q, k) for q, k in jobs])
-        return alone, gaps, together
+        return alone, gaps, together, batched_steps(metrics) - before
 
-    alone, gaps, together = trio.run(with_client, boot, home, body)
+    alone, gaps, together, shared = trio.run(with_client, boot, home, body)
+    # The sessions were batched: with 4, one exact session (batched only with exact ones) and
+    # three fast ones, so steps that shared a forward pass are fast sessions' steps.
+    assert shared > 0 if n > 1 else shared == 0, shared
     for (q, kind), a, g, b in zip(jobs, alone, gaps, together):
         if a != b:
             i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)

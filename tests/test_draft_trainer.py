@@ -1,10 +1,12 @@
 """Background draft-head training: it waits for idleness, stops its child while the parent is
 busy and continues it after, writes the head, leaves nothing behind when killed, runs once per
-home, and is off with --no-train-draft or DIFFUSE_TRAIN_DRAFT=0."""
+home, and is off with --no-train-draft or DIFFUSE_TRAIN_DRAFT=0; a `diffuse api` process left idle
+starts it, and ends it as it leaves."""
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -130,3 +132,28 @@ def test_counting_counts_v1_requests_only():
     trio.run(wrapped, {"type": "http", "path": "/v1/chat/completions"}, None, None)
     trio.run(wrapped, {"type": "http", "path": "/status.json"}, None, None)
     assert seen == [1, 0] and activity["requests"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_an_idle_api_trains_a_head_in_the_background_and_stops_it_when_it_leaves(tiny_home, tmp_path):
+    """`diffuse api` as a process, training left on: after DraftTrainer's 30 idle seconds it
+    starts `diffuse model draft-head` at nice 19 as its child, and a SIGTERM to the API ends it,
+    leaving no head behind."""
+    from support.procs import Procs
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "tiny").symlink_to(tiny_home / "models" / "tiny")
+    with Procs(home) as procs:
+        api = procs.start("api", "--local", "--model", "tiny", "--listen", "127.0.0.1:0", env={DT.ENV: "1"})
+        api.read_until("listening on", timeout=120)
+        training = lambda: [ln for ln in api.stderr if ln.startswith("draft head: training")]  # noqa: E731
+        until(lambda: bool(training()), 120, "the API to start training")
+        line = training()[0]
+        pid = int(line.split("(pid ")[1].split(",")[0])
+        assert b"draft-head" in Path(f"/proc/{pid}/cmdline").read_bytes() and os.getpriority(os.PRIO_PROCESS, pid) == 19
+        api.signal(signal.SIGTERM)
+        assert api.wait(60) == 0
+    assert gone(pid), state(pid)
+    assert "draft head: training stopped: leaving" in api.stderr, api.stderr
+    assert not draft_head.path(home, "tiny").exists()

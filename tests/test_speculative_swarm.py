@@ -83,15 +83,20 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
     assert max(spec.stats.positions) > 1 and max(spec.stats.tokens) > 1  # trees sent, guesses accepted
     # The user-facing path: `ask` speculates through the swarm by default (on the fast kernels:
     # plain greedy up to near-ties), with --exact bit for bit; both report every step's mode.
+    # The first at the defaults (bf16 here, fp16 on the wire, the trust plane on), the second fp32.
     for exact in (False, True):
-        out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--dtype", "fp32", "--no-trust",
-                        "--max-tokens", str(TOKENS), "--wait", "30", *(["--exact"] if exact else []), QUESTION,
-                        timeout=600)
+        options = ["--exact", "--dtype", "fp32", "--no-trust"] if exact else []
+        out = procs.run("--client-only", "ask", "--bootstrap", boot, "--json", "--max-tokens", str(TOKENS),
+                        "--wait", "30", *options, QUESTION, timeout=600)
         assert out.returncode == 0, out.stderr
         got = json.loads(out.stdout)
         assert got["speculate"] is True and got["exact"] is exact
         if exact:
             assert got["token_ids"] == plain
+        # Candidate trees were sent, and guesses in them accepted: a tree step made more than one token.
+        tree = got["modes"].get("tree", {"steps": 0, "tokens": 0, "positions": 0})
+        assert tree["steps"] > 0 and tree["positions"] > tree["steps"], got["modes"]
+        assert max(n for n, mode in zip(got["steps"], got["step_modes"]) if mode == "tree") > 1, got
         assert len(got["step_modes"]) == len(got["steps"]) == len(got["positions"])
         assert set(got["step_modes"]) <= {"tree", "plain", "held"}
         assert sum(c["steps"] for c in got["modes"].values()) == len(got["steps"])

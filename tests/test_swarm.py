@@ -6,15 +6,18 @@ chosen step). Every greedy answer must equal the in-process answer token for tok
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
 
 import pytest
 import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from support.procs import Procs, swarm_key
-from support.swarm import LOCAL, Swarm
+from support.procs import DIFFUSE, Procs, swarm_key
+from support.swarm import LOCAL, QUICK_RECORDS, Swarm
 from diffuse.client.generate import Generation, session_length
 from diffuse.client.local import open_local
 from diffuse.client.sampling import Sampler, SamplingParams
@@ -61,6 +64,7 @@ def ask(procs: Procs, boot: str, *extra: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.timeout(1200)  # two swarms, a peer of other weights, a kill
 def test_two_and_three_hops_equal_local(home, tmp_path, reference):
     with Procs(home) as procs:
         two = Swarm(procs, tmp_path / "two", {"A": "1:15", "B": "15:30"})
@@ -73,9 +77,96 @@ def test_two_and_three_hops_equal_local(home, tmp_path, reference):
         assert [h["blocks"] for h in got["route"]] == [[3, 15], [15, 28]]
     with Procs(home) as procs:
         three = Swarm(procs, tmp_path / "three", {"C": "1:10", "D": "10:20", "E": "20:30"})
+        # X announces the same model with other weights for block 20, over blocks 1-29: status sets
+        # it aside, the route avoids it, and once D dies it is no replica of blocks 10-19 for a
+        # client without the trust plane (with its hashes unchecked, that client finishes on X).
+        other = store_copy(home, tmp_path / "other", scale={20: 0.5})
+        x = procs.start("--home", str(other), "join", "--identity", str(tmp_path / "X.key"), "--bootstrap",
+                        three.boot, "--listen", LOCAL, "--blocks", "1:30", *QUICK_RECORDS)
+        x_id = parse_peer_addr(x.read_until("serving", timeout=180)[0]).peer_id.to_base58()
+        excluded: dict = {}
+        for _ in range(60):  # until its record is read, and set aside
+            out = procs.run("status", "--bootstrap", three.boot, "--json", "--no-reach", timeout=120)
+            assert out.returncode == 0, out.stderr
+            excluded = next(m for m in json.loads(out.stdout)["models"] if m["model"] == DEFAULT_MODEL)["excluded"]
+            if x_id in excluded:
+                break
+        assert excluded.get(x_id) == "announces other weights for blocks 20", excluded
         got = ask(procs, three.boot)
         assert got["token_ids"] == reference
         assert [h["blocks"] for h in got["route"]] == [[1, 10], [10, 20], [20, 30]]
+        assert x_id not in [h["peer"] for h in got["route"]]
+        uncovered_then_unreachable(home, tmp_path / "partial", three, reference)
+
+
+def store_copy(home, dest, scale: dict[int, float] | None = None, drop: range = range(0)):
+    """A store holding the default model's files hard-linked, its weights indexed by a
+    model.safetensors.index.json: blocks in `drop` left out (a client that does not hold them),
+    and each block of `scale` with its MLP's down projection scaled (other weights, rehashed into
+    the copy's own manifest)."""
+    from safetensors.torch import save_file
+    from diffuse.model.weights import BLOCK_PREFIX, ModelFiles, write_manifest
+
+    src = models_dir(home) / DEFAULT_MODEL
+    d = models_dir(dest) / DEFAULT_MODEL
+    d.mkdir(parents=True)
+    for f in src.iterdir():
+        os.link(f, d / f.name)  # model.safetensors included: the index maps most tensors to it
+    files = ModelFiles(src)
+    where = {n: "model.safetensors" for n, f in files.where.items()
+             if not any(n.startswith(f"{BLOCK_PREFIX}{i}.") for i in drop)}
+    for i, factor in (scale or {}).items():
+        name = f"{BLOCK_PREFIX}{i}.mlp.down_proj.weight"
+        save_file({name: files.read([name])[name] * factor}, d / f"other-{i}.safetensors")
+        where[name] = f"other-{i}.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": where}))
+    if scale:
+        (d / "manifest.json").unlink()  # a link to the source's: replaced, not written through
+        write_manifest(d)
+    return dest
+
+
+def uncovered_then_unreachable(home, tmp, swarm: Swarm, reference: list[int]) -> None:
+    """D, the only peer of blocks 10-19 whose hashes match (X's do not), is SIGKILLed mid-answer.
+    A client whose store lacks those blocks cannot finish the answer itself: it stops, keeping
+    the tokens it showed, with finish_reason "uncovered blocks 10-19". `status`, started as D
+    dies (its record lives on for the record TTL), dials each peer and says D is UNREACHABLE
+    from here, with the reason."""
+    model_dir = models_dir(store_copy(home, tmp, drop=range(10, 20))) / DEFAULT_MODEL
+
+    async def run():
+        config = NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False, swarm_key=swarm_key())
+        async with open_node(create_new_key_pair(), config, codecs=reputation.swarm_codecs()) as node:
+            # Rescue on, as by default; the trust plane off, as it must be for such a client: it
+            # judges peers by recomputing their blocks (client/from_swarm.py fetches them all).
+            client = SwarmClient(node, model_dir, SwarmOptions(trust=None))
+            tok = Tokenizer.load(model_dir)
+            prompt = tok.encode_chat([{"role": "user", "content": QUESTION}])
+            pipe = await client.session(len(prompt) + TOKENS)
+            gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS))
+            async for _ in gen:
+                if not status:  # once the first token is shown
+                    swarm.kill("D")
+                    status.append(subprocess.Popen([*DIFFUSE, "status", "--bootstrap", swarm.boot], text=True,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=swarm.procs.env))
+            await pipe.close()
+            return gen.completion
+
+    status: list[subprocess.Popen] = []
+    try:
+        done = trio.run(run)
+        out, err = status[0].communicate(timeout=180)
+    finally:
+        for proc in status:
+            proc.kill()
+            proc.wait()
+    assert done.finish_reason == "uncovered blocks 10-19", done
+    assert 1 <= len(done.token_ids) < TOKENS and done.token_ids == reference[:len(done.token_ids)], done
+    assert status[0].returncode == 0, err
+    lines = {name: next((line for line in out.splitlines() if line.strip().startswith(f"{pid[:6]}..{pid[-4:]} ")), "")
+             for name, pid in swarm.ids.items()}
+    assert re.search(r"UNREACHABLE from here \(.+\)", lines["D"]), out
+    assert "direct" in lines["C"] and "direct" in lines["E"], out
 
 
 # What `ask` runs by default (speculating), greedy without speculation, and a seeded sampled answer.
