@@ -396,11 +396,10 @@ def test_a_model_hash_shared_by_several_manifests_chooses_none_of_them():
     assert _choose(found, groups, "2" * 64) == "2" * 64
 
 
-def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp_path):
-    """A peer serving the int8 variant of blocks 1-2 offers the variant's manifest and its stored
-    blocks; `join --from-swarm --quant int8` on a store holding only the source's manifest and
-    files takes that manifest (naming the trusted source), fetches the blocks into the variant's
-    directory, and they load, checked, as the variant's blocks."""
+def a_variant_peer(tmp_path):
+    """The tiny model's int8 variant served by a peer "SRC" over blocks 1-2, and a store holding
+    only the source's manifest and files; `fetch(records, trusted, liars)` runs the variant's
+    fetch (liars: peer -> a directory whose manifest.json that peer serves instead)."""
     import shutil
 
     from tiny import make_tiny
@@ -408,10 +407,8 @@ def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp
     from diffuse.client import from_swarm
     from diffuse.client.manifests import BLOCK_FILES, VARIANT_SHA
     from diffuse.control.records import PeerRecord
-    from diffuse.errors import DiffuseError
     from diffuse.model import blockfiles, variants
-    from diffuse.model.load import load_span
-    from diffuse.model.weights import ModelFiles, load_manifest
+    from diffuse.model.weights import load_manifest
     from diffuse.peer.offer import offer
 
     src = make_tiny(tmp_path / "src" / "tiny")
@@ -428,23 +425,44 @@ def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp
     for name in ["manifest.json", *source.files]:
         shutil.copyfile(src / name, part / name)
 
-    async def fetch(records):
+    async def fetch(records, trusted=None, liars=None):
+        servers = {"SRC": server}
+        for peer, where in (liars or {}).items():
+            servers[peer] = F.FileServer()
+            servers[peer].add(where / "manifest.json")
         async with trio.open_nursery() as nursery:
             async def open_stream(peer: str):
                 a, b = trio.testing.memory_stream_pair()
-                nursery.start_soon(server.serve, MemStream(b), "me")
+                nursery.start_soon(servers[peer].serve, MemStream(b), "me")
                 return MemStream(a)
             fetcher = Fetcher(open_stream, piece=PIECE, stall_timeout=5)
             progress = from_swarm.Progress(lambda text: None)
             try:
                 where, manifest, serving = await from_swarm._variant(fetcher, part, source, records, "int8",
-                                                                     progress)
+                                                                     progress, trusted)
                 await from_swarm._blocks(fetcher, where, manifest, serving, [1, 2], False, progress)
                 return where, fetcher.stats.received
             finally:
                 await fetcher.close()
                 nursery.cancel_scope.cancel()
 
+    return src, made, record, part, fetch
+
+
+def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp_path):
+    """A peer serving the int8 variant of blocks 1-2 offers the variant's manifest and its stored
+    blocks; `join --from-swarm --quant int8` on a store holding only the source's manifest and
+    files takes that manifest (naming the trusted source), fetches the blocks into the variant's
+    directory, and they load, checked, as the variant's blocks."""
+    from diffuse.control.records import PeerRecord
+    from diffuse.errors import DiffuseError
+    from diffuse.model import variants
+    from diffuse.model.load import load_span
+    from diffuse.model.weights import ModelFiles, load_manifest
+
+    src, made, record, part, fetch = a_variant_peer(tmp_path)
+    variant = load_manifest(made)
+    extra = record.extra
     unquantized = PeerRecord(**{**record.__dict__, "extra": {k: v for k, v in extra.items() if k != "quant"}})
     with pytest.raises(BaseExceptionGroup) as e:  # an unquantized peer's record: no variant to take
         trio.run(fetch, [unquantized])
@@ -456,6 +474,60 @@ def test_a_variant_travels_as_its_peers_store_it_and_lands_beside_its_source(tmp
     load_span(part, 1, 3, quant="int8")  # the variant's blocks, checked against its manifest
     got, want = ModelFiles(where).read_block(1), ModelFiles(made).read_block(1)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_model_hash_names_the_variant_to_trust_where_its_announcers_disagree(tmp_path):
+    """Two variant manifests announced (one peer's lies about a block hash): the fetch lists both
+    and asks for --model-hash; given the honest one's SHA-256, it takes that, and the source to
+    trust becomes the model hash the variant names."""
+    import hashlib
+    import json
+    import shutil
+
+    from diffuse.client import from_swarm
+    from diffuse.client.manifests import VARIANT_BYTES, VARIANT_SHA
+    from diffuse.control.records import PeerRecord
+    from diffuse.errors import DiffuseError
+    from diffuse.model import blockfiles
+    from diffuse.model.weights import load_manifest
+
+    src, made, record, part, fetch = a_variant_peer(tmp_path)
+    lie = json.loads((made / "manifest.json").read_text())
+    lie["block_hashes"][2] = "0" * 64
+    lied = json.dumps(lie).encode()
+    honest = hashlib.sha256((made / "manifest.json").read_bytes()).hexdigest()
+    liar = PeerRecord(**{**record.__dict__, "peer_id": "LIAR", "extra": {
+        **record.extra, VARIANT_SHA: hashlib.sha256(lied).hexdigest(), VARIANT_BYTES: len(lied)}})
+    (tmp_path / "lie").mkdir()
+    (tmp_path / "lie" / "manifest.json").write_bytes(lied)
+    with pytest.raises(BaseExceptionGroup) as e:
+        trio.run(fetch, [record, liar], None, {"LIAR": tmp_path / "lie"})
+    assert e.group_contains(DiffuseError, match="different manifests.*--model-hash")
+    where, _ = trio.run(fetch, [record, liar], honest, {"LIAR": tmp_path / "lie"})
+    assert load_manifest(where).block_hashes == load_manifest(made).block_hashes
+    shutil.rmtree(where)
+
+    async def named(model_hash):
+        async with trio.open_nursery() as nursery:
+            server = F.FileServer()
+            server.add(made / "manifest.json")
+
+            async def open_stream(peer: str):
+                a, b = trio.testing.memory_stream_pair()
+                nursery.start_soon(server.serve, MemStream(b), "me")
+                return MemStream(a)
+            fetcher = Fetcher(open_stream, piece=PIECE, stall_timeout=5)
+            try:
+                return await from_swarm._variant_named(fetcher, tmp_path / "home", [record, liar], from_swarm.Wanted(
+                    quant="int8", model_hash=model_hash))
+            finally:
+                await fetcher.close()
+                nursery.cancel_scope.cancel()
+
+    want, sha = trio.run(named, honest.upper())
+    assert sha == honest and want.model_hash == blockfiles.complete(src).model_hash
+    want, sha = trio.run(named, want.model_hash)  # the source's model hash: no variant named
+    assert sha is None and want.model_hash == blockfiles.complete(src).model_hash
 
 
 def good_manifest() -> dict:

@@ -89,13 +89,15 @@ async def _from_swarm(home: Path, node_config: NodeConfig, want: Wanted,
         records = await _records(node, want)
         fetcher = Fetcher(manifests.opener(node, records), on_bytes=progress.add)
         try:
+            want, variant_sha = await _variant_named(fetcher, home, records, want)
             model_dir, manifest, sha = await _manifest(home, node, config, want, fetcher, records, progress)
             sources = [r.peer_id for r in records
                        if r.extra.get(MANIFEST_SHA) == sha and r.extra.get(BLOCK_FILES) is True]
             await _files(fetcher, model_dir, manifest, sources)
             where, served, serving = model_dir, manifest, records
             if want.quant != "none":
-                where, served, serving = await _variant(fetcher, model_dir, manifest, records, want.quant, progress)
+                where, served, serving = await _variant(fetcher, model_dir, manifest, records, want.quant, progress,
+                                                        variant_sha)
             span, blocks = _span(want, where, served, serving)
             await _blocks(fetcher, where, served, serving, blocks, want.head, progress)
             progress.finish()
@@ -206,13 +208,37 @@ async def _manifest(home: Path, node: Node, config: NodeConfig, want: Wanted, fe
         return dest, manifest, sha
 
 
+async def _variant_named(fetcher: Fetcher, home: Path, records: list[PeerRecord], want: Wanted
+                         ) -> tuple[Wanted, str | None]:
+    """With --quant, --model-hash may name the variant's manifest (by its SHA-256): then that
+    manifest is the variant's, and the source to trust is the model hash it names. Returns `want`
+    trusting that source, and the variant's hash (None where --model-hash names no variant)."""
+    sha = (want.model_hash or "").strip().lower()
+    named = [r for r in records if want.quant != "none" and r.extra.get("quant") == want.quant
+             and (announced(r, variant=True) or ("",))[0] == sha]
+    if not named:
+        return want, None
+    size = announced(named[0], variant=True)[1]
+    with tempfile.TemporaryDirectory(prefix=".manifests-", dir=_mkdir(models_dir(home))) as tmp:
+        await fetcher.fetch(sha, size, Path(tmp) / MANIFEST, [r.peer_id for r in named],
+                            f"the {want.quant} manifest {sha[:16]}…")
+        try:
+            source = load_manifest(Path(tmp)).source
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ModelError(f"the manifest {sha} (--model-hash) is not a manifest: {str(e)[:200]}") from None
+    if not (isinstance(source, str) and manifests.HEX64.fullmatch(source)):
+        raise ModelError(f"the manifest {sha} (--model-hash) names no source model hash: not a variant's")
+    return replace(want, model_hash=source), sha
+
+
 async def _variant(fetcher: Fetcher, model_dir: Path, source: Manifest, records: list[PeerRecord], scheme: str,
-                   progress: "Progress") -> tuple[Path, Manifest, list[PeerRecord]]:
+                   progress: "Progress", trusted: str | None = None) -> tuple[Path, Manifest, list[PeerRecord]]:
     """The `scheme` variant's manifest, from the peers serving that variant (their records' ext
     `quant`), into the store beside its source (model/variants.py), with the source's files: its
     directory, manifest and the records of its peers. Its hashes cannot be recomputed without the
-    source's weights: its manifest is the one every announcer of the variant agrees on
-    (quantizing is deterministic, so honest peers do), and it must name the trusted source."""
+    source's weights: its manifest is the one `trusted` names (--model-hash, by its SHA-256), else
+    the one every announcer of the variant agrees on (quantizing is deterministic, so honest peers
+    do), and it must name the trusted source."""
     serving = [r for r in records if r.extra.get("quant") == scheme and announced(r, variant=True) is not None]
     groups: dict[tuple[str, int], list[str]] = {}
     for r in serving:
@@ -230,7 +256,7 @@ async def _variant(fetcher: Fetcher, model_dir: Path, source: Manifest, records:
                               Path(tmp) / sha)
             except (FetchError, ModelError) as e:
                 log.warning("variant manifest %s refused: %s", sha, e)
-        sha = manifests.choose(found, groups, None)
+        sha = manifests.choose(found, groups, trusted)
         manifest, where = found[sha]
         if (dest / MANIFEST).is_file() and load_manifest(dest).model_hash != manifest.model_hash:
             raise DiffuseError(f"the store's {dest.name} is another variant than the swarm's "
