@@ -54,8 +54,16 @@ class Elements(HTMLParser):
 
 
 def render(browser: str, url: str, profile: Path, *args: str) -> str:
-    r = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}", *args, url],
-                       capture_output=True, text=True, timeout=120)
+    """The page as headless chromium renders it. A browser that hangs (headless chromium's
+    screenshots sometimes never return on a loaded machine) is killed and tried once more, afresh."""
+    for attempt in (1, 2):
+        try:
+            r = subprocess.run([browser, *FLAGS, f"--user-data-dir={profile}-{attempt}", *args, url],
+                               capture_output=True, text=True, timeout=120)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt == 2:
+                raise
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 

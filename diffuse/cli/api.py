@@ -49,7 +49,8 @@ def cmd_api(args) -> int:
     if args.max_sessions < 1 or args.max_tokens < 1 or args.max_queue < 0:
         raise DiffuseError("--max-sessions and --max-tokens must be at least 1, --max-queue at least 0")
     keys = api_keys(args.api_key, args.api_key_file)
-    args.model = fetched_first(vars(args), data_home(args.home), args.model or [None], lambda: swarm_of(args))
+    if args.from_swarm:  # else the models stay as given (none: the default)
+        args.model = list(fetched_first(vars(args), data_home(args.home), args.model or [None], lambda: swarm_of(args)))
     if not args.no_daemon and serve_api(data_home(args.home), api_request(vars(args), keys),
                                         lambda url: print(f"listening on {url}", flush=True), notice):
         return 0  # the daemon served it while this process held the connection, until a signal
