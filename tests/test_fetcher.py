@@ -287,11 +287,11 @@ def test_a_block_travels_under_its_commitment(tmp_path, smollm2):
         canonical.unlink()
 
 
-def fetched_block(files, block: int | None, part, canonical) -> None:
-    """Write block `block` (None: the head) of `files` into store `part` as a fetch leaves it."""
+def write_canonical(files, block: int | None, path) -> None:
+    """The canonical bytes of block `block` (None: the head) of `files`, as a peer serves them."""
     from diffuse.model import blockfiles
 
-    with open(canonical, "wb") as out:
+    with open(path, "wb") as out:
         for piece in blockfiles.segments(files, block):
             if isinstance(piece, bytes):
                 out.write(piece)
@@ -299,6 +299,13 @@ def fetched_block(files, block: int | None, part, canonical) -> None:
                 with open(piece[0], "rb") as f:
                     f.seek(piece[1])
                     out.write(f.read(piece[2]))
+
+
+def fetched_block(files, block: int | None, part, canonical) -> None:
+    """Write block `block` (None: the head) of `files` into store `part` as a fetch leaves it."""
+    from diffuse.model import blockfiles
+
+    write_canonical(files, block, canonical)
     dest = part / "head.safetensors" if block is None else blockfiles.block_file(part, block)
     blockfiles.to_safetensors(canonical, dest, block)
 

@@ -131,6 +131,7 @@ def fetch_from_peers(original, dest, blocks: list[int], head: bool) -> list[str]
     from diffuse.client.manifests import BLOCK_FILES, MANIFEST_SHA
     from diffuse.control.records import PeerRecord
     from diffuse.model import blockfiles
+    from test_fetcher import write_canonical
 
     swarm = blockfiles.complete(original)  # the source's manifest, as it announces it
     if not (dest / "manifest.json").is_file() or from_swarm._partial_of(load_manifest(dest), swarm, dest):
@@ -147,15 +148,7 @@ def fetch_from_peers(original, dest, blocks: list[int], head: bool) -> list[str]
             if sha in listed:
                 path.write_bytes((original / listed[sha]).read_bytes())
                 return path
-            block = None if sha == swarm.head_hash else swarm.block_hashes.index(sha)
-            with open(path, "wb") as out:
-                for piece in blockfiles.segments(files, block):
-                    if isinstance(piece, bytes):
-                        out.write(piece)
-                    else:
-                        with open(piece[0], "rb") as f:
-                            f.seek(piece[1])
-                            out.write(f.read(piece[2]))
+            write_canonical(files, None if sha == swarm.head_hash else swarm.block_hashes.index(sha), path)
             assert path.stat().st_size == size
             return path
 
