@@ -248,14 +248,8 @@ async def _variant(fetcher: Fetcher, model_dir: Path, source: Manifest, records:
                            f"announced: {manifests.VARIANT_SHA}); serve it unquantized, or pull the whole model")
     dest = variants.variant_dir(model_dir, scheme)
     with tempfile.TemporaryDirectory(prefix=".manifests-", dir=model_dir.parent) as tmp:
-        found: dict[str, tuple[Manifest, Path]] = {}
-        for (sha, size), peers in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:manifests.MAX_MANIFESTS]:
-            try:
-                await fetcher.fetch(sha, size, Path(tmp) / sha / MANIFEST, peers, f"the {scheme} manifest {sha[:16]}…")
-                found[sha] = (manifests.checked(Path(tmp) / sha, source.model_id, source=source, quant=scheme),
-                              Path(tmp) / sha)
-            except (FetchError, ModelError) as e:
-                log.warning("variant manifest %s refused: %s", sha, e)
+        found = await manifests.fetch_manifests(fetcher, groups, Path(tmp), source.model_id, source=source,
+                                                quant=scheme)
         sha = manifests.choose(found, groups, trusted)
         manifest, where = found[sha]
         if (dest / MANIFEST).is_file() and load_manifest(dest).model_hash != manifest.model_hash:

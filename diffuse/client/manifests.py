@@ -177,9 +177,11 @@ async def trusted(node: Node, config: NodeConfig, model_hash: str | None, record
 
 
 async def fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[str]], tmp: Path,
-                          model: str, to_fetch: bool = True) -> dict[str, tuple[Manifest, Path]]:
-    """The announced manifests that could be fetched and read, at most MAX_MANIFESTS of them (the
-    most announced first) within MANIFESTS_TIMEOUT_S; those left out count as unreadable."""
+                          model: str, to_fetch: bool = True, source: Manifest | None = None,
+                          quant: str = "none") -> dict[str, tuple[Manifest, Path]]:
+    """The announced manifests that could be fetched and read (`checked`, as of `source`'s `quant`
+    variant where given), at most MAX_MANIFESTS of them (the most announced first) within
+    MANIFESTS_TIMEOUT_S; those left out count as unreadable."""
     found: dict[str, tuple[Manifest, Path]] = {}
     ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))
     with trio.move_on_after(MANIFESTS_TIMEOUT_S) as late:
@@ -187,7 +189,7 @@ async def fetch_manifests(fetcher: Fetcher, groups: dict[tuple[str, int], list[s
             where = tmp / sha
             try:
                 await fetcher.fetch(sha, size, where / MANIFEST, peers, f"the manifest {sha[:16]}…")
-                found[sha] = (checked(where, model, to_fetch), where)
+                found[sha] = (checked(where, model, to_fetch, source, quant), where)
             except (FetchError, ModelError) as e:
                 log.warning("manifest %s refused: %s", sha, e)
     if late.cancelled_caught or len(ranked) > MAX_MANIFESTS:
