@@ -25,7 +25,8 @@ import trio.testing
 from support.procs import Procs
 from diffuse.control.host import parse_peer_addr
 from diffuse.home import DEFAULT_MODEL, models_dir
-from test_status_page import ARTIFACTS, Elements, chromium, render
+from browser import ARTIFACTS, render
+from test_status_page import REFRESHED, Elements
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LOCAL = "/ip4/127.0.0.1/tcp/0"
@@ -251,12 +252,10 @@ def test_hanging_up_closes_swarm_sessions_and_counters_move(swarm):
 
 
 def test_status_page_shows_the_swarm(swarm, tmp_path):
-    browser = chromium()
-    dom = render(browser, swarm.api + "/", tmp_path / "profile", "--dump-dom")
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "status_page_swarm.png"
     shot.unlink(missing_ok=True)
-    render(browser, swarm.api + "/", tmp_path / "profile2", "--window-size=1400,1000", f"--screenshot={shot}")
+    dom = render(swarm.api + "/", tmp_path / "profile", f"document.body.dataset.ready && {REFRESHED}", shot)
     page = Elements()
     page.feed(dom)
     assert page.ready, "the page never rendered /status.json"
