@@ -23,13 +23,13 @@ import trio
 import trio.testing
 
 from support.procs import Procs
+from support.swarm import LOCAL, QUICK_RECORDS
 from diffuse.control.host import parse_peer_addr
 from diffuse.home import DEFAULT_MODEL, models_dir
 from browser import ARTIFACTS, render
 from test_status_page import REFRESHED, Elements
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-LOCAL = "/ip4/127.0.0.1/tcp/0"
 KEY = "sk-diffuse-swarm-test"
 PARTIAL = "smollm2-partial"
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -67,7 +67,7 @@ class Swarm:
         self.procs = procs
         sentinel = procs.start("sentinel", "--identity", str(tmp / "sentinel.key"), "--listen", LOCAL)
         self.boot = sentinel.readline(timeout=120)
-        common = ["--bootstrap", self.boot, "--listen", LOCAL, "--heartbeat", "2", "--ttl", "30"]
+        common = ["--bootstrap", self.boot, "--listen", LOCAL, *QUICK_RECORDS]
         self.peers = {name: procs.start("join", "--identity", str(tmp / f"{name}.key"), "--blocks", span,
                                         "--metrics", "127.0.0.1:0", *common)
                       for name, span in SPANS.items()}

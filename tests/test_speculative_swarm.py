@@ -93,13 +93,11 @@ def test_speculation_through_swarm_equals_plain_greedy(swarm, home, plain):
         assert got["speculate"] is True and got["exact"] is exact
         if exact:
             assert got["token_ids"] == plain
-        # Candidate trees were sent; in the exact session (every step a tree of sixteen positions)
-        # guesses were accepted too. At the defaults the planner prices trees by measured step
-        # times, so how many pay depends on the machine's load: only their sending is asserted.
+        # Candidate trees were sent. How many guesses they win depends on the draft (a head trained
+        # in the background, or none yet) and, at the defaults, on step times the planner measures
+        # under this machine's load: acceptance is asserted in process above, on a fixed cost.
         tree = got["modes"].get("tree", {"steps": 0, "tokens": 0, "positions": 0})
         assert tree["steps"] > 0 and tree["positions"] > tree["steps"], got["modes"]
-        if exact:
-            assert max(n for n, mode in zip(got["steps"], got["step_modes"]) if mode == "tree") > 1, got
         assert len(got["step_modes"]) == len(got["steps"]) == len(got["positions"])
         assert set(got["step_modes"]) <= {"tree", "plain", "held"}
         assert sum(c["steps"] for c in got["modes"].values()) == len(got["steps"])

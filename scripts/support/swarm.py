@@ -19,7 +19,9 @@ from diffuse.control.modes import PRIVATE
 from .procs import Procs
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
-QUICK_RECORDS = ("--heartbeat", "2", "--ttl", "30")  # records renewed and expired fast: restarts show soon
+# Records renewed and expired fast, so that restarts show soon; a beat of 2 s would cost a swarm of
+# ten idle peers most of a core in signing and verifying records.
+QUICK_RECORDS = ("--heartbeat", "5", "--ttl", "30")
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # a count: greedy decoding never ends it by itself
 PATHS = {"1 hop": {"P": "0:30"}, "2 hops": {"Q0": "0:15", "Q1": "15:30"},
          "3 hops": {"T0": "0:10", "T1": "10:20", "T2": "20:30"}}
