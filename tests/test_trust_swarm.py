@@ -1,4 +1,5 @@
-"""The trust plane in a real swarm: one replica runs `diffuse join --tamper` (testing only). Clients
+"""The trust plane in a real swarm: one replica runs the README's `diffuse join --tamper noise:20
+--tamper-rate 0.5` (testing only: half its requests corrupted). Clients
 (`diffuse --client-only ask`, separate processes) must still get the exact local answer, catch the
 tamperer, publish signed evidence in the DHT, and `diffuse status` must show that evidence."""
 
@@ -52,7 +53,7 @@ def test_tampering_replica_is_caught_routed_around_and_reported(home, tmp_path, 
         # cheat look slower than A and B together, and then no client would ever meet it.
         speed = ["--throughput", "20"]
         swarm = Swarm(procs, tmp_path, {"cheat": "1:30", "A": "1:15", "B": "15:30"},
-                      {"cheat": ["--tamper", "noise:20", *speed], "A": speed, "B": speed})
+                      {"cheat": ["--tamper", "noise:20", "--tamper-rate", "0.5", *speed], "A": speed, "B": speed})
         cheat = swarm.ids["cheat"]
         listed(procs, swarm.boot, set(swarm.ids.values()))
         got = ask(procs, swarm.boot)

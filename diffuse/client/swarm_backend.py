@@ -281,9 +281,11 @@ async def _draft_head(client: SwarmClient, home: Path, say: Callable[[str], None
         return None
 
 
-# The trust plane's forms (docs/trust.md): full and published in a public swarm; fewer checks and
-# nothing published in a private one, whose members are known; none among one's own peers.
-TRUST_FORMS = {"public": {}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False}, "off": None}
+# The trust plane's forms (docs/trust.md): full and published in a public swarm, where a stranger
+# passes two canaries before it carries traffic; fewer checks and nothing published in a private
+# one, whose members are known; none among one's own peers.
+TRUST_FORMS = {"public": {"vet_canaries": 2}, "private": {"spot_rate": 0.02, "canary_rate": 0.05, "publish": False},
+               "off": None}
 
 
 def trust_options(form: str) -> TrustOptions | None:
