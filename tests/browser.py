@@ -87,7 +87,7 @@ def _devtools_url(proc: subprocess.Popen, profile: Path, timeout: float) -> str:
     raise RuntimeError(f"chromium did not open its DevTools port (exit {proc.poll()})")
 
 
-def render(url: str, profile: Path, until: str = "document.body.dataset.ready", screenshot: Path | None = None,
+def render(url: str, profile: Path, until: str, screenshot: Path | None = None,
            size: tuple[int, int] = (1400, 1000), timeout: float = 90) -> str:
     """The page's HTML once the JavaScript expression `until` is true, photographed then if asked.
     A browser that hangs is killed and tried once more with a fresh profile."""

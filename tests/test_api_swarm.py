@@ -255,7 +255,7 @@ def test_status_page_shows_the_swarm(swarm, tmp_path):
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "status_page_swarm.png"
     shot.unlink(missing_ok=True)
-    dom = render(swarm.api + "/", tmp_path / "profile", f"document.body.dataset.ready && {REFRESHED}", shot)
+    dom = render(swarm.api + "/", tmp_path / "profile", REFRESHED, shot)
     page = Elements()
     page.feed(dom)
     assert page.ready, "the page never rendered /status.json"
