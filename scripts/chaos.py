@@ -22,6 +22,8 @@ client (max_retries=0, so that no retry hides a failure) for --duration seconds,
 - sentinel: churn, and the sentinel killed and restarted 4 s later (same identity and port) once,
   twice when the fault window is 2 minutes or more;
 - span-down: both peers of blocks 10:20 down together for 15 s, then restarted, every 35-45 s.
+A fault's random peer is drawn among the serving peers the latest answers were routed through
+(any serving peer when none of those is up), so that faults meet sessions.
 --no-rescue passes --no-rescue to `diffuse api` (it then computes no span in its own process).
 
 The table: requests, failures by HTTP status or exception, answers that differ from their
@@ -137,7 +139,8 @@ def drive(args: argparse.Namespace, swarm: Swarm) -> dict:
     refs = [ask(client(swarm.url, args.request_timeout), i)[0] for i in range(len(PROMPTS))]
     origin = time.monotonic()
     load = Load(swarm.url, args.users, args.request_timeout, refs, origin)
-    injector = Injector(swarm, args.scenario, args.seed, origin, args.duration - args.tail, list(SPANS))
+    injector = Injector(swarm, args.scenario, args.seed, origin, args.duration - args.tail, list(SPANS),
+                        routed=load.routed)
     fault_thread = threading.Thread(target=injector.run, daemon=True)
     load.start()
     fault_thread.start()

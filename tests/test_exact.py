@@ -16,6 +16,7 @@ from diffuse.client.pipeline import LocalModel
 from diffuse.model import kernels
 from diffuse.model.kernels import exact_attention, exact_linear
 from diffuse.model.load import load_head, load_span
+from diffuse.trust.canary import forward_as_sent
 from tiny import FAMILIES, Sync, make_tiny
 
 
@@ -123,3 +124,14 @@ def test_plain_tree_and_replay_give_the_same_bits(tiny, threads, dtype):
             ref = getattr(a.cache, kv)[..., :40, :]
             assert torch.equal(getattr(b.cache, kv)[..., :40, :], ref)
             assert torch.equal(getattr(c.cache, kv)[..., :40, :], ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_canaries_stepped_together_have_the_bits_of_each_alone(tiny, dtype):
+    """An exact client's calibration computes its canaries' honest outputs together where a peer
+    steps each alone: the same bits, every family (what lets it skip a pass per canary)."""
+    span = load_span(tiny, 1, 3, dtype)
+    hidden = torch.randn(6, 10, span.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([forward_as_sent(span, hidden[i:i + 1], False, exact=True) for i in range(6)])
+    assert torch.equal(forward_as_sent(span, hidden, True, exact=True), alone)
+    assert torch.equal(forward_as_sent(span, hidden, False, exact=True), alone)

@@ -80,8 +80,10 @@ def forward_as_sent(span: BlockSpan, hidden: Tensor, alone: bool, exact: bool = 
     has, so single-token steps drift otherwise than a prefill does (on SmolLM2 in bf16, ~5% more
     relative error). `alone`: each sequence's steps computed by themselves (a peer serving one
     session); otherwise all B sequences' steps together (a peer batching sessions). `exact`: on
-    the batch-invariant kernels an exact session's canaries are computed with."""
-    if alone:
+    the batch-invariant kernels an exact session's canaries are computed with; those give every
+    row the bits it has alone, so `alone` computes them together there (a decode step of one row
+    costs a whole padded block of rows)."""
+    if alone and not exact:
         return torch.cat([forward_as_sent(span, hidden[i:i + 1], False, exact) for i in range(hidden.shape[0])])
     b, t, _ = hidden.shape
     first, x, cache = max(1, t - DECODE_TAIL), hidden.to(_dtype(span)), span.new_cache(t, b, exact)

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +233,10 @@ class Load:
         rec.t1 = time.monotonic() - self.origin
         return rec
 
+    def routed(self, answers: int = 6) -> set[str]:
+        """The peer ids the latest `answers` answers were routed through."""
+        return {h["peer"] for r in self.records[-answers:] for h in (r.diffuse or {}).get("route") or ()}
+
     def stop(self, timeout: float) -> None:
         self.halt.set()
         deadline = time.monotonic() + timeout
@@ -246,8 +250,8 @@ class Injector:
     in by `settle` once the process said it serves again)."""
 
     def __init__(self, swarm: Swarm, scenario: str, seed: int, origin: float, until: float, churned: list[str],
-                 gaps: tuple[float, float] | None = None):
-        self.swarm, self.scenario, self.rng = swarm, scenario, random.Random(seed)
+                 gaps: tuple[float, float] | None = None, routed: Callable[[], set[str]] = set):
+        self.swarm, self.scenario, self.rng, self.routed = swarm, scenario, random.Random(seed), routed
         self.origin, self.until, self.churned = origin, until, churned
         self.gaps = gaps or GAPS[scenario]
         self.faults: list[dict] = []
@@ -278,7 +282,8 @@ class Injector:
         serving = [n for n in self.churned if self.swarm.up(n)]
         if not serving:
             return None
-        name = self.rng.choice(serving)
+        routed = {self.swarm.names.get(peer) for peer in self.routed()}
+        name = self.rng.choice([n for n in serving if n in routed] or serving)
         if self.scenario == "cut":
             self.faults.append({"kind": "cut", "targets": [name], "t": self.now(), "sockets": self.swarm.cut(name)})
             self.faults[-1]["back"] = self.faults[-1]["t"]
