@@ -82,9 +82,18 @@ class Swarm:
         self.api_proc = procs.start("api", "--bootstrap", self.boot, "--listen", "127.0.0.1:0",
                                     "--model", DEFAULT_MODEL,
                                     "--model", PARTIAL, "--api-key", KEY, "--max-sessions", "3", "--max-tokens", "32",
-                                    "--wait", "60", "--no-trust",  # the trust plane has its own swarm tests
+                                    "--wait", "5",  # PARTIAL is never covered: it would wait all of it
+                                    "--no-trust",  # the trust plane has its own swarm tests
                                     "--no-speculate")  # answers compared with each other: no near-tie may flip
         self.api = self.api_proc.read_until("listening on", timeout=300)[-1].split()[-1]
+        deadline = time.monotonic() + 120  # the default model's coverage, seen by the API
+        while not self.servable(DEFAULT_MODEL):
+            assert time.monotonic() < deadline, "the API never found the default model covered"
+            time.sleep(0.5)
+
+    def servable(self, model: str) -> bool:
+        listed = httpx.get(f"{self.api}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+        return any(m["id"] == model and m["servable"] for m in listed["data"])
 
 
 @pytest.fixture(scope="module")
