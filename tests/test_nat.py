@@ -387,15 +387,21 @@ def sessions_open(net: Internet, name: str) -> float:
     return float(out.stdout.strip() or 0)
 
 
-def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key_env, internet, reference):
+ROUTERS = {"peerA": "10.97.0.11", "peerB": "10.97.0.13"}  # each peer's home router, as the internet sees it
+
+
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_a_relayed_session_broken_mid_answer_fails_over_to_the_replica(home, tmp_path, key_env, internet, reference,
+                                                                       fault):
     """Two peers serving the same blocks, each behind its own home router, both reached through
-    the sentinel's relay (hole punching off); the one serving the client's session is SIGKILLed
-    mid-generation: the client replays into the other, through the relay too, and the answer is
-    unchanged."""
+    the sentinel's relay (hole punching off); mid-generation, the one serving the client's
+    session is SIGKILLed (kill), or lives on while the relay loses its connection to it (cut: its
+    TCP connections reset at the relay by `ss -K`, every circuit to it ends there): the client
+    replays into the other, through the relay too, and the answer is unchanged."""
     net = internet
     net.public("sentinel", "10.97.0.1")
-    net.home("peerA", "10.97.0.11", 1)
-    net.home("peerB", "10.97.0.13", 3)
+    net.home("peerA", ROUTERS["peerA"], 1)
+    net.home("peerB", ROUTERS["peerB"], 3)
     net.home("client", "10.97.0.12", 2)
     base = ["--home", str(home)]
     children: dict[str, Child] = {}
@@ -425,7 +431,12 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
             while victim is None and client.poll() is None and time.monotonic() < deadline:
                 victim = next((n for n in ("peerA", "peerB") if sessions_open(net, n) > 0), None)
             assert victim is not None, "no peer ever held the client's session"
-            children[victim].p.kill()  # SIGKILL mid-generation
+            if fault == "kill":
+                children[victim].p.kill()  # SIGKILL mid-generation
+            else:
+                cut = subprocess.run(net.prefix("sentinel") + ["ss", "-K", "dst", ROUTERS[victim]],
+                                     capture_output=True, text=True, timeout=30)
+                assert cut.returncode == 0 and ROUTERS[victim] in cut.stdout, cut.stdout + cut.stderr  # sockets gone
             out, err = client.communicate(timeout=300)
         finally:
             if client.poll() is None:
@@ -435,6 +446,8 @@ def test_sigkill_of_a_relayed_peer_fails_over_to_its_replica(home, tmp_path, key
         got = json.loads(out)
         assert got["token_ids"] == reference
         assert got["failovers"] and got["failovers"][0]["peer"] == ids[victim], got["failovers"]
+        if fault == "cut":
+            assert children[victim].p.poll() is None  # the peer lived on: its path broke
         survivor = "peerB" if victim == "peerA" else "peerA"
         assert [(h["peer"], h["reached"]["state"]) for h in got["route"]] == [(ids[survivor], "relayed")]
     finally:

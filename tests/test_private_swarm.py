@@ -3,6 +3,8 @@ unless a test needs one that outlives an edit of the allow-list).
 
 - A private swarm (a sentinel, four peers, a client) answers as the in-process model does; its
   records and `status` say private.
+- A public swarm (a public sentinel, a peer, a client in public mode) answers as well, its
+  client's trust plane vetting the peer with two canaries.
 - A node with no key, a wrong key, or in public mode cannot join it: its `status` and `ask` exit 2
   with an error that says why, within the test's own timeouts (never a hang, never a traceback);
   a private node meeting a public sentinel is told so too.
@@ -33,7 +35,7 @@ from diffuse.control.node import NodeConfig, open_node
 from diffuse.control.records import blocks_key, decode_set
 from diffuse.control.swarm_key import SwarmKey, write_key
 from diffuse.home import DEFAULT_MODEL, models_dir
-from support.swarm import Swarm
+from support.swarm import QUICK_RECORDS, Swarm
 from test_swarm import QUESTION, ask, reference_answer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -98,6 +100,15 @@ def test_private_swarm_answers_and_strangers_fail_fast(home, tmp_path, reference
             assert "this node speaks plain libp2p: it is in public mode, not part of this private swarm" in err, err
         # and the swarm still answers its members.
         assert ask(procs, swarm.boot)["token_ids"] == reference
+
+        # A public swarm answers end to end: a peer joins the public sentinel, and `ask --mode
+        # public` gets the answer with the trust plane in its public form (each peer vetted by two
+        # canaries before it serves).
+        procs.start("join", "--mode", "public", "--identity", str(tmp_path / "public-peer.key"), "--bootstrap", public,
+                    "--listen", LOCAL, "--blocks", "1:30", *QUICK_RECORDS).read_until("serving", timeout=240)
+        got = ask(procs, public, "--mode", "public")
+        assert got["token_ids"] == reference and got["swarm_mode"] == "public" and got["trust"] == "public", got
+        assert got["checks"]["canaries"] >= 2 and got["checks"]["caught"] == 0, got["checks"]
 
 
 def test_only_peers_on_the_allow_list_get_sessions(home, tmp_path):

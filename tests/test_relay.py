@@ -243,3 +243,48 @@ def test_after_a_punch_the_relayed_connection_closes_only_once_no_stream_runs_on
             assert client.relaying.reached(peer.peer_id) == {"state": "hole-punched", "via": relay.peer_id}
 
     trio.run(main)
+
+
+def test_a_relay_holds_a_peer_to_its_circuit_limit_and_keeps_serving(monkeypatch):
+    """RELAY_LIMITS at work: a peer behind NAT takes at most max_circuit_conns (16) circuits on its
+    relay at once. Seventeen clients: sixteen reach it, the seventeenth is refused as over the
+    limit (not as a peer without a slot); the sixteen still reach it, and once one leaves, the
+    seventeenth gets its circuit."""
+    key = SwarmKey.generate()
+    limit = nat.RELAY_LIMITS.max_circuit_conns
+
+    async def through(client, peer, text: bytes) -> bytes:
+        pid = ID.from_base58(peer.peer_id)
+        await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+        stream = await client.host.new_stream(pid, [TProtocol(ECHO)])
+        await stream.write(text)
+        return await stream.read(64)
+
+    async def main() -> dict:
+        seen: dict = {}
+        async with open_node(create_new_key_pair(), NodeConfig(listen=LOOP, swarm_key=key, relay=True)) as relay, \
+                behind_nat(monkeypatch, key, relay.full_addrs()[0]) as peer, AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(open_node(create_new_key_pair(), NodeConfig(
+                listen=LOOP, swarm_key=key, server=False))) for _ in range(limit + 1)]
+            *admitted, last = clients
+            with trio.fail_after(45):
+                seen["first"] = [await through(c, peer, b"%d" % i) for i, c in enumerate(admitted)]
+                try:
+                    seen["refused"] = await through(last, peer, b"one too many")
+                except Exception as e:  # noqa: BLE001 - the refusal, read below
+                    seen["refused"] = str(e)
+                seen["again"] = [await through(c, peer, b"again %d" % i) for i, c in enumerate(admitted)]
+                await admitted[0].host.disconnect(ID.from_base58(peer.peer_id))  # one leaves: its circuit ends
+                while "after" not in seen:
+                    try:
+                        seen["after"] = await through(last, peer, b"after one left")
+                    except Exception:  # noqa: BLE001 - until the relay has seen the circuit end
+                        await trio.sleep(0.2)
+        return seen
+
+    seen = trio.run(main)
+    assert seen["first"] == [b"echo:%d" % i for i in range(limit)]
+    assert "status 201 (RESOURCE_LIMIT_EXCEEDED: the peer's circuits on this relay are all open" \
+        in str(seen["refused"]), seen["refused"]
+    assert seen["again"] == [b"echo:again %d" % i for i in range(limit)]  # the relay still carries them all
+    assert seen["after"] == b"echo:after one left"

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import re
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,6 +68,7 @@ from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS as MAX_ATTEMPTS
 from libp2p.relay.circuit_v2.dcutr import RELAY_CLOSE_GRACE_PERIOD, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.tools.anyio_service import background_trio_service
 
 from diffuse.control.host import connect_at
@@ -122,6 +124,20 @@ class Relay(CircuitV2Protocol):
         super().__init__(*args, **kwargs)
         self._active_relays = _Unbooked()
 
+    async def _handle_connect(self, stream: INetStream, msg) -> None:
+        """A CONNECT to a peer whose circuits here are all open (RELAY_LIMITS.max_circuit_conns)
+        is refused as RESOURCE_LIMIT_EXCEEDED; py-libp2p answers NO_RESERVATION, as if the peer
+        held no slot here, which tells the dialer the wrong thing."""
+        dst = ID(msg.peer.id)
+        slot = self.resource_manager.get_reservation(dst)
+        if slot is not None and not slot.is_expired() and not slot.can_accept_connection():
+            log.info("relay: refused a circuit to %s: its %d circuits here are open", dst, slot.active_connections)
+            await self._send_status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, "the destination's circuits are full")
+            await trio.sleep(0.5)  # as the library does: time for the status to be read before the reset
+            await stream.reset()
+            return
+        await super()._handle_connect(stream, msg)
+
     async def _relay_data(self, src_stream, dst_stream, *args, **kwargs) -> None:
         try:
             await super()._relay_data(src_stream, dst_stream, *args, **kwargs)
@@ -133,6 +149,27 @@ class Relay(CircuitV2Protocol):
                             await stream.reset()
                         except Exception:  # noqa: BLE001 - already closed or reset: nothing to end
                             pass
+
+
+REFUSALS = {  # what a relay's status code means to the dialer
+    StatusCode.RESOURCE_LIMIT_EXCEEDED: "the peer's circuits on this relay are all open, or the relay is at its limits",
+    StatusCode.NO_RESERVATION: "the peer holds no slot on this relay",
+    StatusCode.CONNECTION_FAILED: "the relay could not reach the peer",
+    StatusCode.PERMISSION_DENIED: "the relay refused us",
+}
+
+
+def refusal(e: Exception) -> str:
+    """A failed relayed dial in words: py-libp2p names a relay's refusal by its number alone."""
+    text = str(e)
+    found = re.search(r"status (\d{3})\b", text)
+    try:
+        status = StatusCode(int(found.group(1))) if found else None
+    except ValueError:  # a number the spec does not define
+        status = None
+    if status is None:
+        return text
+    return f"{text} ({status.name}: {REFUSALS[status]})" if status in REFUSALS else f"{text} ({status.name})"
 
 
 def _private(addr: multiaddr.Multiaddr) -> bool:
@@ -353,7 +390,7 @@ class Relaying:
                 try:
                     await self.dial(info.peer_id, addr)
                 except Exception as e:  # noqa: BLE001 - as above: the next relay
-                    errors.append(f"{addr}: {e}")
+                    errors.append(f"{addr}: {refusal(e)}")
                     continue
                 if self.hole_punch:  # DCUtR starts on the new circuit: give it a moment, so the
                     with trio.move_on_after(PUNCH_WAIT_S):  # first streams already go direct

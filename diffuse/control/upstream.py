@@ -69,6 +69,8 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     Adaptation(OVERRIDE, "libp2p.relay.circuit_v2.protocol:CircuitV2Protocol", ("_relay_data",), "nat.Relay",
                "relay-half-closed-circuit",
                ("self", "src_stream", "dst_stream", "peer_id", "deadline", "circuit_data_limit")),
+    Adaptation(OVERRIDE, "libp2p.relay.circuit_v2.protocol:CircuitV2Protocol", ("_handle_connect",), "nat.Relay",
+               "relay-full-says-no-reservation", ("self", "stream", "msg")),
     Adaptation(OVERRIDE, _DCUTR, ("_auto_drive_loop",), "nat.Punch", "dcutr-both-sides-start", ("self",)),
     Adaptation(OVERRIDE, _DCUTR, ("_try_unilateral_upgrade",), "nat.Punch", "dcutr-private-wait",
                ("self", "peer_id")),
@@ -81,6 +83,8 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
     # private members read or set on py-libp2p's objects
     Adaptation(RELIES, "libp2p.relay.circuit_v2.protocol:CircuitV2Protocol", ("_active_relays",), "nat.Relay",
                "relay-book-closes-other-circuits"),
+    Adaptation(RELIES, "libp2p.relay.circuit_v2.protocol:CircuitV2Protocol", ("resource_manager", "_send_status"),
+               "nat.Relay", "relay-full-says-no-reservation"),
     Adaptation(RELIES, _DCUTR, ("_nursery", "_in_progress", "_direct_connections", "_hole_punch_attempts",
                                 "dial_timeout", "_dial_peer", "_verify_direct_connection", "initiate_hole_punch"),
                "nat.Punch", "dcutr-both-sides-start"),
