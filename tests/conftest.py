@@ -9,6 +9,7 @@ test it could not run and why (each reason says how to install what it needs).""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 from pathlib import Path
@@ -70,13 +71,23 @@ def smollm2(home) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gemma_pulled(tmp_path_factory) -> tuple[Path, Path, list[str]]:
-    """A store with gemma-3-270m pulled as `diffuse model pull` does: (home, model dir, what it said)."""
+def gemma_pulled(tmp_path_factory, worker_id) -> tuple[Path, Path, list[str]]:
+    """A store with gemma-3-270m pulled as `diffuse model pull` does: (home, model dir, what it said).
+    Pulled once per run (about 30 s): under xdist the first worker to need it pulls, under a lock,
+    into the run's shared directory, and the others take that store (they only read its model)."""
+    from filelock import FileLock
+
     from diffuse.model import packages, store
 
-    home = tmp_path_factory.mktemp("gemma-home")
-    lines: list[str] = []
-    return home, store.pull(home, packages.GEMMA_3_270M.name, lines.append), lines
+    shared = tmp_path_factory.getbasetemp().parent if worker_id != "master" else tmp_path_factory.mktemp("gemma")
+    home, said = shared / "gemma-home", shared / "gemma-home.json"
+    with FileLock(str(shared / "gemma-home.lock")):
+        if not said.exists():
+            lines: list[str] = []
+            path = store.pull(home, packages.GEMMA_3_270M.name, lines.append)
+            said.write_text(json.dumps({"path": str(path), "lines": lines}))
+        pulled = json.loads(said.read_text())
+    return home, Path(pulled["path"]), pulled["lines"]
 
 
 def pytest_collection_finish(session) -> None:
