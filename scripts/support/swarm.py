@@ -19,9 +19,10 @@ from diffuse.control.modes import PRIVATE
 from .procs import Procs
 
 LOCAL = "/ip4/127.0.0.1/tcp/0"
-# Records renewed and expired fast, so that restarts show soon; a beat of 2 s would cost a swarm of
-# ten idle peers most of a core in signing and verifying records.
-QUICK_RECORDS = ("--heartbeat", "5", "--ttl", "30")
+# Records expired fast, so that a dead peer's record goes soon, and renewed three times in their
+# life, no more: every beat costs each idle peer signatures and DHT stores (scripts/bench_idle.py),
+# and two test swarms share two cores.
+QUICK_RECORDS = ("--heartbeat", "10", "--ttl", "30")
 PROMPT = "1, 2, 3, 4, 5, 6, 7, 8,"  # a count: greedy decoding never ends it by itself
 PATHS = {"1 hop": {"P": "0:30"}, "2 hops": {"Q0": "0:15", "Q1": "15:30"},
          "3 hops": {"T0": "0:10", "T1": "10:20", "T2": "20:30"}}
