@@ -121,6 +121,31 @@ def test_one_remote_peer_gets_its_share_and_idle_reservations_expire(span):
     assert server.sessions == 0 and server.tokens_reserved == 0 and not server.by_peer
 
 
+def test_a_chained_session_waits_longer_for_its_first_step(span):
+    """A chained session's first STEP follows its upstream's prefill (or comes from the client once
+    that is late), so its OPEN is kept past first_step_timeout, up to chained_first_step_timeout;
+    a plain OPEN is closed at first_step_timeout."""
+    server = serve(span, first_step_timeout=0.5, chained_first_step_timeout=30.0)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            plain, chained = Client(nursery, server, "plain"), Client(nursery, server, "chained")
+            await plain.send(Open(plain.sid, MODEL, 0, 4, 64, 1, torch.bfloat16))
+            await chained.send(Open(chained.sid, MODEL, 0, 4, 64, 1, torch.bfloat16, upstream="upstream-peer"))
+            got = [(await c.receive(1))[0] for c in (plain, chained)]
+            closed = (await plain.receive(2, timeout=10))[-1]
+            await trio.sleep(1.0)  # twice the plain timeout
+            await chained.send(Step(chained.sid, 0, 0, [0], torch.randn(1, 1, H, dtype=torch.bfloat16)))
+            stepped = (await chained.receive(2))[-1]
+            nursery.cancel_scope.cancel()
+        return got, closed, stepped
+
+    got, closed, stepped = trio.run(main)
+    assert all(isinstance(m, OpenOk) for m in got), got
+    assert isinstance(closed, ErrorMsg) and closed.code == ErrorCode.TIMEOUT and "without a STEP" in closed.message
+    assert isinstance(stepped, StepOk), stepped
+
+
 def test_frames_are_bounded_by_what_the_session_can_send_before_they_are_buffered(span):
     server = serve(span, max_buffered=2 << 20)
 

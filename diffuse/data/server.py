@@ -6,8 +6,10 @@ that came before it), the stream is closed, and the session's cache is zeroed an
 
 What a session may take is bounded per session, per remote peer and in total, in KV-cache
 tokens (batch rows counted) and in bytes of unfinished frames; a stream that does not OPEN, or
-an OPEN that does not STEP, within `first_step_timeout` is closed, so an idle reservation
-expires fast (and costs nothing meanwhile: cache pages are touched only as tokens arrive).
+an OPEN that does not STEP, within `first_step_timeout` is closed (a chained session's, whose
+first STEP follows its upstream's prefill, within `chained_first_step_timeout`), so an idle
+reservation expires fast (and costs nothing meanwhile: cache pages are touched only as tokens
+arrive).
 Compute is batched (scheduler.py): the steps of sessions that are ready together run as one
 forward through the span, a long prefill in chunks, so a step waits behind one batch at most.
 """
@@ -49,6 +51,9 @@ class ServerLimits:
     peer_share: float = 0.5  # of the sessions and of the KV entries one remote peer may hold
     idle_timeout: float = 300.0  # seconds a session may sit between messages
     first_step_timeout: float = 10.0  # seconds from the stream's start to OPEN, and from OPEN_OK to a STEP
+    # A chained session's first STEP comes after its upstream's prefill, or from the client once
+    # that is late (after its step deadline: 30 s at most by default), so it may wait longer.
+    chained_first_step_timeout: float = 60.0
     max_frame: int = MAX_FRAME  # bytes of one frame, however large a session is
     max_buffered: int = 256 << 20  # bytes of unfinished frames over all streams
     queue_wait: float = 2.0  # seconds an OPEN may wait for room (admission.py), under the client's OPEN deadline
@@ -195,7 +200,8 @@ class _Conn:
         limits = self.server.limits
         while True:
             data = b""
-            wait = limits.idle_timeout if self.stepped else min(limits.first_step_timeout, limits.idle_timeout)
+            first = limits.chained_first_step_timeout if self.upstream is not None else limits.first_step_timeout
+            wait = limits.idle_timeout if self.stepped else min(first, limits.idle_timeout)
             # Idle since the session's last message, from this stream or (chained) its upstream link.
             with trio.move_on_after(max(0.0, wait - (trio.current_time() - self.active))) as idle:
                 self.waiting = idle
