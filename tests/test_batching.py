@@ -47,7 +47,7 @@ def swarm(home, tmp_path_factory):
     with Procs(home) as procs:
         s = Swarm(procs, tmp, {"P": "1:30", "R": "1:30"},
                   join=["--dtype", "fp32", *QUICK_RECORDS, "--metrics", "127.0.0.1:0"], timeout=300)
-        yield s.boot, s.proc, s.ids, {n: _metrics_url(p) for n, p in s.proc.items()}, s
+        yield s, {n: _metrics_url(p) for n, p in s.proc.items()}
 
 
 def batched_steps(metrics: dict[str, str]) -> float:
@@ -109,7 +109,8 @@ async def concurrently(fns) -> list:
 
 
 def test_exact_sessions_give_the_same_bits_batched_and_alone(swarm, home):
-    boot, _, _, metrics, _ = swarm
+    s, metrics = swarm
+    boot = s.boot
     questions = QUESTIONS[:4]
 
     async def body(client, tok):
@@ -131,7 +132,8 @@ def test_exact_sessions_give_the_same_bits_batched_and_alone(swarm, home):
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_concurrent_sessions_give_their_answers_alone_up_to_near_ties(swarm, home, n):
-    boot, _, _, metrics, _ = swarm
+    s, metrics = swarm
+    boot = s.boot
     kinds = ["plain", "spec", "exact"]
     jobs = [(QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS)), kinds[i % 3]) for i in range(n)]
 
@@ -165,7 +167,8 @@ def test_a_batching_peer_sigkilled_with_8_sessions_in_flight_fails_all_over(swar
     Exact sessions keep every bit. Fast (plain) ones give the fault-free batched run's answer, or
     differ first at a token where that run's top two logits were a near-tie (the gap checked):
     the replay computes the history in other batches, which sum in another order."""
-    boot, peers, ids, _, s = swarm
+    s, _ = swarm
+    boot, peers, ids = s.boot, s.proc, s.ids
     questions = QUESTIONS[:8]
 
     async def body(client, tok):
