@@ -222,6 +222,19 @@ def test_tampered_span_is_a_drop_in_and_respects_rate(tmp_path):
     assert torch.equal(C.forward(span.view(1, 3), h), honest)  # the honest weights were not touched
 
 
+def test_a_late_tamperer_spares_requests_that_start_before_its_position(tmp_path):
+    """`after`: a canary (a prefill from 0, then steps short of 16) is served honestly; a step
+    at or past 16 is drawn like any other."""
+    span = load_span(make_tiny(tmp_path / "m"), 0, 2)
+    late = Tamper("noise", 0.0, rate=1.0, after=16).wrap(span)
+    h = torch.randn(1, 20, 64)
+    honest = C.forward(span, h)
+    cache = late.new_cache(20)
+    prefill = late(h[:, :16], torch.arange(16), cache)
+    assert torch.equal(prefill, honest[:, :16])
+    assert not torch.allclose(late(h[:, 16:17], torch.tensor([16]), cache), honest[:, 16:17], atol=1e-3)
+
+
 def test_replay_sends_an_earlier_output():
     t = Tamper("replay", 2)
     outs = [torch.full((1, 2, 4), float(i)) for i in range(4)]
@@ -325,3 +338,16 @@ def test_evidence_encoded_before_decodes_and_re_encodes_identically():
     assert [k for k, _ in got.openings] == [0, 0] and [o.index for _, o in got.openings] == [1, 2]
     assert got.openings_verify()
     assert R.sign(got, create_new_key_pair(bytes(range(32)))).encode() == EVIDENCE_VALUE
+
+
+def test_the_audit_rate_replaces_the_trust_forms_and_is_checked():
+    from diffuse.client.swarm_backend import trust_options
+    from diffuse.errors import DiffuseError
+
+    assert trust_options("public").spot_rate == 0.1 and trust_options("private").spot_rate == 0.02
+    assert trust_options("private", 1.0).spot_rate == 1.0 and not trust_options("private", 1.0).publish
+    with pytest.raises(DiffuseError, match="from 0 to 1, not 1.5"):
+        trust_options("public", 1.5)
+    with pytest.raises(DiffuseError, match="--trust off"):
+        trust_options("off", 0.5)
+    assert trust_options("off") is None

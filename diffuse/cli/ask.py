@@ -44,6 +44,7 @@ def add_swarm_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust", choices=["public", "private", "off"], help="public: canaries, 10%% spot checks, "
                    "evidence published; private: fewer, unpublished; off: none (only your own peers). Default: --mode")
     p.add_argument("--no-trust", dest="trust", action="store_const", const="off", help="same as --trust off")
+    p.add_argument("--audit-rate", type=float, metavar="P", help="share of hop sessions audited (default: --trust's)")
     p.add_argument("--credit", action="store_true", help="ask as your `join` identity, paying peers with receipts "
                    "(standing with them; links your questions to it, docs/credits.md)")
     add_swarm_options(p)

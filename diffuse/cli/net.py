@@ -58,6 +58,7 @@ def register_join(p: argparse.ArgumentParser) -> None:
                    "outputs to exercise the trust plane (trust/tamper.py; an unknown KIND lists the kinds)")
     p.add_argument("--tamper-rate", type=float, default=1.0, metavar="P",
                    help="TESTING ONLY: fraction of requests --tamper corrupts (default 1)")
+    p.add_argument("--tamper-after", type=int, default=0, metavar="N", help="TESTING ONLY: spare steps that start < N")
     p.add_argument("--contribution", default="max", choices=[*LEVELS, AUTO], help="how much of this machine to "
                    "lend: max (all cores, 64 sessions, --cache-tokens), moderate (half), min (1 thread, 8 sessions, "
                    "1/8 of the cache), pause (serve nothing), auto (max while the machine is otherwise idle)")
@@ -181,10 +182,8 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _tamper_arg(text: str) -> tuple[str, float]:
-    """--tamper's value (argparse calls this only when the option is given)."""
+def _tamper_arg(text: str) -> tuple[str, float]:  # argparse calls it only when --tamper is given
     from diffuse.trust.tamper import parse_spec
-
     try:
         return parse_spec(text)
     except ValueError as e:

@@ -59,7 +59,7 @@ def service_config(options: Mapping[str, Any], home: Path, models: tuple[str | N
         swarm_options = SwarmOptions(**given | {
             "local_blocks": parse_local_blocks(options["local_blocks"]), "exact": exact,
             "dtype": parse_dtype(options["dtype"]), "wire_dtype": parse_dtype(options["wire_dtype"]),
-            "trust": trust_options(trust)})
+            "trust": trust_options(trust, options.get("audit_rate"))})
         swarm = SwarmConfig(tuple(boot), access, swarm_options, mdns=mdns, hole_punch=options["hole_punch"],
                             wait=options["wait"], trust=trust, credit=options["credit"])
     return ServiceConfig(home, models, swarm, options["fallback"], fallback_from_store, speculate, exact,

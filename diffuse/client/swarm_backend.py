@@ -36,7 +36,7 @@ from diffuse.control.routing import Hop, NoRoute
 from diffuse.control.modes import SwarmAccess
 from diffuse.control.node import open_node
 from diffuse.control.node_config import NodeConfig
-from diffuse.errors import ModelError
+from diffuse.errors import DiffuseError, ModelError
 from diffuse.metrics import DHT_RECORDS, FAILOVERS, MeteredStream
 from diffuse.model.tokenizer import Tokenizer
 from diffuse.trust import reputation
@@ -288,10 +288,17 @@ TRUST_FORMS = {"public": {"vet_canaries": 2}, "private": {"spot_rate": 0.02, "ca
                "off": None}
 
 
-def trust_options(form: str) -> TrustOptions | None:
-    """The trust plane's settings in the form `form` names (None: no checks)."""
+def trust_options(form: str, audit_rate: float | None = None) -> TrustOptions | None:
+    """The trust plane's settings in the form `form` names (None: no checks), with each hop's
+    sessions audited at `audit_rate` where given instead of the form's rate."""
     settings = TRUST_FORMS[form]
-    return None if settings is None else TrustOptions(**settings)
+    if audit_rate is None:
+        return None if settings is None else TrustOptions(**settings)
+    if settings is None:
+        raise DiffuseError("--audit-rate needs the trust plane: it audits nothing with --trust off")
+    if not 0.0 <= audit_rate <= 1.0:
+        raise DiffuseError(f"--audit-rate is a share of sessions, from 0 to 1, not {audit_rate:g}")
+    return TrustOptions(**settings | {"spot_rate": audit_rate})
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ class ServeConfig:
     client_only: bool = False
     tamper: tuple[str, float] | None = None
     tamper_rate: float = 1.0
+    tamper_after: int = 0
     drain_timeout: float = 30.0
     auto: AutoLimits = field(default_factory=AutoLimits)  # contribution "auto": when to pause and return
 
@@ -77,9 +78,9 @@ def data_plane_hooks(serve: ServeConfig, model_dir: Path, model_id: str, lend: C
         from diffuse.trust.tamper import Tamper  # the test double loads only when asked for
 
         kind, strength = serve.tamper
-        wrap = Tamper(kind, strength, serve.tamper_rate).wrap
-        log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g)",
-                    f"{serve.tamper_rate:.0%}", kind, strength)
+        wrap = Tamper(kind, strength, serve.tamper_rate, after=serve.tamper_after).wrap
+        log.warning("TESTING ONLY: this peer tampers with %s of its outputs (%s, strength %g) past position %d",
+                    f"{serve.tamper_rate:.0%}", kind, strength, serve.tamper_after)
     service = PeerService(model_dir, model_id, parse_dtype(serve.dtype), serve.device, limits, wrap,
                           serve.throughput, serve.quant)
     service.alter_forward = alter

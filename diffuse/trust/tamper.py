@@ -23,7 +23,9 @@ Kinds and what `strength` means for each:
 |           |             | the next peer, its copy to the client left honest (altered_forward) |
 
 `rate` is the fraction of requests tampered with, drawn per request from `seed`, so a run is
-reproducible. The fixed dimensions / blocks / edit directions are drawn from `seed` too: a
+reproducible. With `after` = N, a request that starts below position N is served honestly (a
+session's prefill among them): a cheat that passes every canary shorter than N tokens and tampers
+only with the later steps of real sessions. The fixed dimensions / blocks / edit directions are drawn from `seed` too: a
 real cheat would keep one manipulation, not a fresh one per request.
 """
 
@@ -87,6 +89,7 @@ class Tamper:
     strength: float
     rate: float = 1.0
     seed: int = 0
+    after: int = 0
     _draws: random.Random = field(init=False, repr=False)
     _gen: torch.Generator = field(init=False, repr=False)
     _past: deque = field(init=False, repr=False)
@@ -106,8 +109,10 @@ class Tamper:
     def on_weights(self) -> bool:
         return self.kind in WEIGHT_KINDS
 
-    def hits(self) -> bool:
-        """Draw whether the next request is tampered with."""
+    def hits(self, positions: Tensor | None = None) -> bool:
+        """Draw whether the next request (at `positions`) is tampered with."""
+        if positions is not None and positions.numel() and int(positions.min()) < self.after:
+            return False
         return self._draws.random() < self.rate
 
     def observe(self, out: Tensor) -> Tensor:
@@ -233,7 +238,7 @@ class TamperedSpan:
 
     def __call__(self, h: Tensor, positions: Tensor, cache: KVCache, tree_mask: Tensor | None = None,
                  commit: bool = True) -> Tensor:
-        hit = self.tamper.hits()
+        hit = self.tamper.hits(positions)
         span = self.tampered if hit and self.tampered is not None else self.honest
         out = span(h, positions, cache, tree_mask, commit)
         if hit and not self.tamper.on_weights:
