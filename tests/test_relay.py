@@ -15,6 +15,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2 import RelayLimits
 
 from control_helpers import fake_hashes
 from diffuse.control import nat
@@ -33,6 +34,18 @@ async def echo(stream, remote: str) -> None:
     data = await stream.read(64)
     await stream.write(b"echo:" + data)
     await stream.close()
+
+
+ECHOES = "/diffuse-test/echoes/1"
+
+
+async def echoes(stream, remote: str) -> None:
+    """Echo every read until the stream ends (a circuit's later bytes meet its limits)."""
+    try:
+        while data := await stream.read(1 << 16):
+            await stream.write(data)
+    except Exception:  # noqa: BLE001 - the relay reset the circuit: nothing more to echo
+        pass
 
 
 def test_dial_back_tells_a_listening_address_from_a_closed_one():
@@ -62,7 +75,8 @@ async def behind_nat(monkeypatch, key: SwarmKey, boot: str, **kw) -> AsyncIterat
         with monkeypatch.context() as m:
             m.setattr(nat.Relaying, "check", unreachable)
             config = NodeConfig(listen=LOOP, swarm_key=key, bootstrap=[boot], reach_check=True, **kw)
-            peer = await stack.enter_async_context(open_node(create_new_key_pair(), config, handlers={ECHO: echo}))
+            handlers = {ECHO: echo, ECHOES: echoes}
+            peer = await stack.enter_async_context(open_node(create_new_key_pair(), config, handlers=handlers))
         yield peer
 
 
@@ -288,3 +302,64 @@ def test_a_relay_holds_a_peer_to_its_circuit_limit_and_keeps_serving(monkeypatch
         in str(seen["refused"]), seen["refused"]
     assert seen["again"] == [b"echo:again %d" % i for i in range(limit)]  # the relay still carries them all
     assert seen["after"] == b"echo:after one left"
+
+
+def test_a_relay_holds_slots_circuit_lifetimes_and_bytes_to_its_limits(monkeypatch):
+    """The other RELAY_LIMITS, made small (NodeConfig.relay_limits): a relay with two slots gives a
+    third peer behind NAT none (it stays unreachable, the two keep theirs); a circuit older than
+    `duration` is ended at its next bytes, and one that has carried `data` bytes (both directions,
+    encryption included) is ended too, while a new circuit to the same peer works."""
+    key = SwarmKey.generate()
+    limits = RelayLimits(duration=4, data=64 << 10, max_circuit_conns=16, max_reservations=2, reservation_ttl=120)
+
+    async def stream_to(client, peer):
+        pid = ID.from_base58(peer.peer_id)
+        await client.host.connect(PeerInfo(pid, [parse_multiaddr(a) for a in peer.addrs()]))
+        return await client.host.new_stream(pid, [TProtocol(ECHOES)])
+
+    async def exchange(stream, data: bytes) -> bool:
+        """Whether `data` came back whole over `stream` (False once its circuit is gone)."""
+        try:
+            with trio.fail_after(10):
+                await stream.write(data)
+                got = b""
+                while len(got) < len(data):
+                    chunk = await stream.read(len(data) - len(got))
+                    if not chunk:
+                        return False
+                    got += chunk
+            return got == data
+        except trio.TooSlowError:
+            raise
+        except Exception:  # noqa: BLE001 - reset or closed: the circuit ended
+            return False
+
+    async def main() -> dict:
+        seen: dict = {}
+        relay_config = NodeConfig(listen=LOOP, swarm_key=key, relay=True, relay_limits=limits)
+        async with open_node(create_new_key_pair(), relay_config) as relay, AsyncExitStack() as stack:
+            boot = relay.full_addrs()[0]
+            peers = [await stack.enter_async_context(behind_nat(monkeypatch, key, boot))
+                     for _ in range(3)]
+            seen["states"] = [(p.reach.state, p.reach.relays) for p in peers]
+            client = await stack.enter_async_context(open_node(create_new_key_pair(), NodeConfig(
+                listen=LOOP, swarm_key=key, server=False)))
+            old = await stream_to(client, peers[0])
+            seen["old_at_first"] = await exchange(old, b"early")
+            await trio.sleep(limits.duration + 1)
+            seen["old_after_duration"] = await exchange(old, b"late")
+            big = await stream_to(client, peers[1])
+            sent = 0
+            while sent < 4 * limits.data and await exchange(big, bytes(4096)):
+                sent += 4096
+            seen["sent_before_the_end"] = sent
+            fresh = await stream_to(client, peers[1])
+            seen["fresh"] = await exchange(fresh, b"a new circuit")
+        return seen
+
+    seen = trio.run(main)
+    assert seen["states"][:2] == [(nat.RELAYED, (seen["states"][0][1][0],))] * 2, seen["states"]
+    assert seen["states"][2] == (nat.PRIVATE, ()), seen["states"]  # no slot left for the third
+    assert seen["old_at_first"] and not seen["old_after_duration"]
+    assert 0 < seen["sent_before_the_end"] * 2 < limits.data, seen  # echoed: each byte crosses twice
+    assert seen["fresh"]

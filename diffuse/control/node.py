@@ -49,7 +49,7 @@ from diffuse.control.mdns import LanDiscovery
 from diffuse.control.node_config import NodeConfig
 from diffuse.control.modes import PRIVATE as PRIVATE_SWARM
 from diffuse.control.modes import PUBLIC as PUBLIC_SWARM
-from diffuse.control.nat import PRIVATE, PUBLIC, RELAYED, Reach, Relaying, relay_infos
+from diffuse.control.nat import PRIVATE, PUBLIC, RELAY_LIMITS, RELAYED, Reach, Relaying, relay_infos
 from diffuse.control.reads import SharedReads
 from diffuse.control.records import PeerRecord, SetCodecs, SignedRecord, merge, peer_key, relays_key
 from diffuse.control.windows import WindowSample, read_model, with_estimates
@@ -99,7 +99,8 @@ class Node:
         self.mode = PRIVATE_SWARM if config.swarm_key is not None else PUBLIC_SWARM
         self.allow, self.server = config.allow, config.server
         self.host = make_host(key_pair, self._listen, config.announce_addrs, config.swarm_key)
-        self.relaying = Relaying(self.host, hop=config.relay, hole_punch=config.hole_punch)
+        self.relaying = Relaying(self.host, hop=config.relay, limits=config.relay_limits or RELAY_LIMITS,
+                                 hole_punch=config.hole_punch)
         self.relaying.install()
         self.reach_check = (config.server and not config.announce_addrs) if config.reach_check is None \
             else config.reach_check

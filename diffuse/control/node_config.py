@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2 import RelayLimits
 
 from diffuse.control.allow import AllowList
 from diffuse.control.announce import DEFAULT_HEARTBEAT_S
@@ -23,7 +24,8 @@ class NodeConfig:
     `swarm_key`: a node of that private swarm (None: public). `allow`: only these peers serve.
     `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each one
     found that shares our swarm joins the routing table as a bootstrap peer would. `relay`: serve
-    circuit relay v2 hops (control/nat.py) for peers behind NAT. `reach_check` (default: a DHT
+    circuit relay v2 hops (control/nat.py) for peers behind NAT, within `relay_limits` (None:
+    nat.RELAY_LIMITS). `reach_check` (default: a DHT
     server with bootstrap peers and no `announce_addrs`): ask the bootstrap peers to dial us back;
     unreachable, the node becomes a DHT client, reserves relay slots on them and announces its
     /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed connections to or from peers
@@ -42,6 +44,7 @@ class NodeConfig:
     allow: AllowList | None = None
     mdns: bool = False
     relay: bool = False
+    relay_limits: RelayLimits | None = None
     reach_check: bool | None = None
     hole_punch: bool = False
     upnp: bool = False
