@@ -51,9 +51,10 @@ def test_forty_nodes_find_the_true_coverage_and_a_route_through_window_keys(tmp_
     with Procs(home) as procs:
         boot = procs.start("sentinel", "--identity", str(tmp_path / "s.key"), "--listen", LOCAL).readline(timeout=120)
         joins = {name: procs.start("join", "--identity", str(tmp_path / f"{name}.key"), "--bootstrap", boot,
-                                   "--listen", LOCAL, "--blocks", f"{s}:{e}", "--heartbeat", "5", "--ttl", "60")
+                                   "--listen", LOCAL, "--blocks", f"{s}:{e}", "--heartbeat", "20", "--ttl", "60")
                  for name, (s, e) in JOINS.items()}
-        groups = [procs.start("--bootstrap", boot, "--model-dir", str(model_dir), "--spans",
+        # Records renewed every 20 s (three times a ttl): at 5 s this test took 88 s, at 20 s 62 s.
+        groups = [procs.start("--bootstrap", boot, "--model-dir", str(model_dir), "--heartbeat", "20", "--spans",
                               ",".join(f"{s}:{e}" for s, e in spans[i::4]), program=ANNOUNCERS) for i in range(4)]
         for g in groups:
             assert g.read_until("ready", timeout=300)[-1] == "ready", g.stderr[-20:]
