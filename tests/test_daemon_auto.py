@@ -25,7 +25,7 @@ from support.procs import DIFFUSE, Procs
 from support.swarm import LOCAL, PROMPT, QUICK_RECORDS, Swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(900)]
-TOKENS = 600  # long enough to be running still when the hog has made the peer drain
+TOKENS = 200  # long enough to be running still when the hog has made the peer drain (10 tokens in, here)
 # The peer divides CPU use by the CPUs it may run on: pinned with the hog to one, the hog is 100%.
 PIN = ["taskset", "-c", str(min(os.sched_getaffinity(0)))]
 LIMITS = "cpu=25,memory=100,gpu=100,busy=0.5,idle=3,every=0.25"  # memory and gpu: not this test's business
