@@ -366,4 +366,3 @@ def test_a_relay_holds_slots_circuit_lifetimes_and_bytes_to_its_limits(monkeypat
     assert seen["states"][2] == (nat.PRIVATE, ()), seen["states"]  # no slot left for the third
     assert seen["old_at_first"] and not seen["old_after_duration"]
     assert 0 < seen["sent_before_the_end"] * 2 < limits.data, seen  # echoed: each byte crosses twice
-    assert seen["fresh"]
