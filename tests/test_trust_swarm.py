@@ -96,8 +96,10 @@ def test_tampering_replicas_are_caught_routed_around_and_reported(home, tmp_path
         audited = ask(procs, swarm.boot, "--audit-rate", "1")
         assert audited["token_ids"] == reference, audited  # no tampered step reached the answer
         ((who, during, error),) = [(f["peer"], f["during"], f["error"]) for f in audited["failovers"]]
-        assert who == late and during != "open" and "failed a spotcheck check" in error, audited["failovers"]
+        # "check": caught by the referee behind the generation, the answer rewound to before the bad step
+        assert who == late and during == "check" and "failed a spotcheck check" in error, audited["failovers"]
         assert late not in [h["peer"] for h in audited["route"]]
+        assert audited["checks"]["referee_cpu_s"] > 0  # the referee thread's work, not the answer's
         out = procs.run("status", "--bootstrap", swarm.boot, "--json", timeout=60)
         (model,) = json.loads(out.stdout)["models"]
         assert set(model["evidence"]) == {cheat, late}  # still no honest peer accused

@@ -58,7 +58,7 @@ class _Session(Pipeline):
     (in the background) when the client gives credit."""
 
     def __init__(self, pipeline: Pipeline, model: str, payer: Payer | None = None):
-        super().__init__(pipeline.head, pipeline.stages, pipeline.exact, pipeline.logits)
+        super().__init__(pipeline.head, pipeline.stages, pipeline.exact, pipeline.logits, pipeline.behind)
         self.model, self.payer = model, payer
 
     async def close(self) -> None:
