@@ -25,8 +25,8 @@ class NodeConfig:
     `mdns`: find (and, a DHT server, be found by) nodes on the LAN (control/mdns.py); each one
     found that shares our swarm joins the routing table as a bootstrap peer would. `relay`: serve
     circuit relay v2 hops (control/nat.py) for peers behind NAT, within `relay_limits` (None:
-    nat.RELAY_LIMITS). `reach_check` (default: a DHT
-    server with bootstrap peers and no `announce_addrs`): ask the bootstrap peers to dial us back;
+    nat.RELAY_LIMITS). `reach_check` (default: a DHT server with bootstrap peers and no
+    `announce_addrs`): ask the bootstrap peers to dial us back;
     unreachable, the node becomes a DHT client, reserves relay slots on them and announces its
     /p2p-circuit addresses only. `hole_punch`: run DCUtR, so relayed connections to or from peers
     that run it too turn direct where the NATs allow. `upnp`: with the reach check, first map our

@@ -23,10 +23,10 @@ Kinds and what `strength` means for each:
 |           |             | the next peer, its copy to the client left honest (altered_forward) |
 
 `rate` is the fraction of requests tampered with, drawn per request from `seed`, so a run is
-reproducible. With `after` = N, a request that starts below position N is served honestly (a
-session's prefill among them): a cheat that passes every canary shorter than N tokens and tampers
-only with the later steps of real sessions. The fixed dimensions / blocks / edit directions are drawn from `seed` too: a
-real cheat would keep one manipulation, not a fresh one per request.
+reproducible. The fixed dimensions / blocks / edit directions are drawn from `seed` too: a real
+cheat would keep one manipulation, not a fresh one per request. With `after` = N, a request that
+starts below position N is served honestly (a session's prefill among them): a cheat that passes
+every canary shorter than N tokens and tampers only with the later steps of real sessions.
 """
 
 from __future__ import annotations
