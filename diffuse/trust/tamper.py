@@ -109,9 +109,9 @@ class Tamper:
     def on_weights(self) -> bool:
         return self.kind in WEIGHT_KINDS
 
-    def hits(self, positions: Tensor | None = None) -> bool:
+    def hits(self, positions: Tensor) -> bool:
         """Draw whether the next request (at `positions`) is tampered with."""
-        if positions is not None and positions.numel() and int(positions.min()) < self.after:
+        if positions.numel() and int(positions.min()) < self.after:
             return False
         return self._draws.random() < self.rate
 
