@@ -112,12 +112,10 @@ class Fetcher:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp, fd = _claim(dest.with_name(f".{dest.name}.{sha256[:16]}.part"))
         notes = tmp.with_name(tmp.name + ".json")
-        sent = _resumable(tmp, notes, sha256, size)
-        if not sent:
-            os.ftruncate(fd, 0)
+        sent = _resumable(tmp, notes, sha256, size)  # nothing: every byte is fetched again, over what is there
         job = None  # a failure to get the rest leaves what came, for the next try; a hopeless hash, nothing
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size)  # never to 0 first: ext4 then writes the whole file back as it is closed
             job = _Job(self, fd, sha256, size, what, sent, notes)
             piece = _piece(self.piece, size, len(sources) * self.per_source)
             await job.fill([(o, min(piece, e - o)) for a, e in _gaps(sent, size) for o in range(a, e, piece)], sources)
@@ -267,8 +265,8 @@ class _Fill:
         except Slow as e:  # dropped for this file, its piece's rest to the others
             log.info("%s: %s; dropped for this file", job.what, e)
             self.strikes[peer], job.errors[peer] = STRIKES, f"{e}: too slow, dropped"
-        except (FetchError, Smaller) as e:
-            self.strikes[peer] += 1
+        except (FetchError, Smaller) as e:  # a source's workers fail together when it dies: strikes stop at STRIKES
+            self.strikes[peer] = min(self.strikes[peer] + 1, STRIKES)
             job.errors[peer] = str(e) if isinstance(e, FetchError) else "asked for a smaller range"
             log.warning("%s: %s (strike %d of %d)", job.what, job.errors[peer], self.strikes[peer], STRIKES)
         finally:
