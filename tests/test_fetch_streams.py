@@ -161,12 +161,15 @@ class Simulated:
         return int(self.count)
 
 
-def steer(total, live: list[str], width: int = C.START_WIDTH, started: list | None = None) -> list[str]:
+def steer(total, live: list[str], width: int = C.START_WIDTH, started: list | None = None,
+          busy: float = 0.0) -> list[str]:
+    """The sources at work once the crew settles; `busy`: the share of each window the receiving
+    loop computed."""
     sim = Simulated(total)
     sim.started = started if started is not None else []
 
     async def main():
-        sim.crew = C.Crew(live, width, {}, sim.started.append)
+        sim.crew = C.Crew(live, width, {}, sim.started.append, cpu=lambda: busy * trio.current_time())
         sim.crew.begin()
         sim.at = trio.current_time()
         with trio.fail_after(60):
@@ -176,14 +179,29 @@ def steer(total, live: list[str], width: int = C.START_WIDTH, started: list | No
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def test_where_more_sources_cost_rate_the_crew_settles_on_one():
-    assert steer(lambda k: 300e6 * (1 - 0.15 * (k - 1)), ["a", "b", "c", "d"]) == ["a"]
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_where_more_sources_cost_rate_the_crew_settles_on_one(width):
+    assert steer(lambda k: 300e6 * (1 - 0.15 * (k - 1)), ["a", "b", "c", "d"], width) == ["a"]
 
 
 def test_once_a_source_could_go_none_is_called_up():
     started: list[str] = []
-    assert steer(lambda k: 300e6, ["a", "b", "c", "d"], started=started) == ["a"]
+    assert steer(lambda k: 300e6, ["a", "b", "c", "d"], width=2, started=started) == ["a"]
     assert started == ["a", "b"]  # b let go without loss: the sources do not bound it, c and d never tried
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_busy_receiver_keeps_one_source_and_calls_none_up(width):
+    """The receiving loop busy for most of the first window: the receiver bounds the fetch, so the
+    fastest source is kept alone at once and no trial is spent on a source that could add nothing
+    (even where, as simulated here, sources would add their links); below that, they are taken."""
+    started: list[str] = []
+    assert steer(lambda k: 10e6 * k, ["a", "b", "c", "d"], width, started, busy=1.0) == ["a"]
+    assert started == ["a", "b"][:width]
+    started = []
+    assert sorted(steer(lambda k: 10e6 * k, ["a", "b", "c", "d"], width, started, busy=C.BUSY - 0.1)) == \
+        ["a", "b", "c", "d"]
+    assert set(started) == {"a", "b", "c", "d"}
 
 
 def test_where_each_source_adds_its_link_the_crew_takes_every_one():
