@@ -193,7 +193,7 @@ def start_swarm(home: str, model: list[str], dtype: str, max_sessions: int, serv
     servers.append(start_server([*base, "sentinel", "--identity", f"{ident}/s.key", *listen], ready=""))
     boot = servers[-1][1]
     servers.append(start_server([*base, "join", "--identity", f"{ident}/p.key", "--bootstrap", boot, *listen,
-                                 "--blocks", "0:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30", *model],
+                                 "--blocks", "0:30", "--dtype", dtype, *model],
                                 ready="serving "))
     servers.append(start_server([*base, "api", "--bootstrap", boot, "--listen", "127.0.0.1:0", "--dtype", dtype,
                                  "--no-trust", "--wait", "60", "--max-sessions", str(max_sessions), *model]))

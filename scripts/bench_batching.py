@@ -270,7 +270,7 @@ def pipeline_bench(home, model: str | None, dtype: str, sizes: list[int], tokens
                 ports.append(free_port())
                 servers.append(start_server(["taskset", "-c", str(core), *base, "join", "--identity",
                                              f"{ident}/p{i}.key", "--bootstrap", boot, *LISTEN, *key, "--blocks",
-                                             blocks, "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                                             blocks, "--dtype", dtype,
                                              "--metrics", f"127.0.0.1:{ports[-1]}", *model_arg], ready="serving "))
             got = peer_bench(home, model, dtype, boot, f"{ident}/swarm.key", sizes, tokens, [False],
                              f"http://127.0.0.1:{ports[0]}/metrics")
@@ -294,7 +294,7 @@ def baseline_bench(env: str, value: str, base, ident, boot, key, dtype, model_ar
     os.environ[env] = value
     port = free_port()
     peer = start_server([*base, "join", "--identity", f"{ident}/{env}.key", "--bootstrap", boot, *LISTEN, *key,
-                         "--blocks", "1:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                         "--blocks", "1:30", "--dtype", dtype,
                          "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving ")
     try:
         got = peer_bench(home, args.model, dtype, boot, f"{ident}/swarm.key", sizes, args.tokens, [False],
@@ -348,7 +348,7 @@ def main() -> None:
             servers.append(start_server([*base, "sentinel", "--identity", f"{ident}/s.key", *LISTEN, *key], ready=""))
             boot = servers[-1][1]
             servers.append(start_server([*base, "join", "--identity", f"{ident}/p.key", "--bootstrap", boot, *LISTEN,
-                                         *key, "--blocks", "1:30", "--dtype", dtype, "--heartbeat", "2", "--ttl", "30",
+                                         *key, "--blocks", "1:30", "--dtype", dtype,
                                          "--metrics", f"127.0.0.1:{port}", *model_arg], ready="serving "))
             metrics = f"http://127.0.0.1:{port}/metrics"
             kinds = [False, True] if args.exact else [False]

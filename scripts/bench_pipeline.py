@@ -63,8 +63,8 @@ def start_swarm(procs: Procs, wan: Wan, tmp: Path, dtype: str) -> tuple[str, lis
     for i, (name, (blocks, core)) in enumerate(PEERS.items(), 1):
         env = {TRACE_ENV: str(tmp)} | ({GATHER_ENV: "0"} if name in NO_GATHER else {})
         peers[name] = procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
-                                  *listen(BASE_PORT + i), "--blocks", blocks, "--dtype", dtype, "--heartbeat", "2",
-                                  "--ttl", "30", "--mode", "private", prefix=(*inside, "taskset", "-c", str(core)),
+                                  *listen(BASE_PORT + i), "--blocks", blocks, "--dtype", dtype,
+                                  "--mode", "private", prefix=(*inside, "taskset", "-c", str(core)),
                                   env=env)  # `ip netns exec` and taskset exec: the pid is the peer's
     ids = {name: parse_peer_addr(p.read_until("serving", timeout=600)[0]).peer_id.to_base58()
            for name, p in peers.items()}

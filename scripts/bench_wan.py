@@ -44,7 +44,7 @@ def start_swarm(procs: Procs, wan: Wan, tmp: Path, dtype: str) -> tuple[str, dic
     from diffuse.control.host import parse_peer_addr
 
     inside = wan.prefix("peers")
-    quick = ["--heartbeat", "2", "--ttl", "30", "--mode", "private"]
+    mode = ["--mode", "private"]  # and the default heartbeat: at 2 s ten idle peers took a core
     sentinel = procs.start("sentinel", "--identity", str(tmp / "s.key"), *listen(BASE_PORT), "--mode", "private",
                            prefix=inside)
     line = sentinel.readline(timeout=120)
@@ -54,7 +54,7 @@ def start_swarm(procs: Procs, wan: Wan, tmp: Path, dtype: str) -> tuple[str, dic
     peers = {}
     for i, name in enumerate(names, 1):
         peers[name] = procs.start("join", "--identity", str(tmp / f"{name}.key"), "--bootstrap", boot,
-                                  *listen(BASE_PORT + i), "--blocks", spans[name], "--dtype", dtype, *quick,
+                                  *listen(BASE_PORT + i), "--blocks", spans[name], "--dtype", dtype, *mode,
                                   prefix=inside)
     ids = {}
     for name, proc in peers.items():
