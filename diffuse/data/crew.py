@@ -43,7 +43,7 @@ class Crew:
         order = sorted(live, key=lambda p: -rates.get(p, math.inf))  # stable: the untried first, as given
         n = max(1, min(width, len(order)))
         self.working, self.reserve, self.start, self.cpu = order[:n], order[n:], start, cpu or loop_seconds
-        self.busy = 0.0  # share of the last window the receiving loop computed
+        self.busy = 0.0  # share of the last window the receiving loop was busy
 
     def begin(self) -> None:
         for peer in self.working:
