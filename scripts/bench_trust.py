@@ -6,7 +6,8 @@ plane off, from one run.
 
     .venv/bin/python scripts/bench_trust.py [--tokens 64] [--repeats 12] [--dtype bf16]
 
-A sentinel and two `diffuse join` peers (blocks 1:15 and 15:30) start on 127.0.0.1; the client
+A sentinel and two `diffuse join` peers (blocks 1:15 and 15:30) start on 127.0.0.1 as a public
+swarm (no swarm key: the client's trust settings are all that differ between its clients); the client
 runs in this process with its default local block 0. The clients share the node and alternate
 session by session, so machine noise hits all alike. They are warmed up first (canaries and
 calibration are computed once per span and cached on disk; the referee's weights load once per
@@ -133,12 +134,15 @@ def main() -> int:
     os.environ["DIFFUSE_HOME"] = str(home)
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
-        procs = [Child("sentinel", ["sentinel", "--identity", str(t / "s.key"), "--listen", LOCAL], t / "s.log")]
+        public = ["--mode", "public"]  # no swarm key for the client to hold: the trust plane is what differs
+        procs = [Child("sentinel", ["sentinel", "--identity", str(t / "s.key"), "--listen", LOCAL, *public],
+                       t / "s.log")]
         try:
             boot = procs[0].wait_for("/ip4/", 120)
             for name, span in SPANS.items():
                 procs.append(Child(name, ["join", "--bootstrap", boot, "--blocks", span, "--dtype", args.dtype,
-                                          "--identity", str(t / f"{name}.key"), "--listen", LOCAL], t / f"{name}.log"))
+                                          "--identity", str(t / f"{name}.key"), "--listen", LOCAL, *public],
+                                   t / f"{name}.log"))
             for p in procs[1:]:
                 p.wait_for("serving ", 300)
             return trio.run(bench, args, home, boot)

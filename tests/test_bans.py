@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
+import pytest
 import trio
 
 from diffuse.control.routing import Hop
 from diffuse.data.client import Bans, cause_of
-from diffuse.data.hop import FLOOR_S, HopFailed, deadline
+from diffuse.data.hop import EXACT_COST, FLOOR_S, HopFailed, deadline
 
 
 class Clock:
@@ -76,6 +77,14 @@ def test_a_steps_deadline_grows_with_its_rows_between_a_floor_and_the_cap():
     assert deadline(Hop("A", (), 1, 15), 1, 30.0) == 30.0  # throughput unknown: the cap
     far = Hop("A", (), 1, 15, throughput=50.0, rtt=2.0)
     assert deadline(far, 1, 30.0) > 4.0  # the round trip counts, twice
+
+
+def test_an_exact_steps_rows_get_the_exact_kernels_time():
+    """A peer announces its fast kernels' throughput; the batch-invariant ones take up to ~5x."""
+    hop = Hop("A", (), 1, 15, throughput=50.0, rtt=0.01)
+    assert deadline(hop, 1, 30.0, exact=True) == FLOOR_S  # a decode step: still seconds
+    fast, exact = deadline(hop, 40, 300.0), deadline(hop, 40, 300.0, exact=True)
+    assert exact == pytest.approx(0.02 + (fast - 0.02) * EXACT_COST)  # a prefill's rows: EXACT_COST times
 
 
 def test_failures_are_named_by_cause():

@@ -201,7 +201,8 @@ class RemoteSpan:
                     new.append(session)
                     await session.open()
                     rows = sum(sent.h.shape[0] * sent.h.shape[1] for sent in feed)
-                    outs = await session.replay(feed, timeout=deadline(hop, rows, self.timeout * 4) + 0.05 * len(feed))
+                    outs = await session.replay(feed, timeout=deadline(hop, rows, self.timeout * 4, self.exact)
+                                                 + 0.05 * len(feed))
                     feed = [replace(sent, h=h) for sent, h in zip(feed, outs)]
                 return new
             except BaseException as e:  # cancelled too: sessions opened so far must not outlive it

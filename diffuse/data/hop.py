@@ -37,8 +37,11 @@ REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bo
 # A step's deadline: the round trip twice, plus SLACK times the rows at the peer's announced
 # throughput, never under FLOOR_S (a busy peer batches other sessions' steps before ours) nor over
 # the session's cap (--step-timeout). A frozen peer is noticed in seconds, an honest prefill is not cut.
+# An exact session's rows cost EXACT_COST times as much: the throughput a peer announces is its fast
+# kernels', and the batch-invariant ones measured 0.19x-0.55x of it.
 FLOOR_S = 3.0
 SLACK = 4.0
+EXACT_COST = 5.0
 CHAIN_OPEN_S = LINK_OPEN_S + 0.5  # what a chained OPEN adds to its deadline: the peer links to the next one first
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")  # what a peer may declare it computes in (OPEN_OK)
 
@@ -65,11 +68,11 @@ class HopFailed(DiffuseError):
         self.link = link  # the upstream peer whose forwarded input this hop received, when it is in doubt
 
 
-def deadline(hop: Hop, rows: int, cap: float) -> float:
+def deadline(hop: Hop, rows: int, cap: float, exact: bool = False) -> float:
     """Seconds to wait for `rows` rows through `hop` (see FLOOR_S); `cap` where its throughput is unknown."""
     if hop.throughput <= 0:
         return cap
-    return min(cap, max(FLOOR_S, 2 * hop.rtt + SLACK * rows / hop.throughput))
+    return min(cap, max(FLOOR_S, 2 * hop.rtt + SLACK * rows * (EXACT_COST if exact else 1.0) / hop.throughput))
 
 
 @dataclass
@@ -258,7 +261,7 @@ class HopSession:
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                    timeout: float | None = None) -> Tensor:
         msg = self._message(h, positions, mask, commit)
-        limit = timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout)
+        limit = timeout or deadline(self.hop, h.shape[0] * h.shape[1], self.timeout, self.exact)
         if self.chained:  # the peer writes its output to the next peer before ours goes out
             limit += link_write_s(msg.hidden.numel() * msg.hidden.element_size())
         if self.fed:
