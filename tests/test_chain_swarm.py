@@ -9,6 +9,7 @@ stranger cannot send frames into a session; a peer altering what it forwards is 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 from dataclasses import replace
 
@@ -51,7 +52,9 @@ def swarm(home, tmp_path_factory):
 
 async def answers(boot: str, home, ids: dict[str, str], runs: list[dict]) -> list[dict]:
     """Each run: names (the pinned route), shape, options (SwarmOptions fields), spec (speculate),
-    during(n, remote, node) (after token n); returns tokens, the route report and the spec stats.
+    during(n, remote, node) (after the route's n-th step, the prefill the first: not after a token
+    shown, since an audited hop's checks may hold every token back to the answer's end); returns
+    tokens, the route report and the spec stats.
     Runs in a row with the same options share a client (a fresh one surveys the swarm again)."""
     model_dir = models_dir(home) / DEFAULT_MODEL
     tok = Tokenizer.load(model_dir)
@@ -76,17 +79,29 @@ async def answers(boot: str, home, ids: dict[str, str], runs: list[dict]) -> lis
             state = SpecState(cost=FixedCost(ROUND_TRIP_80MS)) if config else None
             pipe = await client.session(session_length(len(prompt), TOKENS, config))
             remote = remote_of(pipe)
+            if during := run.get("during"):
+                remote.forward = stepping(remote.forward, during, remote, node)
             gen = Generation(pipe, tok, prompt, SamplingParams(max_tokens=TOKENS), speculate=config, state=state)
             n = 0
             async for _ in gen:
                 n += 1
-                if run.get("during"):
-                    await run["during"](n, remote, node)
             report = route_report(pipe, n)
             await pipe.close()
             out.append({"tokens": gen.completion.token_ids, "report": report,
                         "trees": max(state.stats.positions) if state else 0})
     return out
+
+
+def stepping(forward, during, remote, node):
+    """`forward`, calling `during(n, remote, node)` once the route's n-th step is through."""
+    steps = itertools.count(1)
+
+    async def step(*args, **kwargs):
+        out = await forward(*args, **kwargs)
+        await during(next(steps), remote, node)
+        return out
+
+    return step
 
 
 MODES = {"defaults": {}, "speculating": {"spec": True}, "fp32 wire": {"options": {"wire_dtype": torch.float32}},
