@@ -7,8 +7,8 @@ plane off, from one run.
     .venv/bin/python scripts/bench_trust.py [--tokens 64] [--repeats 12] [--dtype bf16]
 
 A sentinel and two `diffuse join` peers (blocks 1:15 and 15:30) start on 127.0.0.1 as a public
-swarm (no swarm key: the client's trust settings are all that differ between its clients); the client
-runs in this process with its default local block 0. The clients share the node and alternate
+swarm (no swarm key: the client's trust settings are all that differ between its clients); the
+client runs in this process with its default local block 0. The clients share the node and alternate
 session by session, so machine noise hits all alike. They are warmed up first (canaries and
 calibration are computed once per span and cached on disk; the referee's weights load once per
 process), since those are one-time costs, reported separately. On this loopback box the

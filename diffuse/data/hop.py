@@ -38,7 +38,7 @@ REPLAY_ROWS = 128  # rows per STEP when an exact session replays its history (bo
 # throughput, never under FLOOR_S (a busy peer batches other sessions' steps before ours) nor over
 # the session's cap (--step-timeout). A frozen peer is noticed in seconds, an honest prefill is not cut.
 # An exact session's rows cost EXACT_COST times as much: the throughput a peer announces is its fast
-# kernels', and the batch-invariant ones measured 0.19x-0.55x of it.
+# kernels', and the batch-invariant ones run at a fraction of it (docs/churn.md).
 FLOOR_S = 3.0
 SLACK = 4.0
 EXACT_COST = 5.0
