@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_speculative.py [--home DIR] [--rtts 0 20 80] [--per-class 3]
         [--tokens 96] [--dtypes bf16 fp32] [--spans 1:30] [--modes spec draft] [--exact] [--repeats 1]
+        [--trust private]
 
 A sentinel and `diffuse join` peers run as processes on 127.0.0.1; each peer listens on a port
 picked here and announces the port of scripts/latency_relay.py in front of it, so every byte the
@@ -13,7 +14,9 @@ with `ask`'s default speculation, in alternating order: `spec` guesses by prompt
 lookahead pool, `draft` adds a draft head the client fetched from the peer (draft_fetch.py, into
 an empty store; the head of `diffuse model draft-head`, trained on requests and text of its own,
 never on these prompts). Every answer is a fresh `ask`: its own speculation state and cost fit.
-The trust plane is off (a private swarm): its canaries and spot checks would be measured too.
+The client's trust plane is `ask`'s in this private swarm (--trust private: its canaries vet each
+peer during the warm-up, and the sessions it audits are checked behind the answer); --trust off
+measures speculation alone.
 Peers take all cores (`diffuse join`'s default) and so does the client (--threads): they compute
 in turn, as on machines of their own, and idle OpenMP threads spin only briefly (GOMP_SPINCOUNT).
 
@@ -52,6 +55,7 @@ from diffuse.client.generate import Generation, session_length  # noqa: E402
 from diffuse.client.sampling import SamplingParams  # noqa: E402
 from diffuse.client.speculative import HELD, PLAIN, TREE, SpecConfig, SpecState  # noqa: E402
 from diffuse.client.swarm import SwarmClient, SwarmOptions  # noqa: E402
+from diffuse.client.swarm_backend import trust_options  # noqa: E402
 from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
@@ -110,7 +114,8 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
             async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
                                                                    swarm_key=swarm.swarm_key)) as node:
                 model_dir = models_dir(home) / DEFAULT_MODEL
-                client = SwarmClient(node, model_dir, SwarmOptions(dtype=parse_dtype(dtype), trust=None))
+                options = SwarmOptions(dtype=parse_dtype(dtype), trust=trust_options(args.trust))
+                client = SwarmClient(node, model_dir, options)
                 while not await client.covered():
                     await trio.sleep(0.25)
                 draft = None
@@ -159,7 +164,8 @@ def report(args, dtype: str, results: dict, mismatches: int, prompts: list, mode
 
     print(f"\nSmolLM2-135M {dtype}, peers {args.spans} behind the relay, client holds block 0, "
           f"{'exact kernels when speculating' if args.exact else 'fast kernels'}, "
-          f"client threads {args.threads}, {args.per_class} prompts/class, up to {args.tokens} tokens, greedy; "
+          f"trust {args.trust}, client threads {args.threads}, {args.per_class} prompts/class, "
+          f"up to {args.tokens} tokens, greedy; "
           f"load {os.getloadavg()}")
     print("fitted fixed time per step: " + ", ".join(f"{m} {fixed[m] * 1e3:.1f} ms" for m in modes))
     print("| RTT ms | class | mode | tokens/step | positions/step | steps tree/plain/held | tok/s plain | tok/s "
@@ -228,6 +234,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home")
+    ap.add_argument("--trust", default="private", choices=["public", "private", "off"],
+                    help="the client's trust plane (default: private, as `ask` in this private swarm)")
     ap.add_argument("--rtts", type=float, nargs="+", default=[0, 20, 80], help="round trips in ms")
     ap.add_argument("--per-class", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=96)

@@ -408,6 +408,54 @@ def test_exact_max_tokens_and_eos_as_an_accepted_guess():
         assert ours == ([2, 3, 4, eos, 1] * 6)[:max_tokens]
 
 
+class CaughtPipe(MarkovPipe):
+    """A Markov 'model' whose candidates from committed length `lie_at` on come back spoilt (the
+    next token's logits reversed) until a check behind the loop catches it: its outputs count as
+    unverified from there, and the next forward (or settle) rewinds to before them, as the trust
+    plane does. `catch=False`: the lie is never caught."""
+
+    def __init__(self, lie_at: int, catch: bool = True, **kw):
+        super().__init__(**kw)
+        self.lie_at, self.catch = lie_at, catch
+        self.caught: int | None = None  # where the rewind went
+        self.suspect: int | None = None  # the length a pending check would rewind to
+
+    async def forward(self, ids, positions=None, tree_mask=None, commit=True, rows=None):
+        self._judge()
+        logits = await super().forward(ids, positions, tree_mask, commit, rows)
+        if self.caught is None and self.length >= self.lie_at and not commit:
+            self.suspect = self.length if self.suspect is None else self.suspect
+            return -logits
+        return logits
+
+    def _judge(self) -> None:
+        if self.suspect is not None and self.catch:
+            from diffuse.errors import Rewind
+            self.tokens, self.pending, self.caught, self.suspect = self.tokens[:self.suspect], [], self.suspect, None
+            raise Rewind(self.caught)
+
+    def unverified_from(self) -> int | None:
+        return self.suspect
+
+    async def settle(self) -> None:
+        self._judge()
+
+
+def test_a_step_caught_behind_the_loop_is_rewound_and_never_shown():
+    """Speculating with checks behind the loop: tokens from a spoilt step stay unshown while its
+    check is pending, and the rewind recomputes them, so the answer is the honest one (which a
+    lie left uncaught would change)."""
+    prompt, params = [1, 2, 3, 1, 2], SamplingParams(max_tokens=24)
+    honest = trio.run(collect, stream_tokens, MarkovPipe(), prompt, params, set())
+    for lie_at in (len(prompt), len(prompt) + 3, len(prompt) + 11):
+        pipe = CaughtPipe(lie_at)
+        assert trio.run(collect, speculative_tokens, pipe, prompt, params, set(), *network()) == honest
+        assert pipe.caught is not None and pipe.caught >= lie_at
+        uncaught = trio.run(collect, speculative_tokens, CaughtPipe(lie_at, catch=False), prompt, params, set(),
+                            *network())
+        assert uncaught != honest
+
+
 class Misjudged(FixedCost):
     """Forecasts speculation over an 80 ms round trip but charges each wide step `wide` seconds
     (plain steps 0.1 s): the forecast is wrong while `wide` is high."""

@@ -15,6 +15,7 @@ from libp2p.peer.id import ID
 from diffuse.client.generate import stream_tokens
 from diffuse.client.pipeline import LocalStage, Pipeline
 from diffuse.client.sampling import Sampler, SamplingParams
+from diffuse.client.speculative import SpecConfig, SpecState, speculative_tokens
 from diffuse.data.client import Bans, RemoteSpan
 from diffuse.data.hop import HopFailed, HopSession
 from diffuse.data.codec import Open, OpenOk, StepOk
@@ -25,6 +26,7 @@ from diffuse.trust.bank import CanaryBank
 from diffuse.trust.checked import SessionChecks
 from diffuse.trust.guard import Guard, TrustOptions
 from diffuse.trust.tamper import Tamper
+from support.speculation import ROUND_TRIP_80MS, FixedCost
 from test_sessions import MODEL, PROMPT, Swarm, greedy, local_answer
 from tiny import make_tiny
 
@@ -49,6 +51,16 @@ def bank(tiny, tmp_path_factory):
 async def streamed(pipe: Pipeline, prompt: list[int], n: int) -> list[int]:
     """Greedy through stream_tokens, which lets spot checks run behind it (deferred) and rewinds."""
     return [t async for t in stream_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set())]
+
+
+async def speculated(pipe: Pipeline, prompt: list[int], n: int) -> list[int]:
+    """Greedy through speculative_tokens, planned as over an 80 ms round trip (candidate trees
+    sent), with its checks behind it too."""
+    state = SpecState(cost=FixedCost(ROUND_TRIP_80MS))
+    out = [t async for t in speculative_tokens(pipe, prompt, Sampler(SamplingParams(max_tokens=n)), set(),
+                                               SpecConfig(), state)]
+    assert max(state.stats.positions) > 1 and max(state.stats.tokens) > 1  # trees sent, guesses kept
+    return out
 
 
 async def guarded_answer(path, bank, spans, tamper, n, options, published, max_len=64, run=greedy):
@@ -166,6 +178,35 @@ def test_deferred_spot_checks_pass_an_honest_swarm(tiny, bank):
                                   published, 64, streamed)
     assert out == expected
     assert guard.counts["spot_checks"] == 2 * 10 and guard.counts["caught"] == 0  # prompt + 9 steps, 2 hops
+    assert not remote.stats.failovers and not published and not guard.referee.pending
+
+
+def test_a_speculating_answer_is_checked_behind_it_and_rewound(tiny, bank):
+    """Speculating, every hop audited: the kept path of each candidate tree is checked behind the
+    generation (never before use), the cheat's spoilt step is caught there with evidence that
+    opens the tree as the cheat committed to it, and the answer is rewound to the honest one."""
+    expected = local_answer(tiny, PROMPT, 16)
+    published = []
+    spans = {CHEAT: (1, 4), HONEST: (1, 3), peer(): (3, 4)}  # the cheat is the one-hop route
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=0, canary_rate=0.0)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, spans,
+                                  {CHEAT: Tamper("noise", 10.0, rate=0.25, seed=3)}, 16, opts, published,
+                                  64, speculated)
+    assert out == expected
+    (ev,) = published
+    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
+    assert not guard.referee.pending and not guard.referee.shadows  # nothing was checked before use
+
+
+def test_an_honest_speculating_swarm_passes_its_checks_behind(tiny, bank):
+    published = []
+    opts = TrustOptions(spot_rate=1.0, vet_canaries=1, canary_rate=0.0)
+    out, remote, guard = trio.run(guarded_answer, tiny, bank, {HONEST: (1, 3), peer(): (3, 4)}, {}, 16, opts,
+                                  published, 64, speculated)
+    assert out == local_answer(tiny, PROMPT, 16)
+    assert guard.counts["spot_checks"] > 2 and guard.counts["caught"] == 0
     assert not remote.stats.failovers and not published and not guard.referee.pending
 
 

@@ -149,7 +149,8 @@ class Pipeline:
     # Checks behind the generation (the trust plane's, on remote steps).
 
     def defer_checks(self) -> None:
-        """The caller handles Rewind (stream_tokens does): plain steps may be checked behind it."""
+        """The caller handles Rewind (stream_tokens and speculative_tokens do): steps may be checked
+        behind it."""
         if self.behind is not None:
             self.behind.defer()
 

@@ -35,6 +35,7 @@ from diffuse.client.draft_head import DraftHead
 from diffuse.client.pipeline import Pipeline
 from diffuse.client.sampling import Sampler
 from diffuse.client.spec_ledger import Ledger
+from diffuse.errors import Rewind
 from diffuse.model.kernels import padded_rows
 from diffuse.model.engine import Head
 
@@ -533,6 +534,15 @@ class Speculator:
                 self.state.draft_hits += first[0] == realised[0]
             self.acceptance.learn(draft, realised)
 
+    def rewind(self, text: Sequence[int]) -> None:
+        """Back to `text` (a check behind the generation failed): the lookup forgets what came
+        after it and drafts waiting to be scored go; the draft head waits for the next step's
+        hidden state. The pool and the window keep what they learnt: guesses, never answers."""
+        self.lookup = PromptLookup(self.cfg.ngram)
+        self.lookup.extend(text)
+        self.waiting.clear()
+        self.z = None
+
     def draft(self, max_depth: int, fit: Cost | None = None, head: bool = True) -> Draft:
         cfg = self.cfg
         draft = Draft(self.text[-1], cfg.max_nodes, max_depth, self.allowed)
@@ -651,6 +661,10 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     """stream_tokens with several tokens per forward: same contract, same output under greedy,
     same distribution under sampling. Per-step numbers go to state.stats.
 
+    Checks run behind the generation here too (the trust plane audits the kept path of each
+    tree): a token is shown once no pending check can take back the step that produced it, and
+    a Rewind recomputes everything after a caught step.
+
     At the end pipeline.length <= len(prompt) + tokens yielded: the cache holds a prefix of
     prompt + output (the last token may not have been fed). Needs kv_headroom(config) slots
     beyond len(prompt) + max_tokens.
@@ -658,42 +672,70 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
     cfg, state = config or SpecConfig(), state or SpecState()
     spec = Speculator(cfg, state, prompt, pipeline.head, pipeline.exact,
                       sampler.allowed if sampler.p.constraint is not None else None)
+    pipeline.defer_checks()
+    tokens = list(prompt)  # then each token taken; the last one (the next step's root) is not in the cache yet
+    shown, done = len(prompt), sampler.p.max_tokens <= 0
+    while True:
+        try:
+            if not done:
+                left = sampler.p.max_tokens - (len(tokens) - len(prompt))  # tokens the answer may still take
+                new = await (_prefill(pipeline, tokens, sampler, spec) if len(tokens) == len(prompt)
+                             else _step(pipeline, sampler, spec, eos_ids, left))
+                ended = len(new) and new[-1] in eos_ids  # an end of turn ends the answer, unshown
+                new = new[:next((k for k, tok in enumerate(new) if tok in eos_ids), len(new))]
+                tokens += new
+                spec.push(new)
+                done = bool(ended) or len(tokens) - len(prompt) >= sampler.p.max_tokens or sampler.stopped
+            if done:
+                await pipeline.settle()
+        except Rewind as r:  # a peer was caught: what followed its bad step is recomputed
+            del tokens[max(r.length + 1, len(prompt)):]
+            sampler.rewind(len(tokens) - len(prompt))
+            spec.rewind(tokens)
+            done = False
+            continue
+        pending = None if done else pipeline.unverified_from()
+        for token in tokens[shown:len(tokens) if pending is None else pending + 1]:
+            yield token
+            shown += 1
+        if done:
+            return
+
+
+async def _prefill(pipeline: Pipeline, tokens: list[int], sampler: Sampler, spec: Speculator) -> list[int]:
+    """The prompt (or what a rewind left of it uncached) in one forward: [the first token]."""
     t0 = time.perf_counter()
-    logits = await pipeline.forward(torch.tensor([prompt]), rows=slice(-1, None))
+    fed = len(tokens) - pipeline.length
+    logits = (await pipeline.forward(torch.tensor([tokens[pipeline.length:]]), rows=slice(-1, None)))[0, -1]
     spec.z = _hidden(pipeline, -1)
-    spec.cost.observe(padded_rows(len(prompt), spec.exact), time.perf_counter() - t0)
-    root = sampler.sample(logits[0, -1], torch.tensor(prompt))
-    sampler.take(logits[0, -1], root)
-    produced = 0
-    while root not in eos_ids:
-        yield root
-        produced += 1
-        started = time.perf_counter()
-        spec.push([root])
-        if produced == sampler.p.max_tokens or sampler.stopped:
-            return
-        depth = min(cfg.max_depth, sampler.p.max_tokens - produced - 1)
-        step = spec.plan(depth, pipeline.company)
-        ids, positions, mask = tree_inputs(step.tokens, step.parents, pipeline.length)
-        if len(step.tokens) == 1:  # a plain step: the causal path plain decoding takes, the same bits
-            mask = None
-        t0 = time.perf_counter()
-        logits = (await pipeline.forward(ids, positions, mask, commit=False))[0]
-        seconds = time.perf_counter() - t0
-        path, root = verify(step.tokens, step.parents, logits, sampler, spec.text, depth)
-        spec.z = _hidden(pipeline, path[-1] if path else 0)
-        guesses = [step.tokens[i] for i in path]
-        cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
-        await pipeline.commit([0] + path[:cut])
-        produced_now = min(len(path), cut + 1) + (cut == len(guesses))  # an eos ends the step
-        spec.learn(step, logits.argmax(-1).tolist(), produced_now, seconds, time.perf_counter() - started)
-        state.stats.add(produced_now, len(step.tokens), seconds, step.mode)
-        for tok in guesses[:cut]:
-            yield tok
-        produced += cut
-        spec.push(guesses[:cut])
-        if cut < len(guesses):
-            return
+    spec.cost.observe(padded_rows(fed, spec.exact), time.perf_counter() - t0)
+    root = sampler.sample(logits, torch.tensor(tokens))
+    sampler.take(logits, root)
+    return [root]
+
+
+async def _step(pipeline: Pipeline, sampler: Sampler, spec: Speculator, eos_ids: set[int], left: int) -> list[int]:
+    """One round trip from the root (the last token, not cached yet), with `left` tokens to go:
+    the tree the planner chose, verified, its kept path committed. The tokens it adds: the
+    accepted guesses and the next root, up to the first end of turn."""
+    started = time.perf_counter()
+    depth = min(spec.cfg.max_depth, left - 1)
+    step = spec.plan(depth, pipeline.company)
+    ids, positions, mask = tree_inputs(step.tokens, step.parents, pipeline.length)
+    if len(step.tokens) == 1:  # a plain step: the causal path plain decoding takes, the same bits
+        mask = None
+    t0 = time.perf_counter()
+    logits = (await pipeline.forward(ids, positions, mask, commit=False))[0]
+    seconds = time.perf_counter() - t0
+    path, root = verify(step.tokens, step.parents, logits, sampler, spec.text, depth)
+    spec.z = _hidden(pipeline, path[-1] if path else 0)
+    guesses = [step.tokens[i] for i in path]
+    cut = next((k for k, tok in enumerate(guesses) if tok in eos_ids), len(guesses))
+    await pipeline.commit([0] + path[:cut])
+    produced = min(len(path), cut + 1) + (cut == len(guesses))  # an eos ends the step
+    spec.learn(step, logits.argmax(-1).tolist(), produced, seconds, time.perf_counter() - started)
+    spec.state.stats.add(produced, len(step.tokens), seconds, step.mode)
+    return guesses[:cut + 1] if cut < len(guesses) else guesses + [root]
 
 
 def _hidden(pipeline: Pipeline, row: int) -> Tensor | None:

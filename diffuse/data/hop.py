@@ -170,7 +170,7 @@ class HopSession:
         self.history: list[Sent] = []  # committed inputs, in order, as sent
         self.committed = 0
         self.pending: Sent | None = None  # last step's candidate inputs
-        self.keep: list[int] = []  # deferred commit, sent with the next STEP
+        self.kept: Sent | None = None  # their deferred commit, sent with the next STEP (then in history)
         self.bytes_sent = 0
         self.compute_s = 0.0
 
@@ -343,8 +343,9 @@ class HopSession:
         if h.dtype != self.dtype:  # a hop's output usually is in the wire dtype: sent on as received
             h = h.to(self.dtype)
         # cache_len counts the kept candidates: the server appends them before it truncates (spec 7.2).
-        msg = Step(self.session_id, self.step_no, self.committed + len(self.keep), positions.tolist(), h,
-                   keep=self.keep, mask=mask, commit=commit, replay=replay)
+        keep = self.kept.keep if self.kept is not None else []
+        msg = Step(self.session_id, self.step_no, self.committed + len(keep), positions.tolist(), h,
+                   keep=keep, mask=mask, commit=commit, replay=replay)
         if self.commitments:
             msg.input_commitment = input_commitment(self.session_id, self.step_no, self.last_input, h,
                                                     msg.positions, msg.cache_len, msg.keep, mask, commit,
@@ -374,9 +375,7 @@ class HopSession:
         """The session's state once `msg` has been answered (or, replaying, is on its way)."""
         self.last_input = msg.input_commitment
         self.step_no += 1
-        if self.keep:
-            self._commit_pending(self.keep)
-        self.keep, self.pending = [], None
+        self._commit_kept()
         if msg.commit:
             self.history.append(Sent(msg.hidden, positions))
             self.committed += msg.hidden.shape[1]
@@ -392,21 +391,21 @@ class HopSession:
             raise HopFailed(self.hop, f"STEP {msg.step}: output commitment missing or not over the bytes sent")
         self.receipt, self.receipt_context = (binding, commitment), (msg.step, msg.input_commitment)
 
-    def _commit_pending(self, keep: Sequence[int]) -> None:
-        self.history.append(replace(self.pending, keep=list(keep)))
-        self.committed += len(keep)
+    def _commit_kept(self) -> None:
+        """The kept candidates into the history, as the very object `inputs()` handed out (the
+        referee follows a session's inputs by identity)."""
+        if self.kept is not None:
+            self.history.append(self.kept)
+            self.committed += self.kept.tokens
+        self.kept, self.pending = None, None
 
     def commit(self, keep: Sequence[int] | None) -> None:
         if self.pending is None:
             return
-        if keep is None:
-            keep = range(self.pending.h.shape[1])
-        self.keep = list(keep)
+        self.kept = replace(self.pending, keep=list(range(self.pending.h.shape[1]) if keep is None else keep))
 
     def rollback(self, length: int) -> None:
-        if self.keep:
-            self._commit_pending(self.keep)
-        self.keep, self.pending = [], None
+        self._commit_kept()
         self.history, self.committed = truncated(self.history, length), length
 
     def inputs(self) -> list[Sent]:
@@ -414,7 +413,7 @@ class HopSession:
         commit). Replaying the same chunks makes the same matmuls, so a replacement peer
         rebuilds a bit-identical KV cache: one batched replay would differ in low-order bits,
         enough to flip a near-tie in bf16, except in an exact session (`rechunked`)."""
-        return self.history + ([replace(self.pending, keep=self.keep)] if self.keep else [])
+        return self.history + ([self.kept] if self.kept is not None else [])
 
     async def close(self) -> None:
         """CLOSE and end the stream, also when the caller is being cancelled (a client that hung

@@ -4,19 +4,22 @@ keeps a session's checks that run behind its generation.
 A remote span hands every new hop session to `SessionChecks.wrap` (the data plane's HopChecks,
 data/checks.py) and steps the wrapper instead, so a step reads the same with or without checks:
 
-- Behind the generation (plain steps, once the pipeline has `defer`red checks because its caller
-  handles Rewind): each hop session is audited with probability `spot_rate`, decided in secret as
-  it is wrapped, and then every step of it is checked. A check needs the referee to recompute the
-  session's whole history anyway, so checking all of it costs what checking one late step would
-  (TOPLOC audits whole sequences for the same reason). The output is used at once; the hop's next
-  step judges the verdicts ready by then (waiting for them once they trail by more than
-  `max_lag` tokens), and `settle` the rest. A failed one condemns the hop: Rewind to before the
-  bad step (the pipeline rolls every stage back; no token after it has been shown, since the
-  generation holds back tokens with checks pending), then Rejected at the hop's next step, so the
-  span replaces it by a replica.
-- Before use (candidate trees, or a caller that cannot rewind): each step with probability
-  `spot_rate`, recomputed while the peer computes it; a failure raises Rejected and the step is
-  redone on a replica. Either way a caught step never reaches the answer.
+- Behind the generation (once the pipeline has `defer`red checks because its caller handles
+  Rewind, as plain and speculative decoding both do): each hop session is audited with
+  probability `spot_rate`, decided in secret as it is wrapped, and then every row it commits is
+  checked: a plain step's as it comes back, a candidate tree's kept path when the commit names it.
+  A check needs the referee to recompute the session's whole history anyway, so checking all of
+  it costs what checking one late step would (TOPLOC audits whole sequences for the same reason).
+  The output is used at once; the hop's next step judges the verdicts ready by then (waiting for
+  them once they trail by more than `max_lag` tokens), and `settle` the rest. A failed one
+  condemns the hop: Rewind to before the bad step (the pipeline rolls every stage back; no token
+  after it has been shown, since the generation holds back tokens with checks pending), then
+  Rejected at the hop's next step, so the span replaces it by a replica. Rows of a tree that are
+  not kept are never checked: no token is drawn from them (client/speculative.py, `verify`), and
+  a peer that spoils them only loses its guesses.
+- Before use (a caller that cannot rewind): each step with probability `spot_rate`, recomputed
+  while the peer computes it; a failure raises Rejected and the step is redone on a replica.
+  Either way a caught step never reaches the answer.
 
 The rule for every check: a hop is judged from what it committed to and from inputs the client
 can obtain, never on the assumption that the client sent its input. Its context is the hop's
@@ -93,7 +96,7 @@ class SessionChecks:
             if check.error is not None:
                 raise ChecksUnavailable(f"the referee failed: {check.error}") from check.error
             evidence = await self.guard.verdict(check.session, check.receipt, check.out, check.reference,
-                                                check.step.positions, check.material)
+                                                check.step.positions, check.material, check.step.keep)
             if evidence is not None:
                 self.hops[check.session.session_id].condemned = Caught(evidence, check.length, behind=True)
                 raise Rewind(check.length)
@@ -109,6 +112,8 @@ class CheckedHop:
         self.audited = self.guard.spot.pick()  # in secret, before it opens: every plain step checked behind
         self.condemned: Caught | None = None  # a check behind the generation failed: replace this hop
         self.replied: float | None = None  # when its last reply came (canaries imitate the pace)
+        # an audited hop's last candidates: (output, receipt, material), checked once a commit keeps some
+        self.candidate: tuple[Tensor, tuple[int, bytes | None], SpanMaterial] | None = None
 
     def __getattr__(self, name: str):  # session_id, peer_dtype, stream, receipt, ...
         return getattr(self.inner, name)
@@ -124,7 +129,13 @@ class CheckedHop:
         return await self.inner.replay(inputs, timeout)
 
     def commit(self, keep: Sequence[int] | None) -> None:
+        """An audited hop's kept candidates are checked behind the generation, as a plain step is."""
         self.inner.commit(keep)
+        if self.candidate is not None:
+            (out, receipt, material), self.candidate = self.candidate, None
+            inputs = self.inner.inputs()  # the kept path last: the tree as sent and the nodes kept
+            self.guard.referee.queue(Check(self.inner, self.inner.committed, inputs[:-1], inputs[-1], out, receipt,
+                                           material))
 
     def inputs(self) -> list[Sent]:
         return self.inner.inputs()
@@ -132,6 +143,7 @@ class CheckedHop:
     def rollback(self, length: int) -> None:
         """Checks of the steps rolled back go too: their outputs are no longer in use."""
         self.inner.rollback(length)
+        self.candidate = None
         self.guard.referee.cancel([c for c in self.checks.pending(self) if c.length >= length])
 
     async def close(self) -> None:
@@ -140,24 +152,32 @@ class CheckedHop:
         self.guard.referee.forget(self.inner)
 
     async def step(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool) -> Tensor:
-        """The step, checked behind the generation if this hop is audited and the step is plain
-        (deferred), else before use with probability spot_rate."""
+        """The step: with checks deferred, checked behind the generation if this hop is audited (a
+        committed step now, candidates once their commit names the kept ones); else before use
+        with probability spot_rate."""
         if self.condemned is not None:
             raise self.condemned
-        behind = self.checks.deferred and commit and mask is None
-        if self.checks.deferred and (mine := self.checks.pending(self)):
+        self.candidate = None
+        if not self.checks.deferred:
+            if not self.guard.spot.pick():
+                return await self._step(h, positions, mask, commit)
+            material = await self.guard.material(self.hop.start, self.hop.end, self.inner.peer_dtype)
+            return await self._checked(h, positions, mask, commit, material)
+        if mine := self.checks.pending(self):
             trailing = int(positions.min()) - min(c.length for c in mine)
             await self.checks.judge(mine, wait=trailing > self.guard.opts.max_lag)
-        if not (self.audited if behind else self.guard.spot.pick()):
+        if not self.audited:
             return await self._step(h, positions, mask, commit)
         material = await self.guard.material(self.hop.start, self.hop.end, self.inner.peer_dtype)
-        if behind:
-            out = await self._step(h, positions, mask, commit)
-            inner = self.inner  # the step is the last of the hop's committed inputs, the rest its context
-            self.guard.referee.queue(Check(inner, inner.committed - inner.history[-1].tokens, inner.history[:-1],
-                                           inner.history[-1], out, inner.receipt_context, material))
+        out = await self._step(h, positions, mask, commit)
+        inner = self.inner
+        if not commit:
+            self.candidate = out, inner.receipt_context, material
             return out
-        return await self._checked(h, positions, mask, commit, material)
+        # the step is the last of the hop's committed inputs, the rest its context
+        self.guard.referee.queue(Check(inner, inner.committed - inner.history[-1].tokens, inner.history[:-1],
+                                       inner.history[-1], out, inner.receipt_context, material))
+        return out
 
     async def _checked(self, h: Tensor, positions: Tensor, mask: Tensor | None, commit: bool,
                        material: SpanMaterial) -> Tensor:

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import trio
@@ -166,15 +166,21 @@ class Guard:
     # ---- verdicts ----
 
     async def verdict(self, session: HopSession, receipt: tuple[int, bytes | None], out: Tensor, ref: Tensor,
-                      positions: Tensor, material: SpanMaterial) -> SignedEvidence | None:
+                      positions: Tensor, material: SpanMaterial,
+                      rows: Sequence[int] | None = None) -> SignedEvidence | None:
         """Compare a peer's output of one step with the referee's, both as sent on the wire; the
         evidence convicting the peer if they disagree. `receipt` (the step's number and the input
-        commitment the peer bound its output to) ties the evidence to what the peer committed."""
+        commitment the peer bound its output to) ties the evidence to what the peer committed.
+        `rows`: the tokens of `out` that `ref` recomputes (a candidate tree's kept path; None:
+        all); the evidence still opens the output as the peer committed to it, whole."""
         self.counts["spot_checks"] += 1
-        verdict = compare(out.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
-                          material.referee_name(session.peer_dtype), positions.tolist())
+        seen, at = (out, positions) if rows is None else (out[:, list(rows)], positions[list(rows)])
+        verdict = compare(seen.float(), ref.to(out.dtype).float(), material.tolerance, session.peer_dtype,
+                          material.referee_name(session.peer_dtype), at.tolist())
         if verdict.ok:
             return None
+        if rows is not None:
+            verdict = replace(verdict, token=(verdict.token[0], rows[verdict.token[1]]))
         step, inputs = receipt
         binding, tree = bind(session.session_id, step, inputs, out, out.dtype)
         hop = session.hop

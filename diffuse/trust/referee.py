@@ -71,7 +71,8 @@ class Shadow:
 
 @dataclass(eq=False)
 class Check:
-    """A check behind the generation of one committed plain step of one hop session."""
+    """A check behind the generation of one committed step of one hop session: a plain chunk, or
+    the kept path of a candidate tree (`step.keep`; `out` is the whole tree as received)."""
 
     session: HopSession
     length: int  # tokens the session held before the step: where a failed check rewinds to
