@@ -61,6 +61,21 @@ def test_roundtrip_is_canonical_and_exact():
     assert decode_set(raw(s1), peer_key(r.peer_id))[0].record == back
 
 
+def test_a_remembered_check_never_passes_other_bytes():
+    """verify remembers pairs that passed (a DHT node re-reads whole sets): the same payload under
+    another signature, or a stale record it remembers, is still refused, and non-bytes are named."""
+    sr = sign(record(ts=time.time() - 100, ttl=30.0), KP_A)
+    assert verify(sr.payload, sr.signature) is verify(sr.payload, sr.signature)
+    flipped = sr.signature[:-1] + bytes([sr.signature[-1] ^ 1])
+    for _ in range(2):
+        with pytest.raises(InvalidRecord, match="bad signature"):
+            verify(sr.payload, flipped)
+    with pytest.raises(InvalidRecord, match="stale"):  # times are checked on every read, never remembered
+        decode_set(raw(sr), blocks_key(MODEL))
+    with pytest.raises(InvalidRecord, match=r"\[payload bytes, 64-byte signature\]"):
+        verify([sr.payload], sr.signature)
+
+
 def test_record_signed_by_another_key_is_rejected():
     payload = cbor2.dumps(record(KP_A).to_payload(), canonical=True)
     forged = cbor2.dumps([[payload, KP_B.private_key.sign(b"diffuse/peer-record/v1\x00" + payload)]])

@@ -14,6 +14,7 @@ byte string, and signatures cannot be malleated into look-alike duplicates).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 import time
@@ -47,6 +48,7 @@ MAX_TTL_S = 3600.0  # a record may not claim to live longer than this past its i
 MAX_PAYLOAD_BYTES = 16 * 1024
 MAX_SET_RECORDS = 64  # per stored value: a node keeps a bounded sample (dht.MergingValueStore)
 MAX_VALUE_BYTES = MAX_SET_RECORDS * (MAX_PAYLOAD_BYTES + 128)  # ~1 MiB, under py-libp2p's 4 MiB messages
+VERIFIED = 4096  # signed records whose check is remembered (verify): a few MiB at most
 MAX_COUNTED = 1 << 15  # owners a node counts per window key (dht.MergingValueStore): past it, it stops counting
 MAX_BLOCKS = 256
 MAX_ADDRS = 16
@@ -178,10 +180,22 @@ def sign(record: PeerRecord, key_pair: KeyPair) -> SignedRecord:
 
 
 def verify(payload: bytes, signature: bytes) -> SignedRecord:
-    """Check a (payload, signature) pair; the signer is the key inside the record's peer id."""
+    """Check a (payload, signature) pair; the signer is the key inside the record's peer id.
+    The same bytes always verify the same way, so the last VERIFIED pairs that passed are
+    remembered: a DHT node decodes a key's whole record set again at every PUT to it, and every
+    read checks each record it is handed."""
+    if type(payload) is bytes and type(signature) is bytes:
+        return _verified(payload, signature)
+    return _verify(payload, signature)  # not bytes: refused, naming why
+
+
+def _verify(payload: bytes, signature: bytes) -> SignedRecord:
     rec = PeerRecord.from_payload(decode_payload(payload, signature, MAX_PAYLOAD_BYTES, InvalidRecord, "a record"))
     check_signature(rec.peer_id, SIG_DOMAIN, payload, signature, InvalidRecord, f"the record of {rec.peer_id}")
     return SignedRecord(rec, payload, signature)
+
+
+_verified = functools.lru_cache(maxsize=VERIFIED)(_verify)
 
 
 def check_time(rec: PeerRecord, now: float | None = None) -> None:
