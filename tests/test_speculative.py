@@ -18,6 +18,7 @@ from diffuse.client.speculative import (
     best_size, copy_source,
     kv_headroom, speculative_tokens, tree_inputs, verify,
 )
+from diffuse.errors import Rewind
 from diffuse.model.load import load_head, load_span
 from support.speculation import ROUND_TRIP_80MS, FixedCost
 from tiny import Sync, make_tiny
@@ -430,7 +431,6 @@ class CaughtPipe(MarkovPipe):
 
     def _judge(self) -> None:
         if self.suspect is not None and self.catch:
-            from diffuse.errors import Rewind
             self.tokens, self.pending, self.caught, self.suspect = self.tokens[:self.suspect], [], self.suspect, None
             raise Rewind(self.caught)
 
