@@ -60,6 +60,7 @@ from diffuse.control.node import NodeConfig, open_node  # noqa: E402
 from diffuse.home import DEFAULT_MODEL, data_home, models_dir  # noqa: E402
 from diffuse.model.load import parse_dtype  # noqa: E402
 from diffuse.model.tokenizer import Tokenizer  # noqa: E402
+from diffuse.trust import reputation  # noqa: E402
 from support.relayed_swarm import LoopbackSwarm  # noqa: E402
 from support.swarm import LOCAL  # noqa: E402
 
@@ -111,8 +112,8 @@ def bench_dtype(args, home: Path, dtype: str, tok: Tokenizer, prompts: list, mod
     with LoopbackSwarm(home, args.spans, dtype) as swarm:
         async def bench() -> None:
             nonlocal mismatches
-            async with open_node(create_new_key_pair(), NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False,
-                                                                   swarm_key=swarm.swarm_key)) as node:
+            config = NodeConfig(listen=[LOCAL], bootstrap=[swarm.boot], server=False, swarm_key=swarm.swarm_key)
+            async with open_node(create_new_key_pair(), config, codecs=reputation.swarm_codecs()) as node:
                 model_dir = models_dir(home) / DEFAULT_MODEL
                 options = SwarmOptions(dtype=parse_dtype(dtype), trust=trust_options(args.trust))
                 client = SwarmClient(node, model_dir, options)

@@ -5,6 +5,7 @@ the route SIGKILLed mid-answer. It is a base model: prompts are plain text."""
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 
@@ -39,16 +40,35 @@ def gemma(gemma_pulled, tmp_path_factory):
     return home, path, gguf, lines
 
 
+def metadata_once(load):
+    """transformers' GGUF reader, remembering what a metadata-only read returned: the tokenizer
+    and the config each read the file's whole metadata (a 262k-token vocabulary, ~15 s here) and
+    the weights' read does again. A copy each time: callers may change what they get."""
+    seen: dict = {}
+
+    def read(path, return_tensors=False, **kw):
+        if return_tensors or kw:
+            return load(path, return_tensors, **kw)
+        if path not in seen:
+            seen[path] = load(path, return_tensors=False)
+        return copy.deepcopy(seen[path])
+
+    return read
+
+
 @pytest.fixture(scope="module")
 def reference(gemma):
     """transformers' own GGUF loading (dequantised by the same `gguf` package): tokenizer and
     greedy continuations of PROMPTS."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     _, _, gguf, _ = gemma
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as mp:  # the file's metadata parsed once, not once per loader
+        mp.setattr(gguf_utils, "load_gguf_checkpoint", metadata_once(gguf_utils.load_gguf_checkpoint))
+        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                                  dtype=torch.float32).eval()
     answers = {}
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt")["input_ids"]

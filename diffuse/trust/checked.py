@@ -109,7 +109,7 @@ class CheckedHop:
     def __init__(self, inner: HopSession, checks: SessionChecks):
         self.inner, self.checks, self.guard = inner, checks, checks.guard
         self.hop = inner.hop
-        self.audited = self.guard.spot.pick()  # in secret, before it opens: every plain step checked behind
+        self.audited = self.guard.spot.pick()  # in secret, before it opens: every committed row checked behind
         self.condemned: Caught | None = None  # a check behind the generation failed: replace this hop
         self.replied: float | None = None  # when its last reply came (canaries imitate the pace)
         # an audited hop's last candidates: (output, receipt, material), checked once a commit keeps some
