@@ -1,8 +1,7 @@
 # The two commands a new user needs: `make run` and `make test` (both set everything up first).
 # `make test`: the chaos run and the admission-order test alone first (on two cores anything beside
 # them would change what they measure), then the rest on two workers, whose last lines name any test
-# it could not run here. The workers take whole modules in conftest's order, the slow ones first
-# (xdist would otherwise reorder them by test count, leaving one-test swarm modules for the end).
+# it could not run here.
 .PHONY: setup run test
 
 setup:
@@ -16,4 +15,4 @@ test: setup
 	.venv/bin/lint-imports
 	.venv/bin/python scripts/check_house.py
 	.venv/bin/python -m pytest -q -m alone
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not alone" --durations=15
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not alone" --durations=15
