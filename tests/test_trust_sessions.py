@@ -149,6 +149,15 @@ def test_spot_checks_catch_a_tamperer_mid_generation(tiny, bank):
     assert HONEST in [h["peer"] for h in remote.route_taken]
 
 
+def caught_behind(published, remote) -> None:
+    """The cheat was caught by a check behind the generation: one spot-check report whose openings
+    verify, and one failover of the cheat after it."""
+    (ev,) = published
+    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
+    (failover,) = remote.stats.failovers
+    assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
+
+
 def test_deferred_spot_checks_rewind_a_caught_step(tiny, bank):
     """In a generation (stream_tokens) spot checks run behind it: the cheat's corrupted step is
     used at once, caught by the referee thread, and the generation rewinds to before it; tokens
@@ -162,10 +171,7 @@ def test_deferred_spot_checks_rewind_a_caught_step(tiny, bank):
                                   {CHEAT: Tamper("noise", 10.0, rate=0.25, seed=3)}, 12, opts, published,
                                   64, streamed)
     assert out == expected
-    (ev,) = published
-    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
-    (failover,) = remote.stats.failovers
-    assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
+    caught_behind(published, remote)
     assert HONEST in [h["peer"] for h in remote.route_taken]
     assert guard.counts["spot_checks"] >= 12 and not guard.referee.pending
 
@@ -193,10 +199,7 @@ def test_a_speculating_answer_is_checked_behind_it_and_rewound(tiny, bank):
                                   {CHEAT: Tamper("noise", 10.0, rate=0.25, seed=3)}, 16, opts, published,
                                   64, speculated)
     assert out == expected
-    (ev,) = published
-    assert ev.evidence.kind == "spotcheck" and ev.evidence.accused == CHEAT and ev.evidence.openings_verify()
-    (failover,) = remote.stats.failovers
-    assert failover["peer"] == CHEAT and failover["during"] == "check" and "Caught" in failover["error"]
+    caught_behind(published, remote)
     assert not guard.referee.pending and not guard.referee.shadows  # nothing was checked before use
 
 

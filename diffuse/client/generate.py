@@ -9,7 +9,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from diffuse.client.pipeline import Pipeline
+from diffuse.client.pipeline import Pipeline, showable
 from diffuse.client.sampling import Logprob, Sampler, SamplingParams
 from diffuse.control.routing import NoRoute
 from diffuse.client.speculative import SpecConfig, SpecState, kv_headroom, speculative_tokens
@@ -86,9 +86,7 @@ async def stream_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sampler,
             sampler.rewind(len(tokens) - len(prompt))
             fed, done = r.length, False
             continue
-        # A token is shown once no pending check can rewind past the step that produced it.
-        pending = None if done else pipeline.unverified_from()
-        for token in tokens[shown:len(tokens) if pending is None else pending + 1]:
+        for token in tokens[shown:showable(pipeline, len(tokens), done)]:
             yield token
             shown += 1
         if done:

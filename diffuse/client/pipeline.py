@@ -169,6 +169,13 @@ class Pipeline:
             raise
 
 
+def showable(pipeline: Pipeline, tokens: int, done: bool) -> int:
+    """How many of a generation's `tokens` (prompt included) may be shown: a token once no pending
+    check can rewind past the step that produced it, every one once the answer is settled."""
+    pending = None if done else pipeline.unverified_from()
+    return tokens if pending is None else min(tokens, pending + 1)
+
+
 class LocalModel:
     """The whole model in one process: the reference every distributed answer must equal. Its
     sessions share batchers, so concurrent ones (the API's users) compute their rows together."""

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from diffuse.client.draft_head import DraftHead
-from diffuse.client.pipeline import Pipeline
+from diffuse.client.pipeline import Pipeline, showable
 from diffuse.client.sampling import Sampler
 from diffuse.client.spec_ledger import Ledger
 from diffuse.errors import Rewind
@@ -694,8 +694,7 @@ async def speculative_tokens(pipeline: Pipeline, prompt: list[int], sampler: Sam
             spec.rewind(tokens)
             done = False
             continue
-        pending = None if done else pipeline.unverified_from()
-        for token in tokens[shown:len(tokens) if pending is None else pending + 1]:
+        for token in tokens[shown:showable(pipeline, len(tokens), done)]:
             yield token
             shown += 1
         if done:
