@@ -18,6 +18,7 @@ import pytest
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "scripts")]
 os.environ["DIFFUSE_TRAIN_DRAFT"] = "0"  # no peer or API a test starts trains a draft head behind it
+os.environ["DIFFUSE_TEST_ZYGOTE"] = "1"  # `Procs` children fork from a process that has imported torch
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -21,11 +21,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from diffuse.control.modes import KEY_ENV
 from diffuse.control.swarm_key import SwarmKey, read_key, write_key
+from support.zygote import Forked, forkable, zygote
 
 # The CLI entry point exactly as the `diffuse` console script runs it.
 DIFFUSE = [sys.executable, "-c", "from diffuse.cli import run; run()"]
@@ -44,8 +46,11 @@ class Proc:
     def __init__(self, args: list[str], env: dict[str, str], prefix: Sequence[str] = (),
                  program: Sequence[str] = DIFFUSE) -> None:
         self.args = args
-        self.p = subprocess.Popen([*prefix, *program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env=env)
+        if not prefix and program is DIFFUSE and forkable(env):
+            self.p: subprocess.Popen | Forked = zygote().spawn(args, env)
+        else:
+            self.p = subprocess.Popen([*prefix, *program, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(self.p.stdout, self.lines.put), daemon=True).start()
@@ -124,7 +129,18 @@ class Procs:
         return proc
 
     def run(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-        return subprocess.run(DIFFUSE + list(args), capture_output=True, text=True, env=self.env, timeout=timeout)
+        """`diffuse ARGS` to its end, as `subprocess.run(..., capture_output=True, text=True)`."""
+        if not forkable(self.env):
+            return subprocess.run(DIFFUSE + list(args), capture_output=True, text=True, env=self.env, timeout=timeout)
+        child = zygote().spawn(args, self.env)
+        with ThreadPoolExecutor(2) as pool:
+            out, err = pool.submit(child.stdout.read), pool.submit(child.stderr.read)
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                raise
+            return subprocess.CompletedProcess(DIFFUSE + list(args), code, out.result(), err.result())
 
     def __enter__(self) -> "Procs":
         return self
