@@ -70,9 +70,12 @@ def _reap(request: dict, fds: list[int]) -> list[str]:
         return request["args"]
     for fd in (stdin, stdout, stderr):
         os.close(fd)
-    os.write(status, f"{pid}\n".encode())
-    _, code = os.waitpid(pid, 0)
-    os.write(status, f"{os.waitstatus_to_exitcode(code)}\n".encode())
+    try:
+        os.write(status, f"{pid}\n".encode())
+        _, code = os.waitpid(pid, 0)
+        os.write(status, f"{os.waitstatus_to_exitcode(code)}\n".encode())
+    except OSError:
+        pass  # the caller has gone: nobody to tell
     os._exit(0)
 
 
