@@ -1,6 +1,7 @@
 """`diffuse` children for tests and scripts alike: the command line as this interpreter runs it,
 free loopback ports, processes whose stdout lines arrive without blocking (Proc) under an owner
 that kills them all on exit (Procs), and servers started and waited for until they say they serve.
+Under the tests, Procs' children are forks of a zygote that has imported torch (zygote.py).
 
 The swarms `Procs` starts are private, as the CLI's default: every child finds one swarm key,
 made once per process, in $DIFFUSE_SWARM_KEY, and in-process nodes joining them take
