@@ -36,8 +36,8 @@ MAX_REQUEST = 1 << 20
 ZYGOTE_ENV = "DIFFUSE_TEST_ZYGOTE"
 
 
-def serve(control: socket.socket) -> list[str]:
-    """The zygote's loop: fork a reaper per request. Returns only in a child, with its arguments."""
+def serve(control: socket.socket) -> None:
+    """The zygote's loop: fork a reaper per request. Returns only in a child, set up to run the CLI."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the reapers are reaped by the kernel
     while True:
         try:
@@ -48,13 +48,15 @@ def serve(control: socket.socket) -> list[str]:
             os._exit(0)  # the caller has gone
         if os.fork() == 0:
             control.close()
-            return _reap(json.loads(msg), fds)
+            _reap(json.loads(msg), fds)
+            return
         for fd in fds:
             os.close(fd)
 
 
-def _reap(request: dict, fds: list[int]) -> list[str]:
-    """In the reaper: fork the child, report its pid and then its exit status."""
+def _reap(request: dict, fds: list[int]) -> None:
+    """In the reaper: fork the child, report its pid and then its exit status. Returns only in the
+    child, with its streams, directory, environment and argv those of the request."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     stdin, stdout, stderr, status = fds
     pid = os.fork()
@@ -67,7 +69,7 @@ def _reap(request: dict, fds: list[int]) -> list[str]:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["-c", *request["args"]]
-        return request["args"]
+        return
     for fd in (stdin, stdout, stderr):
         os.close(fd)
     try:
